@@ -1,0 +1,1 @@
+"""Benchmarks: qflash next to its peers, timed on the GPU."""

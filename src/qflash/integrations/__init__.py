@@ -1,0 +1,1 @@
+"""Adapters for other libraries (Hugging Face, ...)."""

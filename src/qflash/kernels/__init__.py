@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers. Importing this module imports triton."""

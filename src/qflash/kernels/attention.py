@@ -1,0 +1,376 @@
+"""FlashAttention forward in Triton: the kernel and its launcher.
+
+One program owns BLOCK_M query rows of one (batch, head). Its Q tile stays on chip
+while K/V tiles of BLOCK_N keys stream past. For each tile it keeps the online
+softmax state (running max ``m``, running sum ``l``, unnormalized ``acc``) and
+divides once at the end, so the (seqlen_q x seqlen_k) score matrix never exists
+in device memory.
+
+Scores live in the log2 domain: ``log2(e)`` is folded into the scale so the kernel
+calls ``exp2``, which maps to one hardware instruction.
+
+Masking (causal, sliding window, sequence end) is only paid for where it can bite:
+the key range of a program is split into
+
+    [lo, full_lo)        left edge of the window: masked
+    [full_lo, full_hi)   every key visible to every row: no mask at all
+    [full_hi, hi)        diagonal / right window edge / sequence end: masked
+
+and blocks outside [lo, hi) are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.testing import new_output
+
+RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
+
+# Bias kinds (constexpr BIAS_KIND): what the optional bias/mask tensor means.
+BIAS_NONE, BIAS_BOOL, BIAS_ADD = 0, 1, 2
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); exp2 overflowing to inf gives exactly 1.
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * RCP_LN2)) + 1.0)
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc, m_i, l_i, q,
+    k_ptrs, v_ptrs, bias_ptrs,
+    stride_ks, stride_vs, stride_bn,
+    start_n, rows, offs_n, offs_d,
+    seqlen_q, seqlen_k, shift, window_left, window_right,
+    qk_scale, softcap_log2, slope_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One K/V tile of the online softmax: returns the updated (acc, m_i, l_i)."""
+    cols = start_n + offs_n  # [BLOCK_N]
+    d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
+    # K is read transposed, [BLOCK_D, BLOCK_N], so that q @ k needs no extra shuffle.
+    if MASKED:
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=(cols[None, :] < seqlen_k) & d_ok[:, None], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=d_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_ks)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+
+    # Scores in the log2 domain.
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(qk * qk_scale)
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
+    if BIAS_KIND != 0:
+        b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+        bias = tl.load(bias_ptrs + start_n * stride_bn, mask=b_ok, other=0)
+        if BIAS_KIND == 1:
+            s = tl.where(bias != 0, s, float("-inf"))
+        else:
+            s += bias.to(tl.float32) * RCP_LN2
+    if MASKED:
+        keep = cols[None, :] < seqlen_k
+        if HAS_RIGHT:
+            keep &= cols[None, :] <= rows[:, None] + shift + window_right
+        if HAS_LEFT:
+            keep &= cols[None, :] >= rows[:, None] + shift - window_left
+        s = tl.where(keep, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    if MASKED or BIAS_KIND != 0:
+        # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
+        # so exp2(-inf - (-inf)) = NaN never appears.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(s - m_new_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]: rescales what we already hold
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+
+    if MASKED:
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs + start_n * stride_vs)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Bias, Slopes,
+    cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_sb, stride_sh,
+    seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
+    qk_scale, softcap_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # ---- which (batch, head, row block) this program owns -------------------------------
+    pid = tl.program_id(0)
+    num_bh = tl.num_programs(0) // num_m_blocks
+    if HEAVY_FIRST:
+        # Causal-like masks make late row blocks the most expensive: launch them first,
+        # across every head, so the last wave is made of cheap blocks.
+        m_block = num_m_blocks - 1 - pid // num_bh
+        bh = pid % num_bh
+    else:
+        # Row blocks of one head side by side: they share its K/V through L2.
+        m_block = pid % num_m_blocks
+        bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    h_kv = h // kv_group
+
+    if IS_VARLEN:  # packed rows: sequence b is rows cu_seqlens[b] : cu_seqlens[b + 1]
+        q_start = tl.load(cu_seqlens_q + b)
+        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + b)
+        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qs
+        k_off = k_start.to(tl.int64) * stride_ks
+        v_off = k_start.to(tl.int64) * stride_vs
+    else:
+        q_start = 0
+        q_off = 0
+        k_off = 0
+        v_off = 0
+    m0 = m_block * BLOCK_M
+    if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
+        return
+    shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+
+    # ---- pointers (int64: batch*seqlen*heads*headdim may pass 2^31) ----------------------
+    b64 = b.to(tl.int64)
+    rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_off
+    k_base = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + k_off
+    v_base = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + v_off
+    q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
+    k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    if BIAS_KIND != 0:
+        bias_ptrs = (Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
+                     + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn)  # [BLOCK_M, BLOCK_N]
+    else:
+        bias_ptrs = Bias
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * RCP_LN2
+    else:
+        slope_log2 = 0.0
+
+    # ---- the range of key blocks this row block can see ---------------------------------
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the partial last block needs the bound mask
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + shift - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_row + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(last_row + shift + window_right + 1, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    # ---- the Q tile stays resident -------------------------------------------------------
+    q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
+        acc, m_i, l_i = _attn_fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, slope_log2,
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, m_i, l_i = _attn_fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, slope_log2,
+            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
+        acc, m_i, l_i = _attn_fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, slope_log2,
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+
+    # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    row_ok = rows < seqlen_q
+    o_ptrs = (Out + b64 * stride_ob + h.to(tl.int64) * stride_oh
+              + (q_start + rows[:, None]).to(tl.int64) * stride_os + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows).to(tl.int64) * stride_ls
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnFwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttnFwdConfig:
+    """Tile shapes: tuned on the H200 for CUDA, small and fast to interpret on CPU."""
+    if device.type != "cuda":
+        return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    block_d = _block_d(head_dim)
+    if dtype == torch.float32:
+        return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if block_d <= 64:
+        return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16 and a power of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    config: Optional[AttnFwdConfig] = None,
+):
+    """Launch the forward kernel. Inputs are already validated by the public op.
+
+    Dense: q (B, Sq, H, D), k/v (B, Sk, Hkv, D), any strides with unit last stride.
+    Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
+    ``bias`` is a bool (True = attend) or float additive tensor already expanded to
+    (B, H, Sq, Sk) (zero strides are fine). ``window_right = 0`` is causal.
+    ``out`` may be a preallocated tensor of q's shape (e.g. a transposed view).
+    Returns (out, lse): lse float32 (B, H, Sq), or (H, total_q) for varlen.
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        total_q, num_heads, head_dim = q.shape
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = max_seqlen_q, 0  # per sequence, read in the kernel
+        sq = (0, q.stride(0), q.stride(1))
+        sk = (0, k.stride(0), k.stride(1))
+        sv = (0, v.stride(0), v.stride(1))
+    else:
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k = k.shape[1]
+        sq = (q.stride(0), q.stride(1), q.stride(2))
+        sk = (k.stride(0), k.stride(1), k.stride(2))
+        sv = (v.stride(0), v.stride(1), v.stride(2))
+    heads_kv = k.shape[-2]
+    cfg = config or default_config(head_dim, q.dtype, q.device)
+
+    if out is None:
+        out = new_output(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        lse = new_output((num_heads, total_q), dtype=torch.float32, device=q.device)
+        sl = (0, lse.stride(0), lse.stride(1))
+        so = (0, out.stride(0), out.stride(1))
+    else:
+        lse = new_output((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        sl = (lse.stride(0), lse.stride(1), lse.stride(2))
+        so = (out.stride(0), out.stride(1), out.stride(2))
+
+    has_softcap = softcap > 0
+    qk_scale = softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value
+    bias_kind = BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD)
+    sb = (0, 0, 0, 0) if bias is None else tuple(bias.stride())
+    if alibi_slopes is None:
+        ss = (0, 0)
+    else:
+        ss = (alibi_slopes.stride(0), alibi_slopes.stride(1)) if alibi_slopes.dim() == 2 else (0, alibi_slopes.stride(0))
+    dummy = q  # stands in for absent optional pointers; never dereferenced
+
+    num_m_blocks = triton.cdiv(max(seqlen_q, 1), cfg.block_m)
+    grid = (num_m_blocks * batch * num_heads,)
+    if grid[0] == 0:
+        return out, lse
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        bias if bias is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        cu_seqlens_q if varlen else dummy,
+        cu_seqlens_k if varlen else dummy,
+        *sq, *sk, *sv, *so, *sl, *sb, *ss,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        num_heads=num_heads,
+        kv_group=num_heads // heads_kv,
+        num_m_blocks=num_m_blocks,
+        qk_scale=qk_scale,
+        softcap_log2=softcap * RCP_LN2.value,
+        window_left=window_left,
+        window_right=window_right,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_SOFTCAP=has_softcap,
+        HAS_ALIBI=alibi_slopes is not None,
+        BIAS_KIND=bias_kind,
+        IS_VARLEN=varlen,
+        HEAVY_FIRST=window_right >= 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,454 @@
+"""Public attention ops: flash-attn 2's functions and ``F.scaled_dot_product_attention``.
+
+Every entry point validates its arguments, normalizes them to one form and calls
+the custom op ``qflash::attention_forward``, which wraps the Triton launcher. The
+custom op (with a fake implementation for shapes) is what lets
+``torch.compile(fullgraph=True)`` and CUDA graphs take these functions whole.
+
+Two causal alignments exist and both are supported::
+
+    flash_attn_func(causal=True): bottom-right      sdpa(is_causal=True): top-left
+    query i sees keys j <= i + Sk - Sq               query i sees keys j <= i
+
+    Sq = 2, Sk = 4:                                  Sq = 2, Sk = 4:
+         k0 k1 k2 k3                                      k0 k1 k2 k3
+    q0    x  x  x  .                                 q0    x  .  .  .
+    q1    x  x  x  x                                 q1    x  x  .  .
+
+Only the forward pass exists so far: calling these with inputs that require grad
+while autograd is recording raises NotImplementedError instead of returning a
+result whose backward would be wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "sdpa",
+    "set_debug",
+]
+
+MAX_HEADDIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DEBUG = [os.environ.get("QFLASH_DEBUG", "") not in ("", "0")]
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Also validate tensor *contents* (cu_seqlens), at the cost of a host sync per call."""
+    _DEBUG[0] = bool(enabled)
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom op: the only place that calls the launcher.
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("qflash::attention_forward", mutates_args=())
+def _attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    from qflash.kernels.attention import attention_forward
+
+    return attention_forward(
+        q, k, v,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+    )
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation shared by every entry point.
+# ----------------------------------------------------------------------------------------------
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _check_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: int, what: str) -> None:
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")
+    q = tensors[0]
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{names[0]} must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {names[0]} has {q.dtype}: they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but {names[0]} is on {q.device}: they must match")
+    if q.device.type != "cuda" and not _interpreter_on():
+        raise RuntimeError(
+            f"qflash kernels run on CUDA tensors; {names[0]} is on {q.device}. On a CPU-only machine, "
+            "set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter."
+        )
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # The kernel reads rows of headdim contiguous elements; any other stride is fine.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_heads(heads: int, heads_kv: int, headdim: int, headdim_k: int, headdim_v: int) -> None:
+    if heads_kv == 0 or heads % heads_kv != 0:
+        raise ValueError(f"number of query heads ({heads}) must be a multiple of key/value heads ({heads_kv})")
+    if headdim_k != headdim or headdim_v != headdim:
+        raise ValueError(f"q, k and v must share the head dimension, got {headdim}, {headdim_k}, {headdim_v}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"head dimension must be between 1 and {MAX_HEADDIM}, got {headdim}")
+
+
+def _window(window_size, causal: bool) -> Tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    for side, w in (("left", left), ("right", right)):
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= 0, or -1 for unbounded; got {w}")
+    if causal:
+        right = 0
+    return left, right
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    return scale
+
+
+def _check_dropout(dropout_p) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: dropout is not implemented yet in qflash (it comes with the backward pass); use 0.0"
+        )
+
+
+def _check_no_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "qflash attention has no backward pass yet: inputs require grad. "
+            "Call it under torch.no_grad() / torch.inference_mode(), or detach the inputs."
+        )
+
+
+def _check_softcap(softcap) -> float:
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    return softcap
+
+
+def _check_alibi(alibi_slopes, batch: int, heads: int, device) -> Optional[torch.Tensor]:
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError("alibi_slopes must be a tensor of shape (heads,) or (batch, heads)")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {tuple(alibi_slopes.shape)}"
+        )
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {device}")
+    if not alibi_slopes.dtype.is_floating_point:
+        raise TypeError(f"alibi_slopes must be floating point, got {alibi_slopes.dtype}")
+    return alibi_slopes.to(torch.float32)
+
+
+def _finish(out, lse, return_attn_probs: bool):
+    if return_attn_probs:
+        # flash-attn returns (out, softmax_lse, S_dmask); qflash never materializes the
+        # probabilities, so the third item is None.
+        return out, lse, None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn 2 API, dense (batch, seqlen, heads, headdim).
+# ----------------------------------------------------------------------------------------------
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Exact attention, a drop-in for ``flash_attn.flash_attn_func``.
+
+    Args:
+        q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
+        k, v: (batch, seqlen_k, heads_kv, headdim); heads % heads_kv == 0 (MQA / GQA).
+            Any strides with a unit last stride; nothing is copied.
+        dropout_p: must be 0.0 for now.
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        causal: mask aligned bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
+        window_size: (left, right); query i sees keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
+        softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
+        alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
+        deterministic: accepted for compatibility; the forward pass is always deterministic.
+        return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
+
+    Returns:
+        out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse, None)`` with
+        ``softmax_lse`` (batch, heads, seqlen_q) float32, natural log. Rows that see no
+        key give out = 0 and lse = +inf.
+    """
+    _check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, heads, headdim)")
+    _check_dropout(dropout_p)
+    _check_no_grad(q, k, v)
+    batch, seqlen_q, heads, headdim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
+    _check_heads(heads, k.shape[2], headdim, k.shape[3], v.shape[3])
+    left, right = _window(window_size, causal)
+    out, lse = torch.ops.qflash.attention_forward(
+        _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
+        _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
+        _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q,
+    )
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with kv packed as (batch, seqlen_k, 2, heads_kv, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_kv, headdim), got {_shape(kv)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with qkv packed as (batch, seqlen, 3, heads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, headdim), got {_shape(qkv)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn 2 API, packed variable-length sequences (total, heads, headdim).
+# ----------------------------------------------------------------------------------------------
+def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: int, device) -> int:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (as flash-attn), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {batch + 1}: they must match")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, expected {device}")
+    if _DEBUG[0]:  # contents: a host sync, so only on request
+        c = cu.cpu().long()
+        if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {c.tolist()}")
+    return cu.numel() - 1
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention over packed sequences, a drop-in for ``flash_attn.flash_attn_varlen_func``.
+
+    Args:
+        q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative sequence starts
+            beginning at 0: sequence b is rows ``cu_seqlens[b] : cu_seqlens[b + 1]``.
+        max_seqlen_q: the longest query sequence (sizes the launch grid; a smaller
+            value than the truth leaves rows unwritten: ``set_debug(True)`` checks).
+        max_seqlen_k: accepted for compatibility.
+        Other arguments as in ``flash_attn_func``, applied per sequence (causal is
+        bottom-right within each sequence; alibi_slopes may be (batch, heads)).
+
+    Returns:
+        out (total_q, heads, headdim), or ``(out, softmax_lse, None)`` with lse of shape
+        (heads, total_q), float32.
+    """
+    _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
+    _check_dropout(dropout_p)
+    _check_no_grad(q, k, v)
+    total_q, heads, headdim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads(heads, k.shape[1], headdim, k.shape[2], v.shape[2])
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
+    max_seqlen_q = int(max_seqlen_q)
+    if max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    if _DEBUG[0]:
+        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if longest > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q={max_seqlen_q} but the longest query sequence has {longest} rows")
+    left, right = _window(window_size, causal)
+    out, lse = torch.ops.qflash.attention_forward(
+        _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
+        _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
+        _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    )
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with kv packed as (total_k, 2, heads_kv, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, heads_kv, headdim), got {_shape(kv)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` with qkv packed as (total, 3, heads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, heads, headdim), got {_shape(qkv)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch API: (batch, heads, seqlen, headdim), top-left causal, masks.
+# ----------------------------------------------------------------------------------------------
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the same semantics, on qflash's kernel.
+
+    Args:
+        query: (batch, heads, seqlen_q, headdim) or (heads, seqlen_q, headdim).
+        key, value: (batch, heads_kv, seqlen_k, headdim), same leading dims.
+        attn_mask: boolean (True = take part in attention) or additive float of
+            query's dtype, broadcastable to (batch, heads, seqlen_q, seqlen_k).
+        is_causal: top-left causal mask (query i sees keys j <= i); exclusive with attn_mask.
+        scale: defaults to 1 / sqrt(headdim).
+        enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
+
+    Returns:
+        (batch, heads, seqlen_q, headdim) in query's dtype. One difference from PyTorch:
+        a row whose keys are all masked gives 0 instead of NaN.
+    """
+    squeeze = False
+    if isinstance(query, torch.Tensor) and query.dim() == 3:
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dim() == value.dim() == 3):
+            raise ValueError("key and value must be 3-D when query is 3-D")
+        query, key, value, squeeze = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), True
+    _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
+    _check_dropout(dropout_p)
+    _check_no_grad(query, key, value, attn_mask)
+    batch, heads, seqlen_q, headdim = query.shape
+    heads_kv, seqlen_k = key.shape[1], key.shape[2]
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[0] != batch:
+        raise ValueError(f"key has batch {key.shape[0]} but query has batch {batch}")
+    if heads_kv != heads and not enable_gqa:
+        raise ValueError(f"query has {heads} heads but key/value have {heads_kv}: pass enable_gqa=True for GQA")
+    _check_heads(heads, heads_kv, headdim, key.shape[3], value.shape[3])
+    if is_causal and attn_mask is not None:
+        raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
+    bias = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            raise TypeError(f"attn_mask must be bool or {query.dtype} (query's dtype), got {attn_mask.dtype}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
+        try:
+            bias = attn_mask.expand(batch, heads, seqlen_q, seqlen_k)  # a view: zero strides, no copy
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"(batch, heads, seqlen_q, seqlen_k) = {(batch, heads, seqlen_q, seqlen_k)}"
+            ) from None
+    q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
+    out, _ = torch.ops.qflash.attention_forward(
+        q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
+    )
+    out = out.transpose(1, 2)
+    return out.squeeze(0) if squeeze else out

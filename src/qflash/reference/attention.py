@@ -1,0 +1,321 @@
+"""Pure-PyTorch attention: the definition of a correct answer.
+
+Nothing here imports triton. Every function runs on CPU or GPU in any floating
+dtype, float64 included, and takes the same arguments as the public op it
+checks, so a test can call both with one set of keyword arguments.
+
+Layout is flash-attn's: ``(batch, seqlen, heads, headdim)``. Query row ``i``
+sees key ``j`` when
+
+    i + (seqlen_k - seqlen_q) - window_left  <=  j  <=  i + (seqlen_k - seqlen_q) + window_right
+
+with a negative window side meaning "unbounded" and ``causal=True`` meaning
+``window_right = 0``. The ``seqlen_k - seqlen_q`` shift aligns the causal mask
+to the bottom-right corner, as flash-attn >= 2.1 does::
+
+    seqlen_q = 2, seqlen_k = 5, causal        seqlen_q = 5, seqlen_k = 2, causal
+        k: 0 1 2 3 4                              k: 0 1
+    q0     x x x x .                          q0     . .    <- no visible key: output 0
+    q1     x x x x x                          q1     . .
+                                              q2     . .
+                                              q3     x .
+                                              q4     x x
+
+Rows with no visible key give output 0 (not NaN) and log-sum-exp ``+inf``, the
+flash-attn convention that makes ``exp(score - lse)`` vanish in a backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "attention_ref",
+    "attention_varlen_ref",
+    "sdpa_ref",
+    "visible_mask",
+    "alibi_bias",
+    "online_softmax_attention",
+]
+
+
+def visible_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    bottom_right: bool = True,
+    device=None,
+) -> Optional[torch.Tensor]:
+    """Boolean (seqlen_q, seqlen_k) matrix, True where query i may attend to key j.
+
+    Returns None when every key is visible (no causal flag, no window).
+    """
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    shift = seqlen_k - seqlen_q if bottom_right else 0
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= i + shift + right
+    if left >= 0:
+        visible &= j >= i + shift - left
+    return visible
+
+
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, dtype=torch.float32) -> torch.Tensor:
+    """ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|``, flash-attn's definition.
+
+    ``slopes`` is (heads,) or (batch, heads); the result broadcasts against scores of
+    shape (batch, heads, seqlen_q, seqlen_k).
+    """
+    device = slopes.device
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    distance = (i + seqlen_k - seqlen_q - j).abs().to(dtype)  # [Sq, Sk]
+    slopes = slopes.to(dtype)
+    if slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0)  # [1, H]
+    return -slopes[:, :, None, None] * distance  # [B or 1, H, Sq, Sk]
+
+
+def _repeat_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """(B, S, Hkv, D) -> (B, S, Hq, D): query head h reads key/value head h // (Hq / Hkv)."""
+    heads_kv = x.shape[2]
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
+    return x.repeat_interleave(heads_q // heads_kv, dim=2)
+
+
+def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor):
+    """softmax(scores) @ v and logsumexp(scores) over the last axis, safe for all -inf rows.
+
+    scores: [B, H, Sq, Sk] in the compute dtype, -inf where masked; v: [B, H, Sk, Dv].
+    """
+    row_max = scores.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(row_max)
+    row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    out = (p / torch.where(empty, torch.ones_like(row_sum), row_sum)) @ v
+    lse = torch.where(empty, torch.full_like(row_max, math.inf), row_max + torch.log(row_sum))
+    return out, lse.squeeze(-1)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    upcast: bool = True,
+    reorder_ops: bool = False,
+):
+    """Attention in three plain steps: scores, softmax, weighted sum.
+
+    Args:
+        q: (batch, seqlen_q, heads, headdim).
+        k, v: (batch, seqlen_k, heads_kv, headdim), heads % heads_kv == 0 (MQA/GQA).
+        causal: mask aligned to the bottom-right corner (see the module docstring).
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        window_size: (left, right) sliding window; -1 leaves that side unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        alibi_slopes: (heads,) or (batch, heads); adds ``-slope * |i + Sk - Sq - j|``.
+        upcast: compute in float32 when the inputs are half precision, else in their dtype.
+        reorder_ops: scale q before the product instead of the scores after it
+            (changes rounding only; flash-attn's tests use it to measure PyTorch's error).
+
+    Returns:
+        out: (batch, seqlen_q, heads, headdim) in q's dtype.
+        lse: (batch, heads, seqlen_q) natural-log log-sum-exp of the final scores,
+            in the compute dtype; +inf for rows with no visible key.
+    """
+    dtype_out = q.dtype
+    if upcast and q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    batch, seqlen_q, heads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(headdim)
+    k = _repeat_kv(k, heads)
+    v = _repeat_kv(v, heads)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
+    if reorder_ops:
+        scores = (qt * scale) @ kt.transpose(-1, -2)
+    else:
+        scores = (qt @ kt.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, dtype=scores.dtype)
+    visible = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    out, lse = _softmax_with_lse(scores, vt)
+    return out.transpose(1, 2).to(dtype_out), lse
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    **kwargs,
+):
+    """``attention_ref`` over packed sequences.
+
+    q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim); cu_seqlens_*:
+    (batch + 1,) cumulative offsets starting at 0. Sequence b is rows
+    ``cu_seqlens[b]:cu_seqlens[b+1]``. ``alibi_slopes`` of shape (batch, heads) gives
+    each sequence its own slopes. Returns out (total_q, heads, headdim) and lse
+    (heads, total_q). The max_seqlen arguments are accepted for signature parity.
+    """
+    slopes = kwargs.pop("alibi_slopes", None)
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        s = None
+        if slopes is not None:
+            s = slopes[b] if slopes.dim() == 2 else slopes
+        o, lse = attention_ref(
+            q[cq[b] : cq[b + 1]].unsqueeze(0),
+            k[ck[b] : ck[b + 1]].unsqueeze(0),
+            v[ck[b] : ck[b + 1]].unsqueeze(0),
+            alibi_slopes=s,
+            **kwargs,
+        )
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def sdpa_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    upcast: bool = True,
+):
+    """``F.scaled_dot_product_attention`` semantics, written out.
+
+    Layout (batch, heads, seqlen, headdim); causal aligned top-left (query i sees
+    keys j <= i); ``attn_mask`` boolean (True = attend) or additive float,
+    broadcastable to (batch, heads, seqlen_q, seqlen_k). Unlike PyTorch, a row
+    whose every key is masked gives 0, not NaN. Returns the output only.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError("sdpa_ref: dropout_p must be 0")
+    dtype_out = query.dtype
+    if upcast and query.dtype in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+    heads, seqlen_q, headdim = query.shape[-3], query.shape[-2], query.shape[-1]
+    seqlen_k = key.shape[-2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(headdim)
+    if key.shape[-3] != heads:
+        if not enable_gqa:
+            raise ValueError("sdpa_ref: key heads differ from query heads and enable_gqa is False")
+        key = _repeat_kv(key.transpose(-2, -3), heads).transpose(-2, -3)
+        value = _repeat_kv(value.transpose(-2, -3), heads).transpose(-2, -3)
+    scores = (query @ key.transpose(-1, -2)) * scale
+    if is_causal:
+        visible = visible_mask(seqlen_q, seqlen_k, causal=True, bottom_right=False, device=query.device)
+        scores = scores.masked_fill(~visible, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    out, _ = _softmax_with_lse(scores, value)
+    return out.to(dtype_out)
+
+
+def online_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_n: int,
+    order: Optional[Sequence[int]] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    on_block: Optional[Callable[[dict], None]] = None,
+):
+    """FlashAttention's recurrence, one K/V block at a time, in any block order.
+
+    For each block of ``block_n`` keys, with running max ``m`` and running sum ``l``
+    per query row and an unnormalized accumulator ``acc``::
+
+        s      = q @ k_blk.T * scale             scores of this block
+        m_new  = max(m, rowmax(s))
+        alpha  = exp(m - m_new)                  how much the old state shrinks
+        p      = exp(s - m_new)
+        l      = alpha * l + rowsum(p)
+        acc    = alpha * acc + p @ v_blk
+        m      = m_new
+
+    and one division at the end: ``out = acc / l``, ``lse = m + log(l)``. Because
+    every block is rescaled to the same final max, the order of blocks does not
+    matter: the result equals ``attention_ref`` up to rounding.
+
+    Args:
+        q, k, v: flash-attn layout (batch, seqlen, heads, headdim), heads equal.
+        block_n: keys per block.
+        order: permutation of block indices; default 0, 1, 2, ...
+        causal: bottom-right aligned causal mask, as in ``attention_ref``.
+        on_block: called after each block with a dict of the state (for teaching).
+
+    Returns (out, lse) like ``attention_ref``, computed in q's dtype.
+    """
+    batch, seqlen_q, heads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(headdim)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
+    num_blocks = math.ceil(seqlen_k / block_n)
+    order = list(range(num_blocks)) if order is None else list(order)
+    if sorted(order) != list(range(num_blocks)):
+        raise ValueError(f"order must be a permutation of range({num_blocks}), got {order}")
+    visible = visible_mask(seqlen_q, seqlen_k, causal=causal, device=q.device)
+
+    m = torch.full((batch, heads, seqlen_q, 1), -math.inf, dtype=q.dtype, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(batch, heads, seqlen_q, v.shape[-1], dtype=q.dtype, device=q.device)
+    for step, blk in enumerate(order):
+        cols = slice(blk * block_n, min((blk + 1) * block_n, seqlen_k))
+        s = (qt @ kt[:, :, cols].transpose(-1, -2)) * scale  # [B, H, Sq, block]
+        if visible is not None:
+            s = s.masked_fill(~visible[:, cols], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead
+        # so that exp(-inf - (-inf)) never appears.
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        l = alpha * l + p.sum(dim=-1, keepdim=True)
+        acc = alpha * acc + p @ vt[:, :, cols]
+        m = m_new
+        if on_block is not None:
+            on_block({"step": step, "block": blk, "keys": (cols.start, cols.stop), "m": m, "l": l, "alpha": alpha, "acc": acc})
+    empty = l == 0
+    out = acc / torch.where(empty, torch.ones_like(l), l)
+    lse = torch.where(empty, torch.full_like(m, math.inf), m + torch.log(l))
+    return out.transpose(1, 2), lse.squeeze(-1)

@@ -1,0 +1,406 @@
+"""FlashAttention forward against the float64 reference, with flash-attn's accuracy rule.
+
+On a CPU-only machine these run the real Triton kernel in Triton's interpreter
+(small shapes); tests marked ``gpu`` run on the H200. bf16 is GPU-only: the
+interpreter's bf16 dot returns wrong values without an error.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qflash
+from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
+from qflash.testing import assert_flash_rule, assert_written, poisoned
+
+from conftest import DEVICE, HAS_CUDA
+
+CPU_DTYPES = [torch.float16, torch.float32]
+gpu = pytest.mark.gpu
+
+
+def _qkv(b, sq, sk, h, hkv, d, dtype=torch.float16, device=DEVICE, scale=1.0):
+    q = torch.randn(b, sq, h, d, device=device) * scale
+    k = torch.randn(b, sk, hkv, d, device=device) * scale
+    v = torch.randn(b, sk, hkv, d, device=device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _f64(*ts):
+    return tuple(t.to(torch.float64) if t is not None and t.is_floating_point() else t for t in ts)
+
+
+def check_flash(q, k, v, **kw):
+    """Run flash_attn_func on poisoned outputs and hold it to the flash-attn rule."""
+    with poisoned():
+        out, lse, _ = qflash.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert_written(out, "out")
+    assert_written(lse, "lse")
+    ref, ref_lse = attention_ref(*_f64(q, k, v), **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert_flash_rule(out, ref, pt)
+    # lse is float32 in the kernel: compare against float64 directly.
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse.cpu()), ~finite.cpu()), "rows with no key must have lse = +inf"
+    if finite.any():
+        err = (lse.double() - ref_lse)[finite].abs().max().item()
+        assert err <= 1e-4 * max(1.0, ref_lse[finite].abs().max().item()), f"lse err {err}"
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes: ragged lengths, Sq != Sk, head dims that are not powers of two.
+# ----------------------------------------------------------------------------------------------
+SHAPES = [  # (seqlen_q, seqlen_k, headdim)
+    (1, 1, 32),
+    (113, 203, 80),
+    (239, 1, 64),
+    (128, 217, 128),
+    (799, 3, 32),
+    (64, 128, 64),
+    (63, 63, 40),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", SHAPES)
+def test_shapes(sq, sk, d, causal):
+    q, k, v = _qkv(1, sq, sk, 2, 1, d)
+    check_flash(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("hkv", [6, 2, 1])
+def test_gqa_mqa(hkv):
+    q, k, v = _qkv(2, 37, 51, 6, hkv, 32)
+    check_flash(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_dtypes(dtype):
+    q, k, v = _qkv(2, 45, 70, 2, 2, 32, dtype=dtype)
+    check_flash(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (7, 3), (20, -1), (-1, 5), (16, 16)])
+@pytest.mark.parametrize("sq,sk", [(50, 50), (33, 90), (90, 33)])
+def test_sliding_window(window, sq, sk):
+    q, k, v = _qkv(1, sq, sk, 2, 2, 32)
+    check_flash(q, k, v, window_size=window)
+
+
+def test_causal_with_window():
+    q, k, v = _qkv(1, 70, 70, 2, 1, 32)
+    check_flash(q, k, v, causal=True, window_size=(9, 99))  # causal overrides the right side
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(causal):
+    q, k, v = _qkv(1, 40, 57, 2, 2, 32, scale=3.0)
+    check_flash(q, k, v, causal=causal, softcap=4.0)
+
+
+@pytest.mark.parametrize("slopes_shape", ["heads", "batch_heads"])
+def test_alibi(slopes_shape):
+    q, k, v = _qkv(2, 30, 45, 4, 2, 32)
+    shape = (4,) if slopes_shape == "heads" else (2, 4)
+    slopes = torch.rand(shape, device=DEVICE) * 0.5
+    check_flash(q, k, v, causal=True, alibi_slopes=slopes)
+    check_flash(q, k, v, causal=False, alibi_slopes=slopes, softcap=5.0)
+
+
+def test_large_logits_and_custom_scale():
+    # Scores of magnitude ~50: exp() overflows unless the running max does its job.
+    q, k, v = _qkv(1, 64, 96, 2, 2, 64, scale=7.0)
+    check_flash(q, k, v, softmax_scale=0.2)
+
+
+def test_noncontiguous_inputs_are_not_copied():
+    # q, k, v as strided views of one packed buffer, plus a (B, H, S, D) transposed layout.
+    qkv = torch.randn(2, 41, 3, 4, 32, device=DEVICE).half()
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    check_flash(q, k, v, causal=True)
+    out_packed = qflash.flash_attn_qkvpacked_func(qkv, causal=True)
+    torch.testing.assert_close(out_packed, qflash.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+    kv = torch.stack([k, v], dim=2)
+    torch.testing.assert_close(qflash.flash_attn_kvpacked_func(q, kv, causal=True), out_packed, rtol=0, atol=0)
+    qt = torch.randn(2, 4, 41, 32, device=DEVICE).half().transpose(1, 2)  # heads-major storage
+    check_flash(qt, k, v)
+
+
+def test_inputs_not_modified():
+    q, k, v = _qkv(1, 20, 30, 2, 2, 32)
+    copies = [t.clone() for t in (q, k, v)]
+    qflash.flash_attn_func(q, k, v, causal=True)
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable-length sequences.
+# ----------------------------------------------------------------------------------------------
+def _varlen(lens_q, lens_k, h=4, hkv=2, d=32, dtype=torch.float16):
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens_q), h, d, device=DEVICE).to(dtype)
+    k = torch.randn(sum(lens_k), hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn(sum(lens_k), hkv, d, device=DEVICE).to(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 2)}, {"softcap": 3.0}])
+def test_varlen(kw):
+    lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+    with poisoned():
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                    return_attn_probs=True, **kw)
+    assert_written(out)
+    assert_written(lse)
+    assert lse.shape == (4, sum(lens_q))
+    ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
+    assert_flash_rule(out, ref, pt)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_varlen_alibi_per_sequence_and_packed():
+    lens = [12, 31, 7]
+    q, k, v, cu, _ = _varlen(lens, lens, h=2, hkv=2)
+    slopes = torch.rand(3, 2, device=DEVICE)
+    out = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 31, 31, causal=True, alibi_slopes=slopes)
+    ref, _ = attention_varlen_ref(*_f64(q, k, v), cu, cu, causal=True, alibi_slopes=slopes)
+    pt, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, alibi_slopes=slopes, upcast=False, reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+    qkv = torch.stack([q, k, v], dim=1)
+    packed = qflash.flash_attn_varlen_qkvpacked_func(qkv, cu, 31, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(packed, out, rtol=0, atol=0)
+    kvp = qflash.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 31, 31, causal=True,
+                                                 alibi_slopes=slopes)
+    torch.testing.assert_close(kvp, out, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa: PyTorch semantics.
+# ----------------------------------------------------------------------------------------------
+def _check_sdpa(query, key, value, **kw):
+    with poisoned():
+        out = qflash.sdpa(query, key, value, **kw)
+    assert out.shape == query.shape
+    assert_written(out)
+    kw64 = dict(kw)
+    if kw.get("attn_mask") is not None and kw["attn_mask"].is_floating_point():
+        kw64["attn_mask"] = kw["attn_mask"].double()
+    ref = sdpa_ref(*_f64(query, key, value), **kw64)
+    pt = sdpa_ref(query, key, value, upcast=False, **kw)
+    assert_flash_rule(out, ref, pt)
+    return out
+
+
+@pytest.mark.parametrize("sq,sk", [(37, 37), (20, 53), (53, 20)])
+def test_sdpa_causal_top_left(sq, sk):
+    q = torch.randn(2, 3, sq, 32, device=DEVICE).half()
+    k, v = torch.randn(2, 3, sk, 32, device=DEVICE).half(), torch.randn(2, 3, sk, 32, device=DEVICE).half()
+    _check_sdpa(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 3, 29, 45), (29, 45), (2, 1, 1, 45)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_masks(kind, mask_shape):
+    q = torch.randn(2, 3, 29, 32, device=DEVICE).half()
+    k, v = torch.randn(2, 3, 45, 32, device=DEVICE).half(), torch.randn(2, 3, 45, 32, device=DEVICE).half()
+    if kind == "bool":
+        mask = torch.rand(mask_shape, device=DEVICE) > 0.4
+    else:
+        mask = (torch.randn(mask_shape, device=DEVICE) * 2).half()
+    _check_sdpa(q, k, v, attn_mask=mask)
+
+
+def test_sdpa_fully_masked_rows_give_zero():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE).half()
+    k, v = torch.randn(1, 2, 12, 16, device=DEVICE).half(), torch.randn(1, 2, 12, 16, device=DEVICE).half()
+    mask = torch.rand(8, 12, device=DEVICE) > 0.5
+    mask[3] = False
+    out = _check_sdpa(q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+
+
+def test_sdpa_gqa_and_3d():
+    q = torch.randn(2, 6, 19, 32, device=DEVICE).half()
+    k, v = torch.randn(2, 2, 23, 32, device=DEVICE).half(), torch.randn(2, 2, 23, 32, device=DEVICE).half()
+    _check_sdpa(q, k, v, enable_gqa=True, scale=0.3)
+    out3 = qflash.sdpa(q[0], k[0], v[0], enable_gqa=True, scale=0.3)
+    torch.testing.assert_close(out3, qflash.sdpa(q, k, v, enable_gqa=True, scale=0.3)[0], rtol=0, atol=0)
+
+
+def test_sdpa_matches_pytorch_function():
+    q = torch.randn(1, 2, 33, 32, device=DEVICE)
+    k, v = torch.randn(1, 2, 33, 32, device=DEVICE), torch.randn(1, 2, 33, 32, device=DEVICE)
+    torch.testing.assert_close(qflash.sdpa(q, k, v, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile: the custom op traces with its fake implementation.
+# ----------------------------------------------------------------------------------------------
+def test_torch_compile_fullgraph_traces():
+    q, k, v = _qkv(1, 24, 40, 2, 1, 32)
+    fn = torch.compile(lambda a, b, c: qflash.flash_attn_func(a, b, c, causal=True) * 2,
+                       fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(q, k, v), qflash.flash_attn_func(q, k, v, causal=True) * 2, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs: clear errors naming the argument.
+# ----------------------------------------------------------------------------------------------
+def _bad_cases():
+    q, k, v = _qkv(1, 8, 8, 4, 2, 32)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    f = qflash.flash_attn_func
+    vf = qflash.flash_attn_varlen_func
+    return [
+        (lambda: f(q[0], k, v), ValueError, "q must have 4 dimensions"),
+        (lambda: f(q, k[..., :16], v[..., :16]), ValueError, "head dimension"),
+        (lambda: f(q, k, v[:, :4]), ValueError, "k and v must have the same shape"),
+        (lambda: f(q, *_qkv(1, 8, 8, 4, 3, 32)[1:]), ValueError, "multiple of key/value heads"),
+        (lambda: f(*_qkv(1, 8, 8, 2, 2, 288)), ValueError, "between 1 and 256"),
+        (lambda: f(q, k.float(), v), TypeError, "k has dtype"),
+        (lambda: f(q.double(), k.double(), v.double()), TypeError, "float16, bfloat16 or float32"),
+        (lambda: f(q.int(), k, v), TypeError, "float16"),
+        (lambda: f(q, k, v, window_size=(-2, 0)), ValueError, "window_size left"),
+        (lambda: f(q, k, v, window_size=5), ValueError, "window_size must be a pair"),
+        (lambda: f(q, k, v, dropout_p=0.1), NotImplementedError, "dropout"),
+        (lambda: f(q, k, v, softcap=-1.0), ValueError, "softcap"),
+        (lambda: f(q, k, v, softmax_scale=0.0), ValueError, "softmax_scale"),
+        (lambda: f(q, k, v, alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes must have shape"),
+        (lambda: f(q, k[:, :, :, :].repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)), ValueError, "batch"),
+        (lambda: f("q", k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda: vf(q[0], k[0], v[0], cu.long(), cu, 8, 8), TypeError, "cu_seqlens_q must be int32"),
+        (lambda: vf(q[0], k[0], v[0], cu, torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE), 8, 8),
+         ValueError, "cu_seqlens_k has 3 entries"),
+        (lambda: vf(q[0], k[0], v[0], cu[:1], cu, 8, 8), ValueError, "batch \\+ 1 >= 2"),
+        (lambda: qflash.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), ValueError, "enable_gqa"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool, device=DEVICE)),
+         ValueError, "does not broadcast"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(8, 4, device=DEVICE)), TypeError, "attn_mask must be bool"),
+        (lambda: qflash.sdpa(q, q, q, is_causal=True, attn_mask=torch.ones(8, 4, dtype=torch.bool, device=DEVICE)),
+         ValueError, "either attn_mask or is_causal"),
+        (lambda: qflash.flash_attn_qkvpacked_func(q), ValueError, "qkv must have shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_bad_inputs(case):
+    fn, exc, match = _bad_cases()[case]
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_debug_checks_cu_seqlens_contents():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 32)
+    bad = torch.tensor([0, 5, 3], dtype=torch.int32, device=DEVICE)
+    qflash.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="never decrease"):
+            qflash.flash_attn_varlen_func(q[0], k[0], v[0], bad, bad, 8, 8)
+        good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match="max_seqlen_q=2"):
+            qflash.flash_attn_varlen_func(q[0], k[0], v[0], good, good, 2, 8)
+    finally:
+        qflash.set_debug(False)
+
+
+def test_requires_grad_is_refused_clearly():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 32)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        qflash.flash_attn_func(q, k, v)
+    with torch.no_grad():
+        qflash.flash_attn_func(q, k, v)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU-only check")
+def test_cpu_tensor_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv(1, 8, 8, 2, 2, 32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        qflash.flash_attn_func(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (H200): the full sweep.
+# ----------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 112, 128, 160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (239, 1), (128, 217), (799, 3), (1023, 1023), (4224, 4224)])
+def test_gpu_sweep(dtype, d, causal, sq, sk):
+    q, k, v = _qkv(2, sq, sk, 6, 2, d, dtype=dtype)
+    check_flash(q, k, v, causal=causal)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kw", [{"window_size": (256, 64)}, {"softcap": 30.0, "causal": True},
+                                {"alibi_slopes": "yes", "causal": True}])
+def test_gpu_options(dtype, kw):
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(4, device="cuda")
+    q, k, v = _qkv(2, 1500, 2100, 4, 2, 128, dtype=dtype)
+    check_flash(q, k, v, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_long_causal(d):
+    q, k, v = _qkv(1, 8192, 8192, 2, 1, d, dtype=torch.bfloat16)
+    check_flash(q, k, v, causal=True)
+
+
+@gpu
+def test_gpu_varlen_and_sdpa_bf16():
+    lens_q, lens_k = [1, 700, 3000, 129], [2000, 700, 3000, 1]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, h=8, hkv=2, d=128, dtype=torch.bfloat16)
+    out = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    ref, _ = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, causal=True)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False, reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+    query = torch.randn(2, 8, 1000, 128, device="cuda").bfloat16()
+    mask = torch.rand(2, 1, 1000, 1000, device="cuda") > 0.2
+    _check_sdpa(query, query.flip(2), query.flip(1), attn_mask=mask)
+
+
+@gpu
+def test_gpu_over_2_31_elements():
+    # 2^15 sequences of 128 tokens, 4 heads x 128: 2^31 elements per tensor; offsets pass int32.
+    b, s, h, d = 2**15, 128, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert q.numel() >= 2**31
+    out = qflash.flash_attn_func(q, k, v, causal=True)
+    for idx in (0, b // 2, b - 1):  # the last sequences live past 2^31
+        sl = slice(idx, idx + 1)
+        ref, _ = attention_ref(*_f64(q[sl], k[sl], v[sl]), causal=True)
+        pt, _ = attention_ref(q[sl], k[sl], v[sl], causal=True, upcast=False, reorder_ops=True)
+        assert_flash_rule(out[sl], ref, pt)
+
+
+@gpu
+def test_gpu_torch_compile_and_cuda_graph():
+    q, k, v = _qkv(2, 1024, 1024, 8, 8, 128, dtype=torch.bfloat16)
+    expected = qflash.flash_attn_func(q, k, v, causal=True)
+    fn = torch.compile(lambda a, b, c: qflash.flash_attn_func(a, b, c, causal=True), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), expected, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    qflash.flash_attn_func(q, k, v, causal=True)  # warm up (compile) outside capture
+    with torch.cuda.graph(graph):
+        out = qflash.flash_attn_func(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.testing.assert_close(out, qflash.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
