@@ -5,6 +5,7 @@ On a CPU-only machine these run the real Triton kernel in Triton's interpreter
 interpreter's bf16 dot returns wrong values without an error.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -404,3 +405,41 @@ def test_gpu_torch_compile_and_cuda_graph():
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.testing.assert_close(out, qflash.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Both load paths: pointers (any strides) and tensor descriptors (Hopper's copy engine).
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
+def load_path(request, monkeypatch):
+    from qflash.kernels import attention as kernels
+
+    base = kernels.default_config
+
+    def config(*args, **kwargs):
+        return dataclasses.replace(base(*args, **kwargs), use_tma=request.param)
+
+    monkeypatch.setattr(kernels, "default_config", config)
+    return request.param
+
+
+@pytest.mark.parametrize("sq,sk,d,kw", [
+    (113, 203, 80, {"causal": True}),
+    (239, 1, 64, {}),
+    (50, 70, 32, {"window_size": (7, 3), "softcap": 2.0}),
+])
+def test_load_paths(load_path, sq, sk, d, kw):
+    q, k, v = _qkv(2, sq, sk, 4, 2, d)
+    check_flash(q, k, v, **kw)
+
+
+def test_load_paths_varlen_and_sdpa(load_path):
+    lens_q, lens_k = [1, 63, 0, 40], [5, 63, 9, 11]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+    with poisoned():
+        out = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True)
+    ref, _ = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, causal=True)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False, reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+    query = torch.randn(2, 3, 29, 32, device=DEVICE).half()
+    _check_sdpa(query, query.flip(2), query.flip(1), attn_mask=torch.rand(29, 29, device=DEVICE) > 0.3)

@@ -47,7 +47,7 @@ def _tanh(x):
 @triton.jit
 def _attn_fwd_tile(
     acc, m_i, l_i, q,
-    k_ptrs, v_ptrs, bias_ptrs,
+    k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs,
     stride_ks, stride_vs, stride_bn,
     start_n, rows, offs_n, offs_d,
     seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -55,13 +55,15 @@ def _attn_fwd_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One K/V tile of the online softmax: returns the updated (acc, m_i, l_i)."""
     cols = start_n + offs_n  # [BLOCK_N]
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
-    # K is read transposed, [BLOCK_D, BLOCK_N], so that q @ k needs no extra shuffle.
-    if MASKED:
+    # K is used transposed, [BLOCK_D, BLOCK_N], so that the product is q @ k.
+    if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
+        k = k_desc.load([start_n, 0]).T
+    elif MASKED:
         k = tl.load(k_ptrs + start_n * stride_ks, mask=(cols[None, :] < seqlen_k) & d_ok[:, None], other=0.0)
     elif BLOCK_D != HEAD_DIM:
         k = tl.load(k_ptrs + start_n * stride_ks, mask=d_ok[:, None], other=0.0)
@@ -103,7 +105,9 @@ def _attn_fwd_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
 
-    if MASKED:
+    if USE_TMA:
+        v = v_desc.load([start_n, 0])
+    elif MASKED:
         v = tl.load(v_ptrs + start_n * stride_vs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
     elif BLOCK_D != HEAD_DIM:
         v = tl.load(v_ptrs + start_n * stride_vs, mask=d_ok[None, :], other=0.0)
@@ -131,6 +135,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -156,11 +161,13 @@ def _attn_fwd_kernel(
         q_off = q_start.to(tl.int64) * stride_qs
         k_off = k_start.to(tl.int64) * stride_ks
         v_off = k_start.to(tl.int64) * stride_vs
+        o_off = q_start.to(tl.int64) * stride_os
     else:
         q_start = 0
         q_off = 0
         k_off = 0
         v_off = 0
+        o_off = 0
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
@@ -177,6 +184,19 @@ def _attn_fwd_kernel(
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    if USE_TMA:
+        # Tensor descriptors of this (batch, head): the bounds are the sequence's own,
+        # so the copy engine pads partial tiles with zeros and clips partial stores.
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        q_desc = q_base
+        k_desc = k_base
+        v_desc = v_base
     if BIAS_KIND != 0:
         bias_ptrs = (Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
                      + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn)  # [BLOCK_M, BLOCK_N]
@@ -204,30 +224,33 @@ def _attn_fwd_kernel(
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
 
     # ---- the Q tile stays resident -------------------------------------------------------
-    q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if USE_TMA:
+        q = q_desc.load([m0, 0])  # [BLOCK_M, BLOCK_D]
+    else:
+        q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION)
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -235,9 +258,14 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     row_ok = rows < seqlen_q
-    o_ptrs = (Out + b64 * stride_ob + h.to(tl.int64) * stride_oh
-              + (q_start + rows[:, None]).to(tl.int64) * stride_os + offs_d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + o_off
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
+    else:
+        o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows).to(tl.int64) * stride_ls
     tl.store(l_ptrs, lse, mask=row_ok)
 
@@ -251,25 +279,50 @@ class AttnFwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
 
 
-def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttnFwdConfig:
-    """Tile shapes: tuned on the H200 for CUDA, small and fast to interpret on CPU."""
+def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
+    """Tile shapes: tuned on the H200 for CUDA; small and quick to interpret on CPU."""
     if device.type != "cuda":
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
     block_d = _block_d(head_dim)
     if dtype == torch.float32:
-        return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
     if block_d <= 64:
-        return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=hopper)
     if block_d <= 128:
-        return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=hopper)
+    return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
 
 
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16 and a power of two.
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and 16-byte multiple strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_ALLOCATOR_SET = [False]
+
+
+def _ensure_descriptor_allocator() -> None:
+    # Descriptors built inside a kernel live in a global-memory scratch buffer that
+    # triton asks the host to allocate.
+    if not _ALLOCATOR_SET[0]:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET[0] = True
 
 
 def attention_forward(
@@ -287,7 +340,6 @@ def attention_forward(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
     config: Optional[AttnFwdConfig] = None,
 ):
     """Launch the forward kernel. Inputs are already validated by the public op.
@@ -296,7 +348,6 @@ def attention_forward(
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
     ``bias`` is a bool (True = attend) or float additive tensor already expanded to
     (B, H, Sq, Sk) (zero strides are fine). ``window_right = 0`` is causal.
-    ``out`` may be a preallocated tensor of q's shape (e.g. a transposed view).
     Returns (out, lse): lse float32 (B, H, Sq), or (H, total_q) for varlen.
     """
     varlen = cu_seqlens_q is not None
@@ -314,10 +365,11 @@ def attention_forward(
         sk = (k.stride(0), k.stride(1), k.stride(2))
         sv = (v.stride(0), v.stride(1), v.stride(2))
     heads_kv = k.shape[-2]
-    cfg = config or default_config(head_dim, q.dtype, q.device)
-
-    if out is None:
-        out = new_output(q.shape, dtype=q.dtype, device=q.device)
+    cfg = config or default_config(head_dim, q.dtype, q.device, causal=window_right >= 0)
+    out = new_output(q.shape, dtype=q.dtype, device=q.device)
+    use_tma = cfg.use_tma and _tma_compatible(q, k, v, out)
+    if use_tma and q.device.type == "cuda":
+        _ensure_descriptor_allocator()
     if varlen:
         lse = new_output((num_heads, total_q), dtype=torch.float32, device=q.device)
         sl = (0, lse.stride(0), lse.stride(1))
@@ -370,6 +422,7 @@ def attention_forward(
         IS_VARLEN=varlen,
         HEAVY_FIRST=window_right >= 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

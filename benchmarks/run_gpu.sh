@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
+#
+#   OUT=out bash benchmarks/run_gpu.sh [tests] [tiles] [bench] [memory]     (default: tests bench memory)
+#
+# Runs from a checkout without installing it (the GPU image already has torch,
+# triton, pytest and rich). Each stage has its own time limit, so one that hangs
+# cannot take the others with it; results land in $OUT as they are made.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests bench memory)
+
+python3 -m qflash.cli info 2>&1 | tee "$OUT/info.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$OUT/info.txt" 2>&1
+
+for stage in "${stages[@]}"; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case "$stage" in
+    tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -x -rf \
+              --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
+    tiles)  timeout 400 python3 -m qflash.bench.attention --tiles --seqlens 4096 \
+              --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
+    bench)  timeout 300 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
+    memory) timeout 120 python3 -m qflash.bench.attention --providers qflash --seqlens 1024 --head-dims 128 \
+              --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
+    *) echo "unknown stage $stage (tests, tiles, bench, memory)"; exit 2 ;;
+  esac
+done
