@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [tests] [tiles] [bench] [memory]     (default: tests bench memory)
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bench] [memory]     (default: tests bench memory)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
 # triton, pytest and rich). Each stage has its own time limit, so one that hangs
@@ -19,13 +19,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
-    tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -x -rf \
-              --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
-    tiles)  timeout 400 python3 -m qflash.bench.attention --tiles --seqlens 4096 \
+    smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
+    tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf \
+              2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
+    tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 4096 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
-    bench)  timeout 300 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
+    bench)  timeout 220 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
     memory) timeout 120 python3 -m qflash.bench.attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (tests, tiles, bench, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bench, memory)"; exit 2 ;;
   esac
 done

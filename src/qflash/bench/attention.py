@@ -198,18 +198,19 @@ def tile_configs(head_dim: int):
     from qflash.kernels.attention import AttnFwdConfig
 
     if head_dim <= 64:
-        grid = itertools.product([128], [64, 128], [4, 8], [2, 3, 4])
+        grid = itertools.product([128], [64, 128], [4, 8], [2, 3])
     elif head_dim <= 128:
-        grid = itertools.product([64, 128], [64, 128], [4, 8], [2, 3])
+        grid = list(itertools.product([64], [64, 128], [4], [2, 3]))
+        grid += list(itertools.product([128], [64, 128], [4, 8], [2, 3]))
     else:
-        grid = itertools.product([64, 128], [32, 64], [4, 8], [2, 3])
+        grid = itertools.product([64, 128], [32, 64], [4, 8], [2])
     for bm, bn, w, s in grid:
         yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=True)
     yield AttnFwdConfig(block_m=128, block_n=64, num_warps=8 if head_dim > 64 else 4, num_stages=3, use_tma=False)
 
 
-def run_tiles(seqlen, head_dims, causals, dtype, *, progress=None) -> List[dict]:
-    rows = []
+def run_tiles(seqlen, head_dims, causals, dtype, *, progress=None, rows=None) -> List[dict]:
+    rows = [] if rows is None else rows
     for d in head_dims:
         batch, heads = max(1, 16384 // seqlen), 2048 // d
         g = torch.Generator(device="cuda").manual_seed(d)
@@ -326,14 +327,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     console = Console()
 
+    result = {"env": environment(), "dtype": args.dtype, "convention": "4*B*H*S^2*D, /2 causal"}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
     def progress(r):
+        save()  # a run cut short still leaves what it measured
         what = r.get("config") or r["provider"]
         console.log(f"D={r['head_dim']} S={r['seqlen']} causal={r['causal']} {what}: "
                     f"{_fmt(r.get('tflops'))} TFLOP/s err={_fmt(r.get('max_err'))} {r.get('error') or ''}")
 
-    result = {"env": environment(), "dtype": args.dtype, "convention": "4*B*H*S^2*D, /2 causal"}
     if args.tiles:
-        result["tiles"] = run_tiles(seqlens[0], head_dims, causals, dtype, progress=progress)
+        result["tiles"] = []
+        run_tiles(seqlens[0], head_dims, causals, dtype, progress=progress, rows=result["tiles"])
         best = {}
         for r in result["tiles"]:
             key = (r["head_dim"], r["causal"])
@@ -343,7 +352,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         result["rows"] = run_sweep(providers, seqlens, head_dims, causals, dtype, progress=progress)
         result["ratios"] = ratio_table(result["rows"])
-        console.print(_table(result["rows"], f"attention forward, {args.dtype}, TFLOP/s"))
+        failed = [r for r in result["rows"] if r.get("error")]
+        if failed:
+            console.print(_table(failed, "providers that did not run"))
         from rich.table import Table
 
         t = Table(title="qflash speed over peers (same run)")
@@ -356,9 +367,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.memory:
         result["memory"] = memory_probe()
         console.print(_table(result["memory"], "extra peak memory, MB (B=1, H=16, D=128, bf16)"))
+    save()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
         console.print(f"wrote {args.out}")
     return 0
 
