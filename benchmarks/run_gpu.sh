@@ -22,7 +22,7 @@ for stage in "${stages[@]}"; do
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
     tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf \
               2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
-    tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 4096 \
+    tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
     bench)  timeout 220 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
     memory) timeout 120 python3 -m qflash.bench.attention --providers qflash --seqlens 1024 --head-dims 128 \

@@ -193,37 +193,46 @@ def run_sweep(providers: List[str], seqlens, head_dims, causals, dtype, *, progr
     return rows
 
 
+# (block_m, block_n, num_warps, num_stages, use_tma) searched on the H200, per head-dim bucket.
+TILE_GRID = {
+    64: [(128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False),
+         (128, 128, 4, 3, False), (128, 128, 8, 3, False), (256, 64, 8, 3, True), (256, 128, 8, 2, True),
+         (256, 64, 8, 3, False)],
+    128: [(128, 64, 4, 2, True), (128, 64, 4, 2, False), (128, 64, 4, 3, False), (128, 128, 8, 3, True),
+          (256, 64, 8, 2, True), (256, 128, 8, 2, True), (128, 32, 4, 2, True), (128, 64, 4, 1, True)],
+    256: [(128, 64, 8, 2, True), (128, 32, 8, 2, True), (64, 32, 4, 2, True), (128, 64, 8, 2, False),
+          (64, 64, 4, 2, False), (128, 32, 8, 3, True)],
+}
+
+
 def tile_configs(head_dim: int):
-    """The tile grid searched for the H200."""
     from qflash.kernels.attention import AttnFwdConfig
 
-    if head_dim <= 64:
-        grid = itertools.product([128], [64, 128], [4, 8], [2, 3])
-    elif head_dim <= 128:
-        grid = list(itertools.product([64], [64, 128], [4], [2, 3]))
-        grid += list(itertools.product([128], [64, 128], [4, 8], [2, 3]))
-    else:
-        grid = itertools.product([64, 128], [32, 64], [4, 8], [2])
-    for bm, bn, w, s in grid:
-        yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=True)
-    yield AttnFwdConfig(block_m=128, block_n=64, num_warps=8 if head_dim > 64 else 4, num_stages=3, use_tma=False)
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    for bm, bn, w, s, tma in TILE_GRID[bucket]:
+        yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=tma)
 
 
-def run_tiles(seqlen, head_dims, causals, dtype, *, progress=None, rows=None) -> List[dict]:
+def run_tiles(seqlens, head_dims, causals, dtype, *, progress=None, rows=None) -> List[dict]:
     rows = [] if rows is None else rows
     for d in head_dims:
-        batch, heads = max(1, 16384 // seqlen), 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(d)
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype) for _ in range(3))
+        inputs = {}
+        for seqlen in seqlens:
+            batch, heads = max(1, 16384 // seqlen), 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(d + seqlen)
+            inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype)
+                              for _ in range(3)]
         for causal in causals:
-            flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
             for cfg in tile_configs(d):
-                res = bench_one(_qflash_provider(cfg), q, k, v, causal, rep_ms=60)
-                tflops = flops / (res["ms"] * 1e-3) / 1e12 if res["ms"] else None
-                rows.append(dict(provider="qflash", config=cfg.__dict__, batch=batch, heads=heads, seqlen=seqlen,
-                                 head_dim=d, causal=causal, tflops=tflops, **res))
-                if progress:
-                    progress(rows[-1])
+                for seqlen, (q, k, v) in inputs.items():  # one compile serves every length
+                    batch, heads = q.shape[0], q.shape[2]
+                    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
+                    res = bench_one(_qflash_provider(cfg), q, k, v, causal, rep_ms=60)
+                    tflops = flops / (res["ms"] * 1e-3) / 1e12 if res["ms"] else None
+                    rows.append(dict(provider="qflash", config=cfg.__dict__, batch=batch, heads=heads,
+                                     seqlen=seqlen, head_dim=d, causal=causal, tflops=tflops, **res))
+                    if progress:
+                        progress(rows[-1])
     return rows
 
 
@@ -304,7 +313,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)))
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (at one seqlen)")
+    parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead")
     parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (B=1, H=16, D=128)")
     parser.add_argument("--quick", action="store_true", help="a short run: seqlens 1024,4096, head dim 128")
     parser.add_argument("--out", help="write results as JSON here")
@@ -342,10 +351,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.tiles:
         result["tiles"] = []
-        run_tiles(seqlens[0], head_dims, causals, dtype, progress=progress, rows=result["tiles"])
+        run_tiles(seqlens, head_dims, causals, dtype, progress=progress, rows=result["tiles"])
         best = {}
         for r in result["tiles"]:
-            key = (r["head_dim"], r["causal"])
+            key = (r["head_dim"], r["causal"], r["seqlen"])
             if r.get("tflops") and (key not in best or r["tflops"] > best[key]["tflops"]):
                 best[key] = r
         console.print(_table(list(best.values()), "best tile config per (head_dim, causal)"))

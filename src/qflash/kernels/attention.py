@@ -71,36 +71,39 @@ def _attn_fwd_tile(
         k = tl.load(k_ptrs + start_n * stride_ks)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
 
-    # Scores in the log2 domain.
-    if HAS_SOFTCAP:
-        s = softcap_log2 * _tanh(qk * qk_scale)
+    if not (MASKED or HAS_SOFTCAP or HAS_ALIBI or BIAS_KIND != 0):
+        # Plain scores: take the max of the raw products (scale > 0 keeps the argmax), so
+        # that scaling and subtracting the max fuse into one FMA per element.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
+        m_new_safe = m_new
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     else:
-        s = qk * qk_scale
-    if HAS_ALIBI:
-        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
-    if BIAS_KIND != 0:
-        b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-        bias = tl.load(bias_ptrs + start_n * stride_bn, mask=b_ok, other=0)
-        if BIAS_KIND == 1:
-            s = tl.where(bias != 0, s, float("-inf"))
+        # Scores in the log2 domain.
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(qk * qk_scale)
         else:
-            s += bias.to(tl.float32) * RCP_LN2
-    if MASKED:
-        keep = cols[None, :] < seqlen_k
-        if HAS_RIGHT:
-            keep &= cols[None, :] <= rows[:, None] + shift + window_right
-        if HAS_LEFT:
-            keep &= cols[None, :] >= rows[:, None] + shift - window_left
-        s = tl.where(keep, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    if MASKED or BIAS_KIND != 0:
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
+        if BIAS_KIND != 0:
+            b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+            bias = tl.load(bias_ptrs + start_n * stride_bn, mask=b_ok, other=0)
+            if BIAS_KIND == 1:
+                s = tl.where(bias != 0, s, float("-inf"))
+            else:
+                s += bias.to(tl.float32) * RCP_LN2
+        if MASKED:
+            keep = cols[None, :] < seqlen_k
+            if HAS_RIGHT:
+                keep &= cols[None, :] <= rows[:, None] + shift + window_right
+            if HAS_LEFT:
+                keep &= cols[None, :] >= rows[:, None] + shift - window_left
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
         # so exp2(-inf - (-inf)) = NaN never appears.
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new_safe = m_new
-    p = tl.math.exp2(s - m_new_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(s - m_new_safe[:, None])  # [BLOCK_M, BLOCK_N]
     alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]: rescales what we already hold
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
