@@ -20,7 +20,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
-    tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf \
+    tests)  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf -n 8 \
               2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
