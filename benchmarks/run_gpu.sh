@@ -24,7 +24,7 @@ for stage in "${stages[@]}"; do
               2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
-    bench)  timeout 220 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
+    bench)  timeout 240 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
     memory) timeout 120 python3 -m qflash.bench.attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
     *) echo "unknown stage $stage (smoke, tests, tiles, bench, memory)"; exit 2 ;;

@@ -28,17 +28,11 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
-
-# How tiles travel from global memory (constexpr TMA):
-TMA_OFF = tl.constexpr(0)  # pointer loads, any strides
-TMA_DEVICE = tl.constexpr(1)  # tensor descriptors built per program (varlen: bounds of each sequence)
-TMA_HOST = tl.constexpr(2)  # tensor descriptors built once on the host over (B, S, H, D)
 
 # Bias kinds (constexpr BIAS_KIND): what the optional bias/mask tensor means.
 BIAS_NONE, BIAS_BOOL, BIAS_ADD = 0, 1, 2
@@ -53,24 +47,21 @@ def _tanh(x):
 @triton.jit
 def _attn_fwd_tile(
     acc, m_i, l_i, q,
-    k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, b, h_kv,
+    k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs,
     stride_ks, stride_vs, stride_bn,
     start_n, rows, offs_n, offs_d,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One K/V tile of the online softmax: returns the updated (acc, m_i, l_i)."""
     cols = start_n + offs_n  # [BLOCK_N]
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
     # K is used transposed, [BLOCK_D, BLOCK_N], so that the product is q @ k.
-    # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
-    if TMA == TMA_HOST:
-        k = k_desc.load([b, start_n, h_kv, 0]).reshape(BLOCK_N, BLOCK_D).T
-    elif TMA == TMA_DEVICE:
+    if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
         k = k_desc.load([start_n, 0]).T
     elif MASKED:
         k = tl.load(k_ptrs + start_n * stride_ks, mask=(cols[None, :] < seqlen_k) & d_ok[:, None], other=0.0)
@@ -117,9 +108,7 @@ def _attn_fwd_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
 
-    if TMA == TMA_HOST:
-        v = v_desc.load([b, start_n, h_kv, 0]).reshape(BLOCK_N, BLOCK_D)
-    elif TMA == TMA_DEVICE:
+    if USE_TMA:
         v = v_desc.load([start_n, 0])
     elif MASKED:
         v = tl.load(v_ptrs + start_n * stride_vs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
@@ -134,7 +123,6 @@ def _attn_fwd_tile(
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Slopes,
-    q_desc, k_desc, v_desc, o_desc,
     cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -150,7 +138,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -199,7 +187,7 @@ def _attn_fwd_kernel(
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-    if TMA == TMA_DEVICE:
+    if USE_TMA:
         # Tensor descriptors of this (batch, head): the bounds are the sequence's own,
         # so the copy engine pads partial tiles with zeros and clips partial stores.
         q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
@@ -208,6 +196,10 @@ def _attn_fwd_kernel(
                                            block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        q_desc = q_base
+        k_desc = k_base
+        v_desc = v_base
     if BIAS_KIND != 0:
         bias_ptrs = (Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
                      + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn)  # [BLOCK_M, BLOCK_N]
@@ -235,9 +227,7 @@ def _attn_fwd_kernel(
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
 
     # ---- the Q tile stays resident -------------------------------------------------------
-    if TMA == TMA_HOST:
-        q = q_desc.load([b, m0, h, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    elif TMA == TMA_DEVICE:
+    if USE_TMA:
         q = q_desc.load([m0, 0])  # [BLOCK_M, BLOCK_D]
     else:
         q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -247,23 +237,23 @@ def _attn_fwd_kernel(
 
     for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, b, h_kv, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, TMA)
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, b, h_kv, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, TMA)
+            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, b, h_kv, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, TMA)
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -272,9 +262,7 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     row_ok = rows < seqlen_q
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + o_off
-    if TMA == TMA_HOST:
-        o_desc.store([b, m0, h, 0], out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
-    elif TMA == TMA_DEVICE:
+    if USE_TMA:
         o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, BLOCK_D])
         o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
@@ -298,14 +286,14 @@ class AttnFwdConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
-    """Tile shapes: searched on the H200 (see benchmarks/results/); small and quick to interpret on CPU."""
+    """Tile shapes searched on the H200 (benchmarks/results/); small and quick to interpret on CPU."""
     if device.type != "cuda":
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     block_d = _block_d(head_dim)
     if dtype == torch.float32:  # twice the bytes per tile: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
-    if block_d <= 64:
+    if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
@@ -384,19 +372,9 @@ def attention_forward(
     heads_kv = k.shape[-2]
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=window_right >= 0)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
-    tma = TMA_OFF.value
-    descs = (q, k, v, out)  # stand-ins when no descriptor is used
-    if cfg.use_tma and _tma_compatible(q, k, v, out):
-        block_d = _block_d(head_dim)
-        if varlen:  # sequence bounds live in cu_seqlens: descriptors are made in the kernel
-            tma = TMA_DEVICE.value
-            if q.device.type == "cuda":
-                _ensure_descriptor_allocator()
-        else:
-            tma = TMA_HOST.value
-            rows = {"q": cfg.block_m, "k": cfg.block_n, "v": cfg.block_n, "o": cfg.block_m}
-            descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows[name], 1, block_d])
-                          for name, t in zip("qkvo", (q, k, v, out)))
+    use_tma = cfg.use_tma and _tma_compatible(q, k, v, out)
+    if use_tma and q.device.type == "cuda":
+        _ensure_descriptor_allocator()
     if varlen:
         lse = new_output((num_heads, total_q), dtype=torch.float32, device=q.device)
         sl = (0, lse.stride(0), lse.stride(1))
@@ -424,7 +402,6 @@ def attention_forward(
         q, k, v, out, lse,
         bias if bias is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
-        *descs,
         cu_seqlens_q if varlen else dummy,
         cu_seqlens_k if varlen else dummy,
         *sq, *sk, *sv, *so, *sl, *sb, *ss,
@@ -450,7 +427,7 @@ def attention_forward(
         IS_VARLEN=varlen,
         HEAVY_FIRST=window_right >= 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        TMA=tma,
+        USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
