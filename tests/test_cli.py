@@ -1,5 +1,6 @@
 """The qflash command line, run as a user would (a subprocess)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -25,11 +26,41 @@ def test_info():
         assert word in r.stdout
 
 
-def test_demo_small():
-    r = qflash("demo", "--seqlens", "64,96")
+def test_demo_small(tmp_path):
+    png = tmp_path / "demo.png"
+    r = qflash("demo", "--seqlens", "64,96", "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert "error against a float64 reference" in r.stdout
     assert "128k" in r.stdout and "GiB" in r.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_explain():
+    r = qflash("demo", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "alpha" in r.stdout and "acc / l" in r.stdout
+
+
+def test_check_quick():
+    r = qflash("check", "--quick")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 failed" in r.stdout and "flash_attn_varlen_func" in r.stdout and "sdpa" in r.stdout
+
+
+def test_bench_quick_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = qflash("bench", "attention", "--quick", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert {"date", "torch", "triton", "gpu"} <= set(result["env"])
+    rows = result["rows"]
+    assert {r["provider"] for r in rows} >= {"qflash", "naive"}
+    for row in rows:
+        assert {"provider", "seqlen", "head_dim", "causal", "tflops", "tflops_exact", "gbps", "ms", "max_err",
+                "check", "error"} <= set(row)
+        if row["error"] is None:
+            assert row["check"] == "ok" and row["ms"] > 0 and row["tflops"] > 0
+    assert (tmp_path / "bench.png").exists()
 
 
 def test_bad_command_and_flag():
@@ -39,12 +70,16 @@ def test_bad_command_and_flag():
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
     r = qflash("bench", "matmul")
     assert r.returncode != 0 and "unknown op 'matmul'" in r.stderr
+    r = qflash("bench", "attention", "--providers", "qflash,nope")
+    assert r.returncode == 2 and "unknown provider" in r.stderr
+    r = qflash("bench", "attention", "--seqlens", "a,b")
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only message")
-def test_bench_needs_a_gpu():
-    r = qflash("bench", "attention", "--quick")
-    assert r.returncode == 2 and "no CUDA device" in r.stderr
+def test_bench_gpu_only_options():
+    r = qflash("bench", "attention", "--memory")
+    assert r.returncode == 2 and "CUDA GPU" in r.stderr
 
 
 def test_ci_runs_the_readme_test_command():

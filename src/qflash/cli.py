@@ -54,8 +54,31 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _naive_attention(q, k, v, record: list):
+    """Causal attention in three steps, as a framework would run it; records each N x N tensor."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    s = (qt @ kt.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, N, N] scores
+    n = s.shape[-1]
+    s = s.masked_fill(torch_triu_mask(n, s.device), float("-inf"))
+    p = torch_softmax(s)  # [B, H, N, N] probabilities
+    record += [s, p]
+    return (p @ vt).transpose(1, 2)
+
+
+def torch_triu_mask(n, device):
+    import torch
+
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
+def torch_softmax(s):
+    import torch
+
+    return torch.softmax(s, dim=-1)
+
+
 def cmd_demo(args) -> int:
-    """Naive attention vs qflash on the same inputs: error against fp64 and memory."""
+    """Naive attention vs qflash on the same inputs: error against fp64, memory, speed, a plot."""
     import torch
 
     _use_interpreter_without_gpu()
@@ -67,36 +90,150 @@ def cmd_demo(args) -> int:
     from qflash.testing import max_abs_err
 
     console = Console()
+    if args.explain:
+        return _explain(console)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.float16
     heads, d = (16, 128) if cuda else (2, 64)
-    seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else ([1024, 4096] if cuda else [128, 256])
-    console.print(f"[bold]qflash demo[/bold] on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}: "
-                  f"batch 1, {heads} heads, head dim {d}, {str(dtype)[6:]}, causal")
-
-    t = Table(title="error against a float64 reference (max |out - ref|)")
-    for c in ("N", "naive (PyTorch, fp16)", "qflash", "naive N x N intermediates", "qflash extra memory"):
-        t.add_column(c)
+    default = [1024, 2048, 4096, 8192, 16384] if cuda else [128, 256, 512]
+    seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else default
+    console.print(f"[bold]qflash demo[/bold] on {torch.cuda.get_device_name() if cuda else 'the CPU (Triton interpreter)'}: "
+                  f"batch 1, {heads} heads, head dim {d}, float16, causal. Both sides get the same inputs.")
+    how = "allocator peak" if cuda else "bytes of the tensors each creates"
+    t = Table(title=f"error against a float64 reference, and memory ({how})")
+    cols = ["N", "naive err", "qflash err", "naive memory", "qflash memory"]
+    cols += ["naive TFLOP/s", "qflash TFLOP/s"] if cuda else []
+    for c in cols:
+        t.add_column(c, justify="right")
+    points = []
     for n in seqlens:
         g = torch.Generator(device=device).manual_seed(n)
         q, k, v = (torch.randn(1, n, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
         ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=True)
-        naive, _ = attention_ref(q, k, v, causal=True, upcast=False)
+        naive_mem, flash_mem, speed = _measure(q, k, v, cuda)
+        record: list = []
+        naive = _naive_attention(q, k, v, record)
         out = qflash.flash_attn_func(q, k, v, causal=True)
-        # Naive attention materializes scores and probabilities: two (heads, N, N) tensors.
-        naive_bytes = 2 * heads * n * n * dtype.itemsize
-        flash_bytes = heads * n * d * dtype.itemsize + heads * n * 4  # output + lse
-        t.add_row(str(n), f"{max_abs_err(naive, ref):.2e}", f"{max_abs_err(out, ref):.2e}",
-                  _mb(naive_bytes), _mb(flash_bytes))
+        if not cuda:
+            naive_mem = sum(x.numel() * x.element_size() for x in record)
+            flash_mem = out.numel() * out.element_size() + heads * n * 4  # output + lse, all it allocates
+        del record
+        row = dict(n=n, naive_err=max_abs_err(naive, ref), flash_err=max_abs_err(out, ref),
+                   naive_mem=naive_mem, flash_mem=flash_mem, **speed)
+        points.append(row)
+        cells = [str(n), f"{row['naive_err']:.2e}", f"{row['flash_err']:.2e}", _mb(naive_mem), _mb(flash_mem)]
+        if cuda:
+            cells += [f"{speed['naive_tflops']:.0f}", f"{speed['flash_tflops']:.0f}"]
+        t.add_row(*cells)
     console.print(t)
 
-    e = Table(title="the same arithmetic at long context (16 heads, fp16, per layer and batch element)")
-    for c in ("context", "naive N x N intermediates", "FlashAttention output + lse"):
-        e.add_column(c)
+    e = Table(title="the same arithmetic at long context (16 heads, fp16, one layer, one sequence)")
+    for c in ("context", "naive: scores + probabilities, N x N", "FlashAttention: output + lse, O(N)"):
+        e.add_column(c, justify="right")
     for n in (4096, 32768, 131072):
         e.add_row(f"{n // 1024}k", _mb(2 * 16 * n * n * 2), _mb(16 * n * 128 * 2 + 16 * n * 4))
     console.print(e)
+    if args.plot:
+        console.print(f"wrote {_demo_plot(points, heads, d, cuda, args.plot)}")
+    return 0
+
+
+def _measure(q, k, v, cuda: bool):
+    """On a GPU: the allocator's peak for each side and their speed; elsewhere nothing."""
+    if not cuda:
+        return 0, 0, {}
+    import torch
+    import triton
+
+    import qflash
+
+    n, heads, d = q.shape[1], q.shape[2], q.shape[3]
+    peaks = []
+    for fn in (lambda: _naive_attention(q, k, v, []), lambda: qflash.flash_attn_func(q, k, v, causal=True)):
+        fn()  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        del out
+    flops = 4 * heads * n * n * d / 2
+    ms_naive = triton.testing.do_bench(lambda: _naive_attention(q, k, v, []))
+    ms_flash = triton.testing.do_bench(lambda: qflash.flash_attn_func(q, k, v, causal=True))
+    return peaks[0], peaks[1], dict(naive_tflops=flops / ms_naive / 1e9, flash_tflops=flops / ms_flash / 1e9)
+
+
+def _demo_plot(points, heads, d, cuda, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2 if cuda else 1, figsize=(11 if cuda else 6, 4), squeeze=False)
+    ax = axes[0, 0]
+    ns = np.array([p["n"] for p in points])
+    ax.plot(ns, [p["naive_mem"] / 2**20 for p in points], "o", color="C1", label="naive, measured")
+    ax.plot(ns, [p["flash_mem"] / 2**20 for p in points], "o", color="C0", label="qflash, measured")
+    grid = np.logspace(np.log2(ns.min()), 17, 50, base=2)
+    ax.plot(grid, 2 * heads * grid**2 * 2 / 2**20, "--", color="C1", label="naive: 2 x H x N^2 x 2 bytes")
+    ax.plot(grid, (heads * grid * d * 2 + heads * grid * 4) / 2**20, "--", color="C0", label="flash: output + lse")
+    ax.axhline(141e9 / 2**20, color="gray", linewidth=0.8)
+    ax.text(grid[0], 141e9 / 2**20 * 1.3, "H200 memory (141 GB)", fontsize=7, color="gray")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="MiB",
+           title=f"extra memory, {heads} heads, D={d}, fp16")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    if cuda:
+        ax = axes[0, 1]
+        ax.plot(ns, [p["naive_tflops"] for p in points], "o-", color="C1", label="naive (PyTorch ops)")
+        ax.plot(ns, [p["flash_tflops"] for p in points], "o-", color="C0", label="qflash")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="sequence length N", ylabel="TFLOP/s (causal, 2 x H x N^2 x D)", title="speed")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _explain(console) -> int:
+    """The online-softmax recurrence on a tiny example, block by block."""
+    import torch
+    from rich.table import Table
+
+    from qflash.reference import attention_ref, online_softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1, 4, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(1, 8, 1, 4, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(1, 8, 1, 4, generator=g, dtype=torch.float64)
+    # Visit blocks from the smallest best score of row 0 upwards, so its running max keeps moving.
+    block_max = (q[0, :, 0] @ k[0, :, 0].T)[0].view(4, 2).amax(dim=1)
+    order = block_max.argsort().tolist()
+    console.print("[bold]The online softmax[/bold]: 2 query rows, 8 keys in blocks of 2, taken in the order "
+                  f"{', '.join(map(str, order))} (any order gives the same result; this one makes row 0's max move).\n"
+                  "Per block: m_new = max(m, rowmax(s)); alpha = exp(m - m_new) rescales what is held; "
+                  "l = alpha * l + rowsum(exp(s - m_new)); acc = alpha * acc + exp(s - m_new) @ v.")
+    t = Table(title="state after each block (row 0 | row 1)")
+    for c in ("step", "keys", "m", "alpha (rescale)", "l"):
+        t.add_column(c, justify="right")
+
+    def show(st):
+        m, a, l = (st[x][0, 0, :, 0].tolist() for x in ("m", "alpha", "l"))
+        t.add_row(str(st["step"]), f"{st['keys'][0]}-{st['keys'][1] - 1}", " | ".join(f"{x:7.3f}" for x in m),
+                  " | ".join(f"{x:7.4f}" for x in a), " | ".join(f"{x:7.3f}" for x in l))
+
+    out, lse = online_softmax_attention(q, k, v, block_n=2, order=order, on_block=show)
+    ref, ref_lse = attention_ref(q, k, v)
+    console.print(t)
+    console.print(f"one division at the end: out = acc / l. Largest difference from softmax(q k^T) v computed "
+                  f"in one piece: {float((out - ref).abs().max()):.1e} (output), "
+                  f"{float((lse - ref_lse).abs().max()):.1e} (log-sum-exp): float64 rounding.")
     return 0
 
 
@@ -107,6 +244,7 @@ def _mb(nbytes: float) -> str:
 
 
 def cmd_bench(args) -> int:
+    _use_interpreter_without_gpu()
     if args.op == "attention":
         from qflash.bench.attention import main as bench_main
 
@@ -114,14 +252,37 @@ def cmd_bench(args) -> int:
     raise SystemExit(f"qflash bench: unknown op {args.op!r}; available: attention")
 
 
+def cmd_check(args) -> int:
+    _use_interpreter_without_gpu()
+    from rich.console import Console
+
+    from qflash.bench.harness import rich_table
+    from qflash.check import run_check
+
+    console = Console()
+    rows = run_check(quick=args.quick)
+    for r in rows:
+        r["result"] = "pass" if r["ok"] else "FAIL"
+    console.print(rich_table(rows, ["op", "case", "kernel_err", "torch_err", "bound", "result", "error"],
+                             "qflash check: kernel error vs 2 x PyTorch's error + rounding floor (fp64 reference)"))
+    failed = sum(not r["ok"] for r in rows)
+    console.print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qflash", description="Exact FlashAttention and quantized kernels in Triton.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, GPU, interpreter, available kernels")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("demo", help="naive attention vs qflash: exactness and memory")
+    p = sub.add_parser("demo", help="naive attention vs qflash: exactness, memory, speed")
     p.add_argument("--seqlens", help="comma-separated sequence lengths")
+    p.add_argument("--plot", default="qflash_demo.png", help="PNG to write (memory vs N; on a GPU also speed)")
+    p.add_argument("--explain", action="store_true", help="walk through the online softmax on a tiny example")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("check", help="every kernel against its reference on this device")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="benchmark an op against its peers (GPU)")
     p.add_argument("op", help="attention")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help lists them)")

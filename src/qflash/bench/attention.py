@@ -3,55 +3,55 @@
 Sizing follows the FlashAttention papers: batch x seqlen = 16k tokens and
 heads x headdim = 2048, seqlen 512 ... 16k. Every provider is first checked
 against a float32 reference on a slice of the benchmark inputs (the last query
-rows of two heads, which see every key), and its error is reported next to its
-speed. TFLOP/s use the 4 * B * H * Sq * Sk * D convention, halved for causal.
+rows of two heads, which see every key); its error is a column next to its
+speed, never hidden. TFLOP/s use the 4 * B * H * Sq * Sk * D convention, halved
+for causal (``tflops``), and the exact count of visible (query, key) pairs
+(``tflops_exact``).
 
-    python -m qflash.bench.attention --out results.json           # the sweep
-    python -m qflash.bench.attention --tiles --head-dims 128       # qflash tile search
+    qflash bench attention --out results.json       # the sweep, with PNG plots beside the JSON
+    qflash bench attention --quick                  # a short run (also on a CPU, in the interpreter)
+    qflash bench attention --tiles --head-dims 128  # qflash tile search (GPU)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
-import platform
+import os
 import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 
+from qflash.bench.harness import (
+    environment,
+    fmt,
+    measure_ceilings,
+    plot_lines,
+    plot_roofline,
+    rich_table,
+    save_json,
+    time_ms,
+)
+
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 DEFAULT_HEAD_DIMS = [64, 128, 256]
 DEFAULT_PROVIDERS = ["qflash", "sdpa_cudnn", "sdpa_flash"]
-ALL_PROVIDERS = ["qflash", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "naive", "flex", "flash_attn", "sageattention"]
+CPU_PROVIDERS = ["qflash", "sdpa_math", "naive"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = 2e-2  # slice check against fp32: bf16 outputs are good to ~1e-2
 
 
-def environment() -> Dict[str, object]:
-    """What a result was measured on."""
-    import triton
-
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.version.cuda,
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, sm_count=props.multi_processor_count,
-                   capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                   cudnn=torch.backends.cudnn.version())
-    return env
-
-
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return flops / 2 if causal else flops
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, exact=False) -> float:
+    """4 * B * H * Sq * Sk * D, halved for causal; ``exact`` counts only visible pairs."""
+    pairs = seqlen_q * seqlen_k
+    if causal:
+        if exact:  # bottom-right causal: row i sees min(Sk, i + Sk - Sq + 1) keys
+            pairs = sum(max(0, min(seqlen_k, i + seqlen_k - seqlen_q + 1)) for i in range(seqlen_q))
+        else:
+            pairs /= 2
+    return 4.0 * batch * heads * pairs * head_dim
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,6 +92,7 @@ def _qflash_provider(config=None):
 
 
 def _naive(q, k, v, causal):
+    """Three steps, the N x N scores in device memory: what FlashAttention avoids."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1])
 
@@ -134,6 +135,7 @@ PROVIDERS: Dict[str, Callable] = {
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa_provider("EFFICIENT_ATTENTION"),
+    "sdpa_math": _sdpa_provider("MATH"),
     "naive": _naive,
     "flex": _flex,
     "flash_attn": _flash_attn,
@@ -152,50 +154,64 @@ def _slice_error(out: torch.Tensor, q, k, v, causal: bool) -> float:
 
 
 def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100) -> Dict[str, object]:
-    import triton
-
+    """Check a provider on the benchmark inputs, then time it. Failures become an error column."""
     try:
         fn = make(q, k, v, causal)
         out = fn()
         err = _slice_error(out, q, k, v, causal)
         del out
-        ms, lo, hi = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return {"ms": ms, "ms_p20": lo, "ms_p80": hi, "max_err": err, "error": None}
-    except Exception as exc:  # a peer that is missing or refuses the shape is reported, not fatal
-        torch.cuda.empty_cache()
-        return {"ms": None, "max_err": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        res = time_ms(fn, rep_ms=rep_ms, device=q.device.type)
+        return {**res, "max_err": err, "check": "ok" if err <= TOLERANCE else "MISMATCH", "error": None}
+    except ModuleNotFoundError as exc:
+        return {"ms": None, "max_err": None, "check": None, "error": f"not installed: {exc.name}"}
+    except Exception as exc:  # a peer that refuses the shape or device is reported, not fatal
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"ms": None, "max_err": None, "check": None,
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
 
 
 def fa_shapes(seqlens, head_dims, total_tokens=16384, hidden=2048):
+    """(batch, heads, seqlen, head_dim) with batch x seqlen = total_tokens and heads x head_dim = hidden."""
     for d in head_dims:
         for s in seqlens:
-            yield max(1, total_tokens // s), hidden // d, s, d
+            yield max(1, total_tokens // s), max(1, hidden // d), s, d
 
 
-def run_sweep(providers: List[str], seqlens, head_dims, causals, dtype, *, progress=None) -> List[dict]:
-    rows = []
-    for (batch, heads, seqlen, d), causal in itertools.product(list(fa_shapes(seqlens, head_dims)), causals):
-        g = torch.Generator(device="cuda").manual_seed(seqlen * 7 + d)
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype) for _ in range(3))
-        flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
+def _row(name, batch, heads, seqlen, d, causal, dtype, res):
+    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
+    flops_exact = attention_flops(batch, heads, seqlen, seqlen, d, causal, exact=True)
+    nbytes = 4 * batch * seqlen * heads * d * torch.tensor([], dtype=dtype).element_size()  # q, k, v, out
+    ms = res.get("ms")
+    return dict(provider=name, batch=batch, heads=heads, seqlen=seqlen, head_dim=d, causal=causal,
+                dtype=str(dtype).replace("torch.", ""),
+                tflops=flops / (ms * 1e-3) / 1e12 if ms else None,
+                tflops_exact=flops_exact / (ms * 1e-3) / 1e12 if ms else None,
+                gbps=nbytes / (ms * 1e-3) / 1e9 if ms else None,
+                intensity=flops / nbytes, **res)
+
+
+def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], progress=None) -> List[dict]:
+    for (batch, heads, seqlen, d), causal in itertools.product(list(shapes), causals):
+        g = torch.Generator(device=device).manual_seed(seqlen * 7 + d)
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
         for name in providers:
-            if name == "naive" and batch * heads * seqlen * seqlen * 4 > 48 * 2**30:
-                res = {"ms": None, "max_err": None, "error": "skipped: score matrix over 48 GB"}
+            if name == "naive" and batch * heads * seqlen * seqlen * 6 > 48 * 2**30:
+                res = {"ms": None, "max_err": None, "check": None, "error": "skipped: N x N scores over 48 GB"}
             else:
                 res = bench_one(PROVIDERS[name], q, k, v, causal)
-            tflops = flops / (res["ms"] * 1e-3) / 1e12 if res["ms"] else None
-            rows.append(dict(provider=name, batch=batch, heads=heads, seqlen=seqlen, head_dim=d, causal=causal,
-                             dtype=str(dtype).replace("torch.", ""), tflops=tflops, **res))
+            rows.append(_row(name, batch, heads, seqlen, d, causal, dtype, res))
             if progress:
                 progress(rows[-1])
         del q, k, v
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-# (block_m, block_n, num_warps, num_stages, use_tma) searched on the H200, per head-dim bucket.
-# The grid searched on the H200 in the second round (benchmarks/results/attention_tiles_*.json
-# hold every round); the winners are qflash.kernels.attention.default_config.
+# (block_m, block_n, num_warps, num_stages, use_tma) searched on the H200, per head-dim bucket;
+# benchmarks/results/attention_tiles_*.json hold every round, and the winners are
+# qflash.kernels.attention.default_config.
 TILE_GRID = {
     64: [(128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, False),
          (128, 128, 4, 3, False), (128, 128, 8, 3, False), (256, 64, 8, 3, True), (256, 64, 8, 3, False)],
@@ -214,8 +230,7 @@ def tile_configs(head_dim: int):
         yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=tma)
 
 
-def run_tiles(seqlens, head_dims, causals, dtype, *, progress=None, rows=None) -> List[dict]:
-    rows = [] if rows is None else rows
+def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None) -> List[dict]:
     for d in head_dims:
         inputs = {}
         for seqlen in seqlens:
@@ -226,12 +241,9 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, progress=None, rows=None) -
         for causal in causals:
             for cfg in tile_configs(d):
                 for seqlen, (q, k, v) in inputs.items():  # one compile serves every length
-                    batch, heads = q.shape[0], q.shape[2]
-                    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
                     res = bench_one(_qflash_provider(cfg), q, k, v, causal, rep_ms=60)
-                    tflops = flops / (res["ms"] * 1e-3) / 1e12 if res["ms"] else None
-                    rows.append(dict(provider="qflash", config=cfg.__dict__, batch=batch, heads=heads,
-                                     seqlen=seqlen, head_dim=d, causal=causal, tflops=tflops, **res))
+                    row = _row("qflash", q.shape[0], q.shape[2], seqlen, d, causal, dtype, res)
+                    rows.append(dict(row, config=cfg.__dict__))
                     if progress:
                         progress(rows[-1])
     return rows
@@ -244,8 +256,7 @@ def memory_probe(seqlens=(4096, 16384, 65536), providers=("qflash", "sdpa_flash"
         q, k, v = (torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for name in providers:
             if name == "naive" and 16 * n * n * 2 * 3 > 100 * 2**30:
-                rows.append(dict(provider=name, seqlen=n, extra_mb=None, predicted_naive_mb=16 * n * n * 10 / 2**20,
-                                 error="skipped: would not fit"))
+                rows.append(dict(provider=name, seqlen=n, extra_mb=None, error="skipped: would not fit"))
                 continue
             fn = PROVIDERS[name](q, k, v, False)
             torch.cuda.synchronize()
@@ -254,41 +265,17 @@ def memory_probe(seqlens=(4096, 16384, 65536), providers=("qflash", "sdpa_flash"
             try:
                 out = fn()
                 torch.cuda.synchronize()
-                extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+                rows.append(dict(provider=name, seqlen=n, extra_mb=(torch.cuda.max_memory_allocated() - base) / 2**20,
+                                 error=None))
                 del out
-                rows.append(dict(provider=name, seqlen=n, extra_mb=extra, error=None))
             except torch.cuda.OutOfMemoryError as exc:
                 rows.append(dict(provider=name, seqlen=n, extra_mb=None, error=f"OutOfMemoryError: {exc}"[:120]))
             torch.cuda.empty_cache()
-        # What the output and lse alone need, for comparison: O(N).
-        rows.append(dict(provider="output+lse (bytes that must exist)", seqlen=n,
-                         extra_mb=(n * 16 * 128 * 2 + 16 * n * 4) / 2**20, error=None))
+        # The bytes that must exist whatever the algorithm: output and lse, O(N).
+        rows.append(dict(provider="output+lse", seqlen=n, extra_mb=(n * 16 * 128 * 2 + 16 * n * 4) / 2**20, error=None))
         del q, k, v
         torch.cuda.empty_cache()
     return rows
-
-
-def _table(rows: List[dict], title: str):
-    from rich.table import Table
-
-    keys = [k for k in ("provider", "config", "seqlen", "head_dim", "causal", "tflops", "ms", "max_err", "extra_mb",
-                        "error") if any(k in r for r in rows)]
-    table = Table(title=title)
-    for k in keys:
-        table.add_column(k)
-    for r in rows:
-        table.add_row(*[_fmt(r.get(k)) for k in keys])
-    return table
-
-
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.4g}" if abs(x) < 1e-2 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3f}"
-    if isinstance(x, dict):
-        return ",".join(f"{v}" for v in x.values())
-    return str(x)
 
 
 def ratio_table(rows: List[dict], numerator="qflash", denominators=("sdpa_cudnn", "sdpa_flash")) -> List[dict]:
@@ -306,82 +293,122 @@ def ratio_table(rows: List[dict], numerator="qflash", denominators=("sdpa_cudnn"
     return out
 
 
+def _plots(result: dict, stem: str) -> List[str]:
+    rows = [r for r in result["rows"] if r.get("tflops")]
+    if not rows:
+        return []
+    panels = sorted({(f"D={r['head_dim']}", "causal" if r["causal"] else "non-causal") for r in rows},
+                    key=lambda p: (int(p[0][2:]), p[1] == "causal"))
+    paths = [plot_lines(rows, panels=panels, panel_key=lambda r: (f"D={r['head_dim']}",
+                                                                   "causal" if r["causal"] else "non-causal"),
+                        x="seqlen", y="tflops", series="provider", path=f"{stem}.png", xlabel="sequence length",
+                        ylabel="TFLOP/s", title=f"attention forward, {result['dtype']}, "
+                                                        f"{result['env'].get('gpu') or 'CPU (interpreter)'}")]
+    if result.get("ceilings"):
+        paths.append(plot_roofline(rows, result["ceilings"], path=f"{stem}_roofline.png",
+                                   title=f"attention forward vs measured ceilings, {result['env'].get('gpu')}"))
+    return paths
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="qflash bench attention", description=__doc__.splitlines()[0])
-    parser.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS),
-                        help=f"comma-separated, from {','.join(ALL_PROVIDERS)}")
+    parser.add_argument("--providers", help=f"comma-separated, from {','.join(PROVIDERS)} "
+                                            f"(default: {','.join(DEFAULT_PROVIDERS)}; on a CPU {','.join(CPU_PROVIDERS)})")
     parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
     parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)))
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead")
-    parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (B=1, H=16, D=128)")
-    parser.add_argument("--quick", action="store_true", help="a short run: seqlens 1024,4096, head dim 128")
-    parser.add_argument("--out", help="write results as JSON here")
+    parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
+    parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (GPU)")
+    parser.add_argument("--ceilings", action="store_true", help="also measure copy and matmul ceilings (GPU)")
+    parser.add_argument("--quick", action="store_true", help="a short run (tiny shapes on a CPU)")
+    parser.add_argument("--out", help="write results as JSON here (plots go beside it, same stem)")
     args = parser.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        parser.error("the attention benchmark times CUDA kernels; no CUDA device is visible")
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    providers = [p.strip() for p in (args.providers or ",".join(DEFAULT_PROVIDERS if cuda else CPU_PROVIDERS)).split(",")
+                 if p.strip()]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
-        parser.error(f"unknown provider(s) {unknown}; choose from {ALL_PROVIDERS}")
-    seqlens = [int(s) for s in args.seqlens.split(",")]
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    if args.quick:
-        seqlens, head_dims = [1024, 4096], [128]
+        parser.error(f"unknown provider(s) {unknown}; choose from {','.join(PROVIDERS)}")
+    try:
+        seqlens = [int(s) for s in args.seqlens.split(",")]
+        head_dims = [int(d) for d in args.head_dims.split(",")]
+    except ValueError:
+        parser.error("--seqlens and --head-dims take comma-separated integers")
+    if (args.tiles or args.memory or args.ceilings) and not cuda:
+        parser.error("--tiles, --memory and --ceilings measure a CUDA GPU; none is visible")
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     dtype = DTYPES[args.dtype]
+    if cuda:
+        shapes = list(fa_shapes([1024, 4096] if args.quick else seqlens, [128] if args.quick else head_dims))
+    else:  # the interpreter: tiny shapes, only to exercise the benchmark itself
+        dtype = torch.float16
+        shapes = list(fa_shapes([32, 64] if args.quick else seqlens, [32] if args.quick else head_dims,
+                                total_tokens=128, hidden=64))
 
     from rich.console import Console
+    from rich.progress import Progress
 
     console = Console()
+    result = {"env": environment(), "dtype": str(dtype).replace("torch.", ""),
+              "convention": "tflops: 4*B*H*S^2*D, /2 causal; tflops_exact: visible pairs only; "
+                            "gbps: bytes of q, k, v, out over time"}
+    stem = os.path.splitext(args.out)[0] if args.out else None
 
-    result = {"env": environment(), "dtype": args.dtype, "convention": "4*B*H*S^2*D, /2 causal"}
-
-    def save():
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-
-    def progress(r):
-        save()  # a run cut short still leaves what it measured
-        what = r.get("config") or r["provider"]
-        console.log(f"D={r['head_dim']} S={r['seqlen']} causal={r['causal']} {what}: "
-                    f"{_fmt(r.get('tflops'))} TFLOP/s err={_fmt(r.get('max_err'))} {r.get('error') or ''}")
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+        if args.tiles:
+            result["tiles"] = []
+            total = len(head_dims) * len(causals) * len(seqlens) * 8
+            task = bar.add_task("tile search", total=total)
+            run_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"],
+                      progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
+        else:
+            result["rows"] = []
+            task = bar.add_task("attention forward", total=len(shapes) * len(causals) * len(providers))
+            run_sweep(providers, shapes, causals, dtype, device, rows=result["rows"],
+                      progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
+    if args.ceilings:
+        result["ceilings"] = measure_ceilings()
+    if args.memory:
+        result["memory"] = memory_probe()
 
     if args.tiles:
-        result["tiles"] = []
-        run_tiles(seqlens, head_dims, causals, dtype, progress=progress, rows=result["tiles"])
         best = {}
         for r in result["tiles"]:
             key = (r["head_dim"], r["causal"], r["seqlen"])
             if r.get("tflops") and (key not in best or r["tflops"] > best[key]["tflops"]):
                 best[key] = r
-        console.print(_table(list(best.values()), "best tile config per (head_dim, causal)"))
+        console.print(rich_table(list(best.values()), ["config", "seqlen", "head_dim", "causal", "tflops"],
+                                 "best tile config per (head_dim, causal, seqlen)"))
     else:
-        result["rows"] = run_sweep(providers, seqlens, head_dims, causals, dtype, progress=progress)
-        result["ratios"] = ratio_table(result["rows"])
-        failed = [r for r in result["rows"] if r.get("error")]
-        if failed:
-            console.print(_table(failed, "providers that did not run"))
-        from rich.table import Table
-
-        t = Table(title="qflash speed over peers (same run)")
-        for c in ("seqlen", "head_dim", "causal", "qflash_tflops", "x_sdpa_cudnn", "x_sdpa_flash"):
-            t.add_column(c)
-        for r in result["ratios"]:
-            t.add_row(*[_fmt(r.get(c)) for c in ("seqlen", "head_dim", "causal", "qflash_tflops", "x_sdpa_cudnn",
-                                                   "x_sdpa_flash")])
-        console.print(t)
-    if args.memory:
-        result["memory"] = memory_probe()
-        console.print(_table(result["memory"], "extra peak memory, MB (B=1, H=16, D=128, bf16)"))
-    save()
+        rows = result["rows"]
+        result["ratios"] = ratio_table(rows)
+        cols = ["provider", "seqlen", "head_dim", "causal", "tflops", "tflops_exact", "gbps", "ms", "max_err", "check",
+                "error"]
+        title = f"attention forward, {result['dtype']}, {result['env'].get('gpu') or 'CPU (interpreter)'}"
+        console.print(rich_table(rows if not cuda or args.quick else [r for r in rows if r.get("error") or
+                                 r.get("check") != "ok"], cols, title if not cuda or args.quick
+                                 else "providers that did not run or did not match"))
+        if result["ratios"] and cuda:
+            console.print(rich_table(result["ratios"], ["seqlen", "head_dim", "causal", "qflash_tflops",
+                                                        "x_sdpa_cudnn", "x_sdpa_flash"], "qflash over peers, same run"))
+    if result.get("ceilings"):
+        console.print("ceilings: " + ", ".join(f"{k} {fmt(v)}" for k, v in result["ceilings"].items()))
+    if result.get("memory"):
+        console.print(rich_table(result["memory"], ["provider", "seqlen", "extra_mb", "error"],
+                                 "extra peak memory, MB (B=1, H=16, D=128, bf16)"))
     if args.out:
-        console.print(f"wrote {args.out}")
+        save_json(args.out, result)
+        written = [args.out] + (_plots(result, stem) if "rows" in result else [])
+        console.print("wrote " + ", ".join(written))
     return 0
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.exit(main())

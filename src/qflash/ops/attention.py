@@ -129,7 +129,13 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_heads(heads: int, heads_kv: int, headdim: int, headdim_k: int, headdim_v: int) -> None:
+def _check_heads(k: torch.Tensor, v: torch.Tensor, heads: int, heads_kv: int, headdim: int,
+                 names: Tuple[str, str] = ("k", "v")) -> None:
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    headdim_k = headdim_v = k.shape[-1]
     if heads_kv == 0 or heads % heads_kv != 0:
         raise ValueError(f"number of query heads ({heads}) must be a multiple of key/value heads ({heads_kv})")
     if headdim_k != headdim or headdim_v != headdim:
@@ -247,11 +253,9 @@ def flash_attn_func(
     _check_dropout(dropout_p)
     _check_no_grad(q, k, v)
     batch, seqlen_q, heads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads(k, v, heads, k.shape[2], headdim)
     if k.shape[0] != batch:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
-    _check_heads(heads, k.shape[2], headdim, k.shape[3], v.shape[3])
     left, right = _window(window_size, causal)
     out, lse = torch.ops.qflash.attention_forward(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
@@ -341,9 +345,7 @@ def flash_attn_varlen_func(
     _check_dropout(dropout_p)
     _check_no_grad(q, k, v)
     total_q, heads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_heads(heads, k.shape[1], headdim, k.shape[2], v.shape[2])
+    _check_heads(k, v, heads, k.shape[1], headdim)
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
     max_seqlen_q = int(max_seqlen_q)
@@ -422,13 +424,11 @@ def sdpa(
     _check_no_grad(query, key, value, attn_mask)
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    _check_heads(key, value, heads, heads_kv, headdim, names=("key", "value"))
     if key.shape[0] != batch:
         raise ValueError(f"key has batch {key.shape[0]} but query has batch {batch}")
     if heads_kv != heads and not enable_gqa:
         raise ValueError(f"query has {heads} heads but key/value have {heads_kv}: pass enable_gqa=True for GQA")
-    _check_heads(heads, heads_kv, headdim, key.shape[3], value.shape[3])
     if is_causal and attn_mask is not None:
         raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
     bias = None

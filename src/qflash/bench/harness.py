@@ -1,0 +1,186 @@
+"""What every benchmark shares: timing, the machine's ceilings, results files, plots.
+
+Timing on CUDA is ``triton.testing.do_bench`` (CUDA events, median and quantiles,
+L2 flushed between calls); on a CPU (Triton's interpreter) it is a wall-clock
+median, useful only to exercise the benchmark code itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+def environment() -> Dict[str, object]:
+    """What a result was measured on."""
+    import os
+
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sm_count=props.multi_processor_count,
+                   capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env.update(gpu=None, cpu=platform.processor() or platform.machine())
+    return env
+
+
+def time_ms(fn: Callable[[], object], *, rep_ms: int = 100, device: str = "cuda") -> Dict[str, float]:
+    """Median time of ``fn`` in ms, with the 20th and 80th percentiles."""
+    if device == "cuda":
+        import triton
+
+        med, lo, hi = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        return {"ms": med, "ms_p20": lo, "ms_p80": hi}
+    fn()  # warm-up (first call compiles / traces)
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(samples, n=5) if len(samples) > 1 else samples * 4
+    return {"ms": statistics.median(samples), "ms_p20": q[0], "ms_p80": q[-1]}
+
+
+def measure_ceilings() -> Dict[str, Optional[float]]:
+    """The machine's own limits, measured in the same run as the benchmark (CUDA only).
+
+    copy_TBps: device-to-device copy, bytes read + written; bf16_mm_TFLOPs: 8192^3
+    torch.matmul on random data; fp8_mm_TFLOPs: the same through torch._scaled_mm (e4m3).
+    """
+    import triton
+
+    out: Dict[str, Optional[float]] = {}
+    x = torch.randn(2**28, device="cuda", dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    out["copy_TBps"] = 2 * x.numel() * 4 / (ms * 1e-3) / 1e12
+    del x, y
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    out["bf16_mm_TFLOPs"] = 2 * n**3 / (ms * 1e-3) / 1e12
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t()  # _scaled_mm wants B column-major
+        one = torch.ones((), device="cuda")
+        ms = triton.testing.do_bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                              out_dtype=torch.bfloat16), return_mode="median")
+        out["fp8_mm_TFLOPs"] = 2 * n**3 / (ms * 1e-3) / 1e12
+    except Exception:  # older GPUs have no FP8 tensor cores
+        out["fp8_mm_TFLOPs"] = None
+    return out
+
+
+def save_json(path: str, result: dict) -> None:
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if x != x:
+            return "nan"
+        return f"{x:.2e}" if abs(x) < 1e-2 and x != 0 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3f}"
+    return str(x)
+
+
+def rich_table(rows: List[dict], columns: Sequence[str], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        numeric = any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)
+        table.add_column(c, justify="right" if numeric else "left")
+    for r in rows:
+        table.add_row(*[fmt(r.get(c)) for c in columns])
+    return table
+
+
+def plot_lines(rows: List[dict], *, panels: Sequence[tuple], panel_key: Callable[[dict], tuple], x: str, y: str,
+               series: str, title: str, path: str, xlabel: str, ylabel: str, logx: bool = True) -> str:
+    """One subplot per panel, one line per series (e.g. per provider)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        sel = [r for r in rows if panel_key(r) == panel and r.get(y) is not None]
+        for name in dict.fromkeys(r[series] for r in sel):
+            pts = sorted((r[x], r[y]) for r in sel if r[series] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                    linewidth=2.5 if name == "qflash" else 1.2)
+        ax.set_title(", ".join(str(p) for p in panel))
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_roofline(points: List[dict], ceilings: Dict[str, Optional[float]], *, path: str, title: str) -> str:
+    """Achieved TFLOP/s against arithmetic intensity, under the measured ceilings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    intensity = np.logspace(0, 4, 200)
+    bw = ceilings.get("copy_TBps")
+    for key, style in (("bf16_mm_TFLOPs", "-"), ("fp8_mm_TFLOPs", "--")):
+        peak = ceilings.get(key)
+        if bw and peak:
+            ax.plot(intensity, np.minimum(bw * intensity, peak), "k" + style, linewidth=1,
+                    label=f"{key.split('_')[0]} ceiling: {peak:.0f} TFLOP/s, {bw:.2f} TB/s")
+    for name in dict.fromkeys(p["provider"] for p in points):
+        sel = [p for p in points if p["provider"] == name and p.get("tflops")]
+        ax.scatter([p["intensity"] for p in sel], [p["tflops"] for p in sel], s=14, label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of q, k, v, out)")
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
