@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bench] [memory]     (default: tests bench memory)
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bench] [flex] [demo] [check] [memory]
+#   (default: tests bench demo check)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
 # triton, pytest and rich). Each stage has its own time limit, so one that hangs
@@ -11,7 +12,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests bench memory)
+[ ${#stages[@]} -eq 0 ] && stages=(tests bench demo check)
 
 python3 -m qflash.cli info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$OUT/info.txt" 2>&1
@@ -24,9 +25,15 @@ for stage in "${stages[@]}"; do
               2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
-    bench)  timeout 240 python3 -m qflash.bench.attention --out "$OUT/attention_fwd.json" 2>&1 | tail -n 60 ;;
-    memory) timeout 120 python3 -m qflash.bench.attention --providers qflash --seqlens 1024 --head-dims 128 \
+    bench)  timeout 240 python3 -m qflash.cli bench attention \
+              --providers qflash,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_math,naive --ceilings --memory \
+              --out "$OUT/attention_fwd.json" 2>&1 | tail -n 70 ;;
+    flex)   timeout 120 python3 -m qflash.cli bench attention --providers qflash,flex --seqlens 2048,8192 \
+              --head-dims 64,128 --out "$OUT/attention_flex.json" 2>&1 | tail -n 12 ;;
+    demo)   timeout 120 python3 -m qflash.cli demo --plot "$OUT/demo.png" 2>&1 | tail -n 30 ;;
+    check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
+    memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bench, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bench, flex, demo, check, memory)"; exit 2 ;;
   esac
 done
