@@ -88,3 +88,16 @@ def test_ci_runs_the_readme_test_command():
     commands = [line for line in block.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2 and "qflash demo" in commands[0] and "pytest" in commands[1]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_check_exit_code_reports_failures(monkeypatch, capsys):
+    import qflash.check
+    from qflash import cli
+
+    def failing(quick=False, seed=0):
+        return [dict(op="flash_attn_func", case="planted failure", kernel_err=1.0, torch_err=1e-3, bound=3e-3,
+                     ok=False, error=None)]
+
+    monkeypatch.setattr(qflash.check, "run_check", failing)
+    assert cli.main(["check", "--quick"]) == 1
+    assert "0 passed, 1 failed" in capsys.readouterr().out
