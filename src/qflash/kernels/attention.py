@@ -1,4 +1,4 @@
-"""FlashAttention forward in Triton: the kernel and its launcher.
+"""FlashAttention in Triton: forward and backward kernels and their launchers.
 
 One program owns BLOCK_M query rows of one (batch, head). Its Q tile stays on chip
 while K/V tiles of BLOCK_N keys stream past. For each tile it keeps the online
@@ -17,6 +17,13 @@ the key range of a program is split into
     [full_hi, hi)        diagonal / right window edge / sequence end: masked
 
 and blocks outside [lo, hi) are never loaded.
+
+The backward pass recomputes the probabilities from the saved log-sum-exp instead
+of storing them (FlashAttention-2): a preprocess pass computes
+``delta = rowsum(dO * O)``, one kernel holds a K/V block and sweeps the query
+blocks (and, for GQA, every query head of its group) to accumulate dK and dV, and
+another holds a Q block and sweeps the key blocks for dQ. No atomics: the
+gradients are bitwise identical from run to run.
 """
 
 from __future__ import annotations
@@ -45,10 +52,57 @@ def _tanh(x):
 
 
 @triton.jit
+def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
+    """(first row, length) of sequence b: from cu_seqlens when packed, else (0, seqlen)."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + b).to(tl.int64)
+        seqlen = (tl.load(cu_seqlens + b + 1) - start).to(tl.int32)
+    else:
+        start = tl.full([], 0, tl.int64)
+    return start, seqlen
+
+
+@triton.jit
+def _scores_log2(
+    qk, rows, cols, bias_base, stride_bm, stride_bn,
+    seqlen_q, seqlen_k, shift, window_left, window_right,
+    qk_scale, softcap_log2, slope_log2,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+):
+    """Raw products q.k of a [rows, cols] tile -> final scores in the log2 domain, -inf where hidden.
+
+    Order as in the reference: scale, softcap, ALiBi, mask/bias, then causal/window/bounds.
+    """
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(qk * qk_scale)
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
+    if BIAS_KIND != 0:
+        b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+        b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bm + cols[None, :] * stride_bn
+        bias = tl.load(b_ptrs, mask=b_ok, other=0)
+        if BIAS_KIND == 1:
+            s = tl.where(bias != 0, s, float("-inf"))
+        else:
+            s += bias.to(s.dtype) * RCP_LN2
+    if MASKED:
+        keep = (cols[None, :] < seqlen_k) & (rows[:, None] < seqlen_q)
+        if HAS_RIGHT:
+            keep &= cols[None, :] <= rows[:, None] + shift + window_right
+        if HAS_LEFT:
+            keep &= cols[None, :] >= rows[:, None] + shift - window_left
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _attn_fwd_tile(
     acc, m_i, l_i, q,
-    k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs,
-    stride_ks, stride_vs, stride_bn,
+    k_desc, v_desc, k_ptrs, v_ptrs, bias_base,
+    stride_ks, stride_vs, stride_bm, stride_bn,
     start_n, rows, offs_n, offs_d,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
@@ -78,27 +132,9 @@ def _attn_fwd_tile(
         m_new_safe = m_new
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     else:
-        # Scores in the log2 domain.
-        if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(qk * qk_scale)
-        else:
-            s = qk * qk_scale
-        if HAS_ALIBI:
-            s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
-        if BIAS_KIND != 0:
-            b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-            bias = tl.load(bias_ptrs + start_n * stride_bn, mask=b_ok, other=0)
-            if BIAS_KIND == 1:
-                s = tl.where(bias != 0, s, float("-inf"))
-            else:
-                s += bias.to(tl.float32) * RCP_LN2
-        if MASKED:
-            keep = cols[None, :] < seqlen_k
-            if HAS_RIGHT:
-                keep &= cols[None, :] <= rows[:, None] + shift + window_right
-            if HAS_LEFT:
-                keep &= cols[None, :] >= rows[:, None] + shift - window_left
-            s = tl.where(keep, s, float("-inf"))
+        s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                         window_left, window_right, qk_scale, softcap_log2, slope_log2,
+                         MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
         # so exp2(-inf - (-inf)) = NaN never appears.
@@ -138,7 +174,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -156,21 +192,8 @@ def _attn_fwd_kernel(
     h = bh % num_heads
     h_kv = h // kv_group
 
-    if IS_VARLEN:  # packed rows: sequence b is rows cu_seqlens[b] : cu_seqlens[b + 1]
-        q_start = tl.load(cu_seqlens_q + b)
-        seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + b)
-        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
-        q_off = q_start.to(tl.int64) * stride_qs
-        k_off = k_start.to(tl.int64) * stride_ks
-        v_off = k_start.to(tl.int64) * stride_vs
-        o_off = q_start.to(tl.int64) * stride_os
-    else:
-        q_start = 0
-        q_off = 0
-        k_off = 0
-        v_off = 0
-        o_off = 0
+    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
@@ -181,9 +204,9 @@ def _attn_fwd_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_off
-    k_base = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + k_off
-    v_base = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + v_off
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qs
+    k_base = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
+    v_base = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -200,11 +223,7 @@ def _attn_fwd_kernel(
         q_desc = q_base
         k_desc = k_base
         v_desc = v_base
-    if BIAS_KIND != 0:
-        bias_ptrs = (Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
-                     + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn)  # [BLOCK_M, BLOCK_N]
-    else:
-        bias_ptrs = Bias
+    bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh  # this (batch, head)'s mask plane
     if HAS_ALIBI:
         slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * RCP_LN2
     else:
@@ -231,26 +250,26 @@ def _attn_fwd_kernel(
         q = q_desc.load([m0, 0])  # [BLOCK_M, BLOCK_D]
     else:
         q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
 
     for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
             HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
             HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
         acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_ptrs, stride_ks, stride_vs, stride_bn,
+            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2,
             HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
@@ -261,7 +280,7 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     row_ok = rows < seqlen_q
-    o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + o_off
+    o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
     if USE_TMA:
         o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, BLOCK_D])
@@ -269,8 +288,8 @@ def _attn_fwd_kernel(
     else:
         o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows).to(tl.int64) * stride_ls
-    tl.store(l_ptrs, lse, mask=row_ok)
+    l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows) * stride_ls
+    tl.store(l_ptrs, lse.to(Lse.dtype.element_ty), mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,13 +310,27 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, caus
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     block_d = _block_d(head_dim)
-    if dtype == torch.float32:  # twice the bytes per tile: smaller tiles fit shared memory
+    if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
     return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper)
+
+
+_TL_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Accumulate (and keep the log-sum-exp) in float32; float64 inputs, used for gradient
+    # checks, stay in float64 throughout.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 products in IEEE float32, not tf32: as exact as PyTorch's float32 attention.
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def _block_d(head_dim: int) -> int:
@@ -353,7 +386,8 @@ def attention_forward(
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
     ``bias`` is a bool (True = attend) or float additive tensor already expanded to
     (B, H, Sq, Sk) (zero strides are fine). ``window_right = 0`` is causal.
-    Returns (out, lse): lse float32 (B, H, Sq), or (H, total_q) for varlen.
+    Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
+    or (H, total_q) for varlen.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -375,12 +409,13 @@ def attention_forward(
     use_tma = cfg.use_tma and _tma_compatible(q, k, v, out)
     if use_tma and q.device.type == "cuda":
         _ensure_descriptor_allocator()
+    lse_dtype = _acc_dtype(q.dtype)
     if varlen:
-        lse = new_output((num_heads, total_q), dtype=torch.float32, device=q.device)
+        lse = new_output((num_heads, total_q), dtype=lse_dtype, device=q.device)
         sl = (0, lse.stride(0), lse.stride(1))
         so = (0, out.stride(0), out.stride(1))
     else:
-        lse = new_output((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        lse = new_output((batch, num_heads, seqlen_q), dtype=lse_dtype, device=q.device)
         sl = (lse.stride(0), lse.stride(1), lse.stride(2))
         so = (out.stride(0), out.stride(1), out.stride(2))
 
@@ -426,8 +461,9 @@ def attention_forward(
         BIAS_KIND=bias_kind,
         IS_VARLEN=varlen,
         HEAVY_FIRST=window_right >= 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=_dot_precision(q.dtype),
         USE_TMA=use_tma,
+        ACC=_TL_ACC[lse_dtype],
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
