@@ -87,10 +87,13 @@ def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
     """Twice the rounding step of ``dtype`` around values near ``ref + 0.3``.
 
     This is flash-attn's absolute floor: it keeps the rule meaningful when PyTorch's
-    own error happens to be 0 (e.g. tiny outputs or float64 inputs).
+    own error happens to be 0 (tiny outputs, float64 inputs). Generic values in [-1, 1]
+    join ``ref`` so that an all-zero reference (e.g. dq when each row sees one key)
+    still gets the dtype's rounding step rather than a floor of exactly 0.
     """
-    r = ref.detach().to(dtype)
-    return 2.0 * float(((r + 0.3) - 0.3 - r).abs().max()) if r.numel() else 0.0
+    r = torch.cat([ref.detach().flatten().to(torch.float64).cpu(), torch.linspace(-1, 1, 33, dtype=torch.float64)])
+    r = r.to(dtype)
+    return 2.0 * float(((r + 0.3) - 0.3 - r).abs().max())
 
 
 @dataclass

@@ -79,7 +79,7 @@ def _scores_log2(
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
-        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(tl.float32)
+        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(s.dtype)
     if BIAS_KIND != 0:
         b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
         b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bm + cols[None, :] * stride_bn
@@ -123,7 +123,7 @@ def _attn_fwd_tile(
         k = tl.load(k_ptrs + start_n * stride_ks, mask=d_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs + start_n * stride_ks)
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
 
     if not (MASKED or HAS_SOFTCAP or HAS_ALIBI or BIAS_KIND != 0):
         # Plain scores: take the max of the raw products (scale > 0 keeps the argmax), so
@@ -152,7 +152,7 @@ def _attn_fwd_tile(
         v = tl.load(v_ptrs + start_n * stride_vs, mask=d_ok[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs + start_n * stride_vs)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_D]
     return acc, m_new, l_i
 
 
@@ -225,7 +225,7 @@ def _attn_fwd_kernel(
         v_desc = v_base
     bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh  # this (batch, head)'s mask plane
     if HAS_ALIBI:
-        slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * RCP_LN2
+        slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
     else:
         slope_log2 = 0.0
 
@@ -468,3 +468,345 @@ def attention_forward(
         num_stages=cfg.num_stages,
     )
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, dOut, Delta, cu_seqlens_q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls,
+    seqlen_q, num_heads, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+):
+    """delta = rowsum(dO * O): the softmax backward's correction term, one value per query row."""
+    pid = tl.program_id(0)
+    m_block = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    b64 = b.to(tl.int64)
+    r64 = (q_start + rows[:, None]).to(tl.int64)
+    o = tl.load(Out + b64 * stride_ob + h * stride_oh + r64 * stride_os + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(dOut + b64 * stride_dob + h * stride_doh + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(ACC) * do.to(ACC), axis=1)  # [BLOCK_M]
+    tl.store(Delta + b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls, delta, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _attn_bwd_p_ds(
+    q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+    seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Recompute P for a [rows, cols] tile from the saved lse, and dS = dL/d(q.k) / scale.
+
+    q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns p and ds, [BLOCK_M, BLOCK_N].
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                     window_left, window_right, qk_scale, softcap_log2, slope_log2,
+                     MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
+    # lse = +inf for rows that see no key (and padding rows): p = 0 there, never NaN.
+    p = tl.math.exp2(s - lse_log2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:  # d/dx [cap * tanh(x / cap)] = 1 - tanh^2
+        t = _tanh(qk * qk_scale)
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, dOut, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh, stride_ls,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_sb, stride_sh,
+    seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
+    qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
+    pid = tl.program_id(0)
+    m_block = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    h_kv = h // kv_group
+    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    m0 = m_block * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+    b64 = b.to(tl.int64)
+    rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = rows < seqlen_q
+    r64 = (q_start + rows[:, None]).to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + r64 * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    do = tl.load(dOut + b64 * stride_dob + h * stride_doh + r64 * stride_dos + offs_d[None, :],
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    l_off = b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls
+    lse_log2 = tl.load(Lse + l_off, mask=row_ok, other=float("inf")) * RCP_LN2  # [BLOCK_M]
+    delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)  # [BLOCK_M]
+    k_base = K + b64 * stride_kb + h_kv * stride_kh + k_start * stride_ks
+    v_base = V + b64 * stride_vb + h_kv * stride_vh + k_start * stride_vs
+    bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
+    else:
+        slope_log2 = 0.0
+
+    # Same key range as the forward pass.
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + shift - window_left, 0) // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(last_row + shift + window_right + 1, 0))
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # [BLOCK_N]
+        kv_ok = (cols[:, None] < seqlen_k) & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+        p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                               seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                               slope_log2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                               DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)  # [BLOCK_M, BLOCK_D]
+    dq *= softmax_scale
+    tl.store(dQ + b64 * stride_dqb + h * stride_dqh + r64 * stride_dqs + offs_d[None, :],
+             dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, dOut, dK, dV, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh, stride_ls,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_sb, stride_sh,
+    seqlen_q, seqlen_k, num_heads_kv, kv_group, num_n_blocks,
+    qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
+    block of every query head in its GQA group streams past, so the sum over the group
+    happens in registers (no atomics, deterministic)."""
+    pid = tl.program_id(0)
+    n_block = pid % num_n_blocks
+    bh = pid // num_n_blocks
+    b = bh // num_heads_kv
+    h_kv = bh % num_heads_kv
+    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    n0 = n_block * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+    b64 = b.to(tl.int64)
+    cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    col_ok = cols < seqlen_k
+    c64 = (k_start + cols[:, None]).to(tl.int64)
+    kv_ok = col_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b64 * stride_kb + h_kv * stride_kh + c64 * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + b64 * stride_vb + h_kv * stride_vh + c64 * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+
+    # Query rows that can see a key of this block: i >= j - shift - right, i <= j - shift + left.
+    last_col = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    if HAS_RIGHT:
+        lo = (tl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(hi, tl.maximum(last_col - shift + window_left + 1, 0))
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    for g in range(kv_group):
+        h = h_kv * kv_group + g
+        q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs
+        do_base = dOut + b64 * stride_dob + h * stride_doh + q_start * stride_dos
+        l_base = b64 * stride_lb + h * stride_lh + q_start * stride_ls
+        bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
+        if HAS_ALIBI:
+            slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
+        else:
+            slope_log2 = 0.0
+        for start_m in range(lo, hi, BLOCK_M):
+            rows = start_m + offs_m  # [BLOCK_M]
+            row_ok = rows < seqlen_q
+            r64 = rows[:, None].to(tl.int64)
+            q = tl.load(q_base + r64 * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(do_base + r64 * stride_dos + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            lse_log2 = tl.load(Lse + l_base + rows * stride_ls, mask=row_ok, other=float("inf")) * RCP_LN2
+            delta = tl.load(Delta + l_base + rows * stride_ls, mask=row_ok, other=0.0)
+            p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                                   seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                                   slope_log2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                                   DOT_PRECISION)
+            dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
+    dk *= softmax_scale
+    tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
+             dk.to(dK.dtype.element_ty), mask=kv_ok)
+    tl.store(dV + b64 * stride_dvb + h_kv * stride_dvh + c64 * stride_dvs + offs_d[None, :],
+             dv.to(dV.dtype.element_ty), mask=kv_ok)
+
+
+@dataclass(frozen=True)
+class AttnBwdConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
+    """(dQ config, dK/dV config). Not yet tuned on the H200: safe shared-memory sizes."""
+    if device.type != "cuda":
+        return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
+    block_d = _block_d(head_dim)
+    if dtype in (torch.float32, torch.float64) or block_d > 128:
+        return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
+    if block_d <= 64:
+        return AttnBwdConfig(128, 64, 8, 2), AttnBwdConfig(64, 128, 8, 2)
+    return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
+
+
+def _bshd_strides(t: torch.Tensor, varlen: bool):
+    # Dense (B, S, H, D) or packed (total, H, D): the kernels take (batch, seq, head) strides.
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    configs=None,
+):
+    """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
+
+    Same layouts and options as ``attention_forward``; ``dout`` has out's shape and a
+    unit last stride. dk and dv are summed over the query heads of each GQA group.
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        total_q, num_heads, head_dim = q.shape
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+    else:
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k = k.shape[1]
+    heads_kv = k.shape[-2]
+    dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device)
+    acc = _acc_dtype(q.dtype)
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty_like(lse, dtype=acc)
+    sl = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    has_softcap = softcap > 0
+    bias_kind = BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD)
+    if alibi_slopes is None:
+        ss = (0, 0)
+    else:
+        ss = (alibi_slopes.stride(0), alibi_slopes.stride(1)) if alibi_slopes.dim() == 2 else (0, alibi_slopes.stride(0))
+    dummy = q
+    block_d = _block_d(head_dim)
+    ragged = varlen or seqlen_q % dq_cfg.block_m or seqlen_q % dkdv_cfg.block_m or seqlen_k % dq_cfg.block_n \
+        or seqlen_k % dkdv_cfg.block_n
+    common = dict(
+        qk_scale=softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value,
+        softcap_log2=softcap * RCP_LN2.value, window_left=window_left, window_right=window_right,
+        softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
+        HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None, BIAS_KIND=bias_kind, IS_VARLEN=varlen,
+        MASKED=bool(ragged or window_left >= 0 or window_right >= 0),
+        DOT_PRECISION=_dot_precision(q.dtype), ACC=_TL_ACC[acc],
+    )
+    optional = (bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+                cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy)
+    strides = (*_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+               *_bshd_strides(dout, varlen))
+    tail = (*sl, *((0, 0, 0, 0) if bias is None else bias.stride()), *ss)
+
+    num_m = triton.cdiv(max(seqlen_q, 1), 64)
+    _attn_bwd_preprocess_kernel[(num_m * batch * num_heads,)](
+        out, dout, delta, cu_seqlens_q if varlen else dummy,
+        *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
+        seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=_TL_ACC[acc],
+    )
+    num_m = triton.cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
+        q, k, v, dout, dq, lse, delta, *optional, *strides, *_bshd_strides(dq, varlen), *tail,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
+        num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
+    )
+    num_n = triton.cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
+    _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
+        q, k, v, dout, dk, dv, lse, delta, *optional, *strides, *_bshd_strides(dk, varlen),
+        *_bshd_strides(dv, varlen), *tail,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
+        num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **common,
+    )
+    return dq, dk, dv

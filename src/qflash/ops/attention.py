@@ -15,9 +15,9 @@ Two causal alignments exist and both are supported::
     q0    x  x  x  .                                 q0    x  .  .  .
     q1    x  x  x  x                                 q1    x  x  .  .
 
-Only the forward pass exists so far: calling these with inputs that require grad
-while autograd is recording raises NotImplementedError instead of returning a
-result whose backward would be wrong.
+Gradients flow to q, k and v (and through the packed forms to qkv / kv); the
+log-sum-exp output is not differentiated, as in flash-attn. Dropout is not
+implemented yet, nor a gradient for a float ``attn_mask``: both raise a clear error.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 MAX_HEADDIM = 256
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: for gradient checks
 _DEBUG = [os.environ.get("QFLASH_DEBUG", "") not in ("", "0")]
 
 
@@ -50,7 +50,8 @@ def set_debug(enabled: bool = True) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The custom op: the only place that calls the launcher.
+# The custom ops: the only places that call the launchers. Autograd is registered on the
+# forward op: it saves what the backward launcher needs and calls it, nothing else.
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("qflash::attention_forward", mutates_args=())
 def _attention_forward_op(
@@ -67,6 +68,7 @@ def _attention_forward_op(
     cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
+    max_seqlen_k: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import attention_forward
 
@@ -87,13 +89,84 @@ def _attention_forward_op(
 
 @_attention_forward_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
     else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
     return out, lse
+
+
+@torch.library.custom_op("qflash::attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from qflash.kernels.attention import attention_backward
+
+    return attention_backward(
+        dout, q, k, v, out, lse,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
+     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
+    ctx.lengths = (max_seqlen_q, max_seqlen_k)
+
+
+def _backward(ctx, dout, dlse):
+    # lse is returned for inspection, not differentiated (as in flash-attn): dlse is ignored.
+    q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout.dtype != out.dtype or dout.shape != out.shape:
+        raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
+                        f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
+    dq, dk, dv = torch.ops.qflash.attention_backward(
+        _unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k,
+        *ctx.lengths,
+    )
+    return (dq, dk, dv) + (None,) * 11
+
+
+_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +184,7 @@ def _check_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: 
             raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")
     q = tensors[0]
     if q.dtype not in _DTYPES:
-        raise TypeError(f"{names[0]} must be float16, bfloat16 or float32, got {q.dtype}")
+        raise TypeError(f"{names[0]} must be float16, bfloat16, float32 or float64, got {q.dtype}")
     for name, t in zip(names[1:], tensors[1:]):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {names[0]} has {q.dtype}: they must match")
@@ -169,15 +242,7 @@ def _scale(softmax_scale, headdim: int) -> float:
 def _check_dropout(dropout_p) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: dropout is not implemented yet in qflash (it comes with the backward pass); use 0.0"
-        )
-
-
-def _check_no_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError(
-            "qflash attention has no backward pass yet: inputs require grad. "
-            "Call it under torch.no_grad() / torch.inference_mode(), or detach the inputs."
+            f"dropout_p={dropout_p}: dropout is not implemented yet in qflash; use 0.0"
         )
 
 
@@ -241,7 +306,8 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: accepted for compatibility; the forward pass is always deterministic.
+        deterministic: accepted for compatibility: forward and backward are always deterministic
+            (the backward uses no atomics).
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
@@ -251,7 +317,6 @@ def flash_attn_func(
     """
     _check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, heads, headdim)")
     _check_dropout(dropout_p)
-    _check_no_grad(q, k, v)
     batch, seqlen_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[2], headdim)
     if k.shape[0] != batch:
@@ -260,7 +325,7 @@ def flash_attn_func(
     out, lse = torch.ops.qflash.attention_forward(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
-        _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q,
+        _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -333,7 +398,7 @@ def flash_attn_varlen_func(
             beginning at 0: sequence b is rows ``cu_seqlens[b] : cu_seqlens[b + 1]``.
         max_seqlen_q: the longest query sequence (sizes the launch grid; a smaller
             value than the truth leaves rows unwritten: ``set_debug(True)`` checks).
-        max_seqlen_k: accepted for compatibility.
+        max_seqlen_k: the longest key sequence (sizes the backward pass's grid).
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
         bottom-right within each sequence; alibi_slopes may be (batch, heads)).
 
@@ -343,7 +408,6 @@ def flash_attn_varlen_func(
     """
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
     _check_dropout(dropout_p)
-    _check_no_grad(q, k, v)
     total_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[1], headdim)
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
@@ -352,14 +416,17 @@ def flash_attn_varlen_func(
     if max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
     if _DEBUG[0]:
-        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        if longest > max_seqlen_q:
-            raise ValueError(f"max_seqlen_q={max_seqlen_q} but the longest query sequence has {longest} rows")
+        for name, cu, given in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k,
+                                                                               int(max_seqlen_k))):
+            longest = int((cu[1:] - cu[:-1]).max())
+            if longest > given:
+                raise ValueError(f"{name}={given} but the longest sequence has {longest} rows")
     left, right = _window(window_size, causal)
     out, lse = torch.ops.qflash.attention_forward(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k,
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -421,7 +488,6 @@ def sdpa(
         query, key, value, squeeze = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), True
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
     _check_dropout(dropout_p)
-    _check_no_grad(query, key, value, attn_mask)
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
     _check_heads(key, value, heads, heads_kv, headdim, names=("key", "value"))
@@ -439,6 +505,8 @@ def sdpa(
             raise TypeError(f"attn_mask must be bool or {query.dtype} (query's dtype), got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("qflash.sdpa computes no gradient for attn_mask; pass attn_mask.detach()")
         try:
             bias = attn_mask.expand(batch, heads, seqlen_q, seqlen_k)  # a view: zero strides, no copy
         except RuntimeError:
@@ -449,6 +517,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = torch.ops.qflash.attention_forward(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
+        seqlen_k,
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out

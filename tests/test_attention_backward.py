@@ -1,0 +1,196 @@
+"""FlashAttention backward: gradients against float64 references (flash-attn's rule, factor 3).
+
+Runs the real Triton kernels in the interpreter on a CPU (fp16, fp32, fp64) and the
+``gpu``-marked sweep on the H200 (fp16, bf16).
+"""
+
+import pytest
+import torch
+
+import qflash
+from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
+from qflash.testing import GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
+
+from conftest import DEVICE
+
+gpu = pytest.mark.gpu
+
+
+def _leaves(*shapes, dtype, device=DEVICE, scale=1.0):
+    return [(torch.randn(s, device=device) * scale).to(dtype).requires_grad_() for s in shapes]
+
+
+def _grads(fn, inputs, dout):
+    out = fn(*inputs)
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
+    """Kernel grads vs fp64 reference grads, with PyTorch's same-precision grads as the yardstick."""
+    dtype = inputs[0].dtype
+    with torch.no_grad():
+        out = fn(*inputs)
+    dout = torch.randn(out.shape, device=out.device).to(dtype)
+    with poisoned():
+        got = _grads(fn, inputs, dout)
+    for g in got:
+        assert_written(g, "gradient")
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = _grads(lambda *a: ref_fn(*a, upcast=True), ref_inputs, dout.double())
+    pt_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    pt = _grads(lambda *a: ref_fn(*a, upcast=False), pt_inputs, dout)
+    for name, g, r, p in zip("qkv", got, ref, pt):
+        assert g.shape == r.shape and g.dtype == dtype
+        assert_flash_rule(g, r, p, factor=GRADIENT_FACTOR, what=f"d{name}")
+
+
+def check_flash_grads(b, sq, sk, h, hkv, d, dtype=torch.float16, scale=1.0, **kw):
+    inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype, scale=scale)
+    check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, **kw),
+                lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, reorder_ops=not upcast, **kw)[0],
+                inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,d", [(1, 1, 32), (113, 203, 80), (239, 1, 64), (128, 217, 128), (799, 3, 32),
+                                     (64, 128, 64), (63, 63, 40)])
+def test_shapes(sq, sk, d, causal):
+    check_flash_grads(1, sq, sk, 2, 1, d, causal=causal)
+
+
+@pytest.mark.parametrize("hkv", [6, 2, 1])
+def test_gqa_sums_over_the_group(hkv):
+    check_flash_grads(2, 37, 51, 6, hkv, 32, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dtypes(dtype):
+    check_flash_grads(2, 45, 70, 2, 2, 32, dtype=dtype, causal=True)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (7, 3), (20, -1), (-1, 5)])
+@pytest.mark.parametrize("sq,sk", [(50, 50), (33, 90), (90, 33)])
+def test_sliding_window(window, sq, sk):
+    check_flash_grads(1, sq, sk, 2, 2, 32, window_size=window)
+
+
+def test_softcap_and_alibi():
+    check_flash_grads(1, 40, 57, 2, 2, 32, scale=3.0, softcap=4.0, causal=True)
+    check_flash_grads(2, 30, 45, 4, 2, 32, alibi_slopes=torch.rand(2, 4, device=DEVICE) * 0.5)
+
+
+def test_large_logits_and_empty_rows_stay_finite():
+    # Rows 0..39 of a 60 x 20 bottom-right causal mask see no key: gradients 0 there, never NaN.
+    check_flash_grads(1, 60, 20, 2, 2, 32, causal=True, scale=7.0)
+
+
+def test_varlen():
+    lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
+    cu_q = torch.tensor([0, 1, 64, 64, 104, 121], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 5, 68, 77, 88, 118], dtype=torch.int32, device=DEVICE)
+    inputs = _leaves((sum(lens_q), 4, 32), (sum(lens_k), 2, 32), (sum(lens_k), 2, 32), dtype=torch.float16)
+    check_grads(
+        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True),
+        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
+                                                     reorder_ops=not upcast)[0],
+        inputs,
+    )
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_sdpa(mask):
+    inputs = _leaves((2, 3, 29, 32), (2, 3, 45, 32), (2, 3, 45, 32), dtype=torch.float16)
+    kw = {"is_causal": True} if mask == "causal" else {}
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(29, 45, device=DEVICE) > 0.3
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(2, 1, 29, 45, device=DEVICE).half()
+
+    def ref(q, k, v, upcast):
+        kw_ref = dict(kw)
+        if mask == "float":
+            kw_ref["attn_mask"] = kw["attn_mask"].to(q.dtype)
+        return sdpa_ref(q, k, v, upcast=upcast, **kw_ref)
+
+    check_grads(lambda q, k, v: qflash.sdpa(q, k, v, **kw), ref, inputs)
+
+
+def test_packed_qkv_gets_the_same_gradients():
+    qkv = torch.randn(2, 33, 3, 4, 32, device=DEVICE).half().requires_grad_()
+    dout = torch.randn(2, 33, 4, 32, device=DEVICE).half()
+    (g_packed,) = torch.autograd.grad(qflash.flash_attn_qkvpacked_func(qkv, causal=True), qkv, dout)
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    grads = torch.autograd.grad(qflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    torch.testing.assert_close(g_packed, torch.stack(grads, dim=2), rtol=0, atol=0)
+
+
+def test_deterministic_run_to_run():
+    q, k, v = _leaves((2, 70, 4, 32), (2, 90, 2, 32), (2, 90, 2, 32), dtype=torch.float16)
+    dout = torch.randn(2, 70, 4, 32, device=DEVICE).half()
+    first = _grads(lambda *a: qflash.flash_attn_func(*a, causal=True, deterministic=True), (q, k, v), dout)
+    second = _grads(lambda *a: qflash.flash_attn_func(*a, causal=True, deterministic=True), (q, k, v), dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_float64():
+    q, k, v = _leaves((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v))
+    slopes = torch.rand(2, device=DEVICE)
+    q, k, v = _leaves((1, 4, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4), dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda *a: qflash.flash_attn_func(*a, softcap=2.0, alibi_slopes=slopes, window_size=(2, 1)), (q, k, v))
+
+
+def test_torch_compile_forward_and_backward():
+    q, k, v = _leaves((1, 24, 2, 32), (1, 40, 1, 32), (1, 40, 1, 32), dtype=torch.float16)
+    dout = torch.randn(1, 24, 2, 32, device=DEVICE).half()
+
+    def step(a, b, c):
+        return qflash.flash_attn_func(a, b, c, causal=True) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    expected = _grads(step, (q, k, v), dout)
+    for a, b in zip(_grads(compiled, (q, k, v), dout), expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_dout_and_mask_gradient():
+    q, k, v = _leaves((1, 8, 2, 32), (1, 8, 2, 32), (1, 8, 2, 32), dtype=torch.float16)
+    out = qflash.flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match="shape"):
+        out.backward(torch.randn(1, 8, 2, 16, device=DEVICE).half())
+    # A dout of another float dtype is cast to the output's by autograd, as for any PyTorch op.
+    dout64 = torch.randn(1, 8, 2, 32, device=DEVICE, dtype=torch.float64)
+    (g64,) = torch.autograd.grad(qflash.flash_attn_func(q, k, v), (q,), dout64)
+    (g16,) = torch.autograd.grad(qflash.flash_attn_func(q, k, v), (q,), dout64.half())
+    assert torch.equal(g64, g16)
+    mask = torch.randn(8, 8, device=DEVICE).half().requires_grad_()
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        qflash.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (H200)
+# ----------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (239, 1), (1023, 1023), (4224, 4224)])
+def test_gpu_sweep(dtype, d, causal, sq, sk):
+    check_flash_grads(2, sq, sk, 4, 2, d, dtype=dtype, causal=causal)
+
+
+@gpu
+def test_gpu_deterministic_and_mask_at_64_past_128():
+    # seqlen % 128 == 64 with a mask: where cuDNN has returned NaN gradients.
+    inputs = _leaves((2, 8, 1088, 128), (2, 8, 1088, 128), (2, 8, 1088, 128), dtype=torch.bfloat16)
+    mask = torch.rand(1088, 1088, device="cuda") > 0.1
+    check_grads(lambda q, k, v: qflash.sdpa(q, k, v, attn_mask=mask),
+                lambda q, k, v, upcast: sdpa_ref(q, k, v, attn_mask=mask, upcast=upcast), inputs)
+    dout = torch.randn(2, 8, 1088, 128, device="cuda").bfloat16()
+    runs = [_grads(lambda *a: qflash.sdpa(*a, attn_mask=mask), inputs, dout) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
