@@ -245,11 +245,11 @@ def _mb(nbytes: float) -> str:
 
 def cmd_bench(args) -> int:
     _use_interpreter_without_gpu()
-    if args.op == "attention":
+    if args.op in ("attention", "attention-backward"):
         from qflash.bench.attention import main as bench_main
 
-        return bench_main(args.rest)
-    raise SystemExit(f"qflash bench: unknown op {args.op!r}; available: attention")
+        return bench_main(args.rest + (["--backward"] if args.op == "attention-backward" else []))
+    raise SystemExit(f"qflash bench: unknown op {args.op!r}; available: attention, attention-backward")
 
 
 def cmd_check(args) -> int:
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="benchmark an op against its peers (GPU)")
-    p.add_argument("op", help="attention")
+    p.add_argument("op", help="attention | attention-backward")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help lists them)")
     p.set_defaults(fn=cmd_bench)
     return parser

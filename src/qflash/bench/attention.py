@@ -153,15 +153,47 @@ def _slice_error(out: torch.Tensor, q, k, v, causal: bool) -> float:
     return float((out[sl].float() - ref).abs().max())
 
 
-def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100) -> Dict[str, object]:
+def backward_of(make):
+    """A provider that times the backward pass (dq, dk, dv) of ``make``'s forward."""
+
+    def make_backward(q, k, v, causal):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = make(q, k, v, causal)()
+        g = torch.Generator(device=q.device).manual_seed(1)
+        dout = torch.randn(out.shape, device=q.device, generator=g).to(out.dtype)
+
+        def run():
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        run.dout = dout
+        return run
+
+    return make_backward
+
+
+def _slice_grad_error(grads, q, k, v, dout, causal: bool) -> float:
+    """Max abs error of dq, dk, dv for batch 0, heads 0-1, against fp32 reference gradients."""
+    from qflash.reference import attention_ref
+
+    leaves = [x[:1, :, :2].detach().float().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = attention_ref(*leaves, causal=causal)
+    ref = torch.autograd.grad(ref_out, leaves, dout[:1, :, :2].float())
+    return max(float((g[:1, :, :2].float() - r).abs().max()) for g, r in zip(grads, ref))
+
+
+def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100, backward: bool = False) -> Dict[str, object]:
     """Check a provider on the benchmark inputs, then time it. Failures become an error column."""
     try:
         fn = make(q, k, v, causal)
-        out = fn()
-        err = _slice_error(out, q, k, v, causal)
-        del out
-        res = time_ms(fn, rep_ms=rep_ms, device=q.device.type)
-        return {**res, "max_err": err, "check": "ok" if err <= TOLERANCE else "MISMATCH", "error": None}
+        res = fn()
+        if backward:
+            err = _slice_grad_error(res, q, k, v, fn.dout, causal)
+        else:
+            err = _slice_error(res, q, k, v, causal)
+        del res
+        tol = TOLERANCE * (4 if backward else 1)  # gradients are larger and rounder in bf16
+        timing = time_ms(fn, rep_ms=rep_ms, device=q.device.type)
+        return {**timing, "max_err": err, "check": "ok" if err <= tol else "MISMATCH", "error": None}
     except ModuleNotFoundError as exc:
         return {"ms": None, "max_err": None, "check": None, "error": f"not installed: {exc.name}"}
     except Exception as exc:  # a peer that refuses the shape or device is reported, not fatal
@@ -178,9 +210,13 @@ def fa_shapes(seqlens, head_dims, total_tokens=16384, hidden=2048):
             yield max(1, total_tokens // s), max(1, hidden // d), s, d
 
 
-def _row(name, batch, heads, seqlen, d, causal, dtype, res):
-    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
-    flops_exact = attention_flops(batch, heads, seqlen, seqlen, d, causal, exact=True)
+BACKWARD_FLOPS = 2.5  # the backward does 5 matmuls to the forward's 2
+
+
+def _row(name, batch, heads, seqlen, d, causal, dtype, res, backward=False):
+    work = BACKWARD_FLOPS if backward else 1.0
+    flops = work * attention_flops(batch, heads, seqlen, seqlen, d, causal)
+    flops_exact = work * attention_flops(batch, heads, seqlen, seqlen, d, causal, exact=True)
     nbytes = 4 * batch * seqlen * heads * d * torch.tensor([], dtype=dtype).element_size()  # q, k, v, out
     ms = res.get("ms")
     return dict(provider=name, batch=batch, heads=heads, seqlen=seqlen, head_dim=d, causal=causal,
@@ -191,7 +227,8 @@ def _row(name, batch, heads, seqlen, d, causal, dtype, res):
                 intensity=flops / nbytes, **res)
 
 
-def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], progress=None) -> List[dict]:
+def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], progress=None,
+              backward: bool = False) -> List[dict]:
     for (batch, heads, seqlen, d), causal in itertools.product(list(shapes), causals):
         g = torch.Generator(device=device).manual_seed(seqlen * 7 + d)
         q, k, v = (torch.randn(batch, seqlen, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
@@ -199,8 +236,9 @@ def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], pr
             if name == "naive" and batch * heads * seqlen * seqlen * 6 > 48 * 2**30:
                 res = {"ms": None, "max_err": None, "check": None, "error": "skipped: N x N scores over 48 GB"}
             else:
-                res = bench_one(PROVIDERS[name], q, k, v, causal)
-            rows.append(_row(name, batch, heads, seqlen, d, causal, dtype, res))
+                make = backward_of(PROVIDERS[name]) if backward else PROVIDERS[name]
+                res = bench_one(make, q, k, v, causal, backward=backward)
+            rows.append(_row(name, batch, heads, seqlen, d, causal, dtype, res, backward))
             if progress:
                 progress(rows[-1])
         del q, k, v
@@ -302,11 +340,11 @@ def _plots(result: dict, stem: str) -> List[str]:
     paths = [plot_lines(rows, panels=panels, panel_key=lambda r: (f"D={r['head_dim']}",
                                                                    "causal" if r["causal"] else "non-causal"),
                         x="seqlen", y="tflops", series="provider", path=f"{stem}.png", xlabel="sequence length",
-                        ylabel="TFLOP/s", title=f"attention forward, {result['dtype']}, "
+                        ylabel="TFLOP/s", title=f"attention {result['pass']}, {result['dtype']}, "
                                                         f"{result['env'].get('gpu') or 'CPU (interpreter)'}")]
     if result.get("ceilings"):
         paths.append(plot_roofline(rows, result["ceilings"], path=f"{stem}_roofline.png",
-                                   title=f"attention forward vs measured ceilings, {result['env'].get('gpu')}"))
+                                   title=f"attention {result['pass']} vs measured ceilings, {result['env'].get('gpu')}"))
     return paths
 
 
@@ -318,6 +356,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)))
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (GPU)")
     parser.add_argument("--ceilings", action="store_true", help="also measure copy and matmul ceilings (GPU)")
@@ -355,6 +394,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     console = Console()
     result = {"env": environment(), "dtype": str(dtype).replace("torch.", ""),
+              "pass": "backward" if args.backward else "forward",
               "convention": "tflops: 4*B*H*S^2*D, /2 causal; tflops_exact: visible pairs only; "
                             "gbps: bytes of q, k, v, out over time"}
     stem = os.path.splitext(args.out)[0] if args.out else None
@@ -368,8 +408,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
         else:
             result["rows"] = []
-            task = bar.add_task("attention forward", total=len(shapes) * len(causals) * len(providers))
-            run_sweep(providers, shapes, causals, dtype, device, rows=result["rows"],
+            task = bar.add_task(f"attention {result['pass']}", total=len(shapes) * len(causals) * len(providers))
+            run_sweep(providers, shapes, causals, dtype, device, rows=result["rows"], backward=args.backward,
                       progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
     if args.ceilings:
         result["ceilings"] = measure_ceilings()
@@ -389,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["ratios"] = ratio_table(rows)
         cols = ["provider", "seqlen", "head_dim", "causal", "tflops", "tflops_exact", "gbps", "ms", "max_err", "check",
                 "error"]
-        title = f"attention forward, {result['dtype']}, {result['env'].get('gpu') or 'CPU (interpreter)'}"
+        title = f"attention {result['pass']}, {result['dtype']}, {result['env'].get('gpu') or 'CPU (interpreter)'}"
         console.print(rich_table(rows if not cuda or args.quick else [r for r in rows if r.get("error") or
                                  r.get("check") != "ok"], cols, title if not cuda or args.quick
                                  else "providers that did not run or did not match"))
