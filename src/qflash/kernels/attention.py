@@ -363,6 +363,50 @@ def _ensure_descriptor_allocator() -> None:
         _ALLOCATOR_SET[0] = True
 
 
+def _bshd_strides(t: torch.Tensor, varlen: bool):
+    # Dense (B, S, H, D) or packed (total, H, D): the kernels take (batch, seq, head) strides.
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool):
+    # Dense (B, H, Sq) or packed (H, total_q): the kernels take (batch, head, row) strides.
+    return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
+
+
+def _variant(q, *, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+             cu_seqlens_q, cu_seqlens_k):
+    """What forward and backward launches share: optional pointers, their strides, and the
+    scalar and constexpr arguments that select the kernel variant."""
+    varlen = cu_seqlens_q is not None
+    dummy = q  # stands in for absent optional pointers; never dereferenced
+    pointers = (bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+                cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy)
+    if alibi_slopes is None:
+        slope_strides = (0, 0)
+    elif alibi_slopes.dim() == 2:  # (batch, heads)
+        slope_strides = tuple(alibi_slopes.stride())
+    else:  # (heads,): the same slopes for every batch
+        slope_strides = (0, alibi_slopes.stride(0))
+    bias_strides = (0, 0, 0, 0) if bias is None else tuple(bias.stride())
+    has_softcap = softcap > 0
+    kwargs = dict(
+        qk_scale=softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value,
+        softcap_log2=softcap * RCP_LN2.value,
+        window_left=window_left,
+        window_right=window_right,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_SOFTCAP=has_softcap,
+        HAS_ALIBI=alibi_slopes is not None,
+        BIAS_KIND=BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD),
+        IS_VARLEN=varlen,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        ACC=_TL_ACC[_acc_dtype(q.dtype)],
+    )
+    return pointers, bias_strides, slope_strides, kwargs
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -394,45 +438,46 @@ def attention_forward(
         total_q, num_heads, head_dim = q.shape
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = max_seqlen_q, 0  # per sequence, read in the kernel
-        sq = (0, q.stride(0), q.stride(1))
-        sk = (0, k.stride(0), k.stride(1))
-        sv = (0, v.stride(0), v.stride(1))
+        lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
-        sq = (q.stride(0), q.stride(1), q.stride(2))
-        sk = (k.stride(0), k.stride(1), k.stride(2))
-        sv = (v.stride(0), v.stride(1), v.stride(2))
-    heads_kv = k.shape[-2]
+        lse_shape = (batch, num_heads, seqlen_q)
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=window_right >= 0)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
+    lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
     use_tma = cfg.use_tma and _tma_compatible(q, k, v, out)
     if use_tma and q.device.type == "cuda":
         _ensure_descriptor_allocator()
-    lse_dtype = _acc_dtype(q.dtype)
-    if varlen:
-        lse = new_output((num_heads, total_q), dtype=lse_dtype, device=q.device)
-        sl = (0, lse.stride(0), lse.stride(1))
-        so = (0, out.stride(0), out.stride(1))
-    else:
-        lse = new_output((batch, num_heads, seqlen_q), dtype=lse_dtype, device=q.device)
-        sl = (lse.stride(0), lse.stride(1), lse.stride(2))
-        so = (out.stride(0), out.stride(1), out.stride(2))
-
-    has_softcap = softcap > 0
-    qk_scale = softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value
-    bias_kind = BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD)
-    sb = (0, 0, 0, 0) if bias is None else tuple(bias.stride())
-    if alibi_slopes is None:
-        ss = (0, 0)
-    else:
-        ss = (alibi_slopes.stride(0), alibi_slopes.stride(1)) if alibi_slopes.dim() == 2 else (0, alibi_slopes.stride(0))
-    dummy = q  # stands in for absent optional pointers; never dereferenced
+    pointers, bias_strides, slope_strides, variant = _variant(
+        q, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
     num_m_blocks = triton.cdiv(max(seqlen_q, 1), cfg.block_m)
     grid = (num_m_blocks * batch * num_heads,)
     if grid[0] == 0:
         return out, lse
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, *pointers,
+        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen), *bias_strides, *slope_strides,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        num_heads=num_heads,
+        kv_group=num_heads // k.shape[-2],
+        num_m_blocks=num_m_blocks,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HEAVY_FIRST=window_right >= 0,
+        USE_TMA=use_tma,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **variant,
+    )
+    return out, lse
     _attn_fwd_kernel[grid](
         q, k, v, out, lse,
         bias if bias is not None else dummy,
@@ -712,11 +757,6 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
     return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
 
 
-def _bshd_strides(t: torch.Tensor, varlen: bool):
-    # Dense (B, S, H, D) or packed (total, H, D): the kernels take (batch, seq, head) strides.
-    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
-
-
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -745,7 +785,7 @@ def attention_backward(
     """
     varlen = cu_seqlens_q is not None
     if varlen:
-        total_q, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
     else:
@@ -758,55 +798,43 @@ def attention_backward(
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse, dtype=acc)
-    sl = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-
-    has_softcap = softcap > 0
-    bias_kind = BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD)
-    if alibi_slopes is None:
-        ss = (0, 0)
-    else:
-        ss = (alibi_slopes.stride(0), alibi_slopes.stride(1)) if alibi_slopes.dim() == 2 else (0, alibi_slopes.stride(0))
-    dummy = q
+    pointers, bias_strides, slope_strides, variant = _variant(
+        q, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     block_d = _block_d(head_dim)
-    ragged = varlen or seqlen_q % dq_cfg.block_m or seqlen_q % dkdv_cfg.block_m or seqlen_k % dq_cfg.block_n \
-        or seqlen_k % dkdv_cfg.block_n
-    common = dict(
-        qk_scale=softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value,
-        softcap_log2=softcap * RCP_LN2.value, window_left=window_left, window_right=window_right,
-        softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
-        HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None, BIAS_KIND=bias_kind, IS_VARLEN=varlen,
-        MASKED=bool(ragged or window_left >= 0 or window_right >= 0),
-        DOT_PRECISION=_dot_precision(q.dtype), ACC=_TL_ACC[acc],
-    )
-    optional = (bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
-                cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy)
+    # Tiles that can cut through a sequence end need the bounds mask; full tiles of an
+    # unmasked problem skip it.
+    ragged = varlen or seqlen_q % max(dq_cfg.block_m, dkdv_cfg.block_m) or \
+        seqlen_k % max(dq_cfg.block_n, dkdv_cfg.block_n)  # tile sizes are powers of two
+    shared = dict(softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  MASKED=bool(ragged or window_left >= 0 or window_right >= 0), **variant)
+    sl = _lse_strides(lse, varlen)
     strides = (*_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
                *_bshd_strides(dout, varlen))
-    tail = (*sl, *((0, 0, 0, 0) if bias is None else bias.stride()), *ss)
+    tail = (*sl, *bias_strides, *slope_strides)
 
     num_m = triton.cdiv(max(seqlen_q, 1), 64)
     _attn_bwd_preprocess_kernel[(num_m * batch * num_heads,)](
-        out, dout, delta, cu_seqlens_q if varlen else dummy,
-        *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
+        out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=_TL_ACC[acc],
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
     num_m = triton.cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
-        q, k, v, dout, dq, lse, delta, *optional, *strides, *_bshd_strides(dq, varlen), *tail,
+        q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
     )
     num_n = triton.cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
-        q, k, v, dout, dk, dv, lse, delta, *optional, *strides, *_bshd_strides(dk, varlen),
+        q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
         *_bshd_strides(dv, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **common,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
     )
     return dq, dk, dv
