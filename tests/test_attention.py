@@ -275,7 +275,7 @@ def _bad_cases():
         (lambda: f(q.int(), k, v), TypeError, "float16"),
         (lambda: f(q, k, v, window_size=(-2, 0)), ValueError, "window_size left"),
         (lambda: f(q, k, v, window_size=5), ValueError, "window_size must be a pair"),
-        (lambda: f(q, k, v, dropout_p=0.1), NotImplementedError, "dropout"),
+        (lambda: f(q, k, v, dropout_p=1.0), ValueError, "dropout_p must be in"),
         (lambda: f(q, k, v, softcap=-1.0), ValueError, "softcap"),
         (lambda: f(q, k, v, softmax_scale=0.0), ValueError, "softmax_scale"),
         (lambda: f(q, k, v, alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes must have shape"),

@@ -194,3 +194,62 @@ def test_gpu_deterministic_and_mask_at_64_past_128():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout: the mask is drawn in the kernel and regenerated in the backward pass.
+# ----------------------------------------------------------------------------------------------
+def _seed_for(torch_seed: int) -> int:
+    """The dropout seed qflash draws after torch.manual_seed(torch_seed)."""
+    torch.manual_seed(torch_seed)
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+@pytest.mark.parametrize("causal,hkv", [(False, 2), (True, 1)])
+def test_dropout_forward_and_gradients_match_the_same_mask(causal, hkv):
+    from qflash.kernels.attention import dropout_keep_mask
+
+    p = 0.3
+    b, sq, sk, h, d = 2, 45, 70, 4, 32
+    inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=torch.float16)
+    mask = dropout_keep_mask(b, h, sq, sk, dropout_p=p, dropout_seed=_seed_for(7), device=DEVICE)
+    keep_rate = mask.float().mean().item()
+    sigma = (p * (1 - p) / mask.numel()) ** 0.5
+    assert abs(keep_rate - (1 - p)) < 4 * sigma, keep_rate
+
+    def fn(q, k, v):
+        torch.manual_seed(7)  # the same seed, hence the same mask, on every call
+        return qflash.flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+
+    check_grads(fn, lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=mask,
+                                                          upcast=upcast, reorder_ops=not upcast)[0], inputs)
+
+
+def test_dropout_varlen_single_sequence_equals_dense_and_seeds_differ():
+    q, k, v = (t.detach() for t in _leaves((1, 40, 2, 32), (1, 50, 2, 32), (1, 50, 2, 32), dtype=torch.float16))
+    torch.manual_seed(3)
+    dense = qflash.flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    cu_q = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 50], dtype=torch.int32, device=DEVICE)
+    packed = qflash.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 40, 50, dropout_p=0.5)
+    torch.testing.assert_close(packed, dense[0], rtol=0, atol=0)
+    torch.manual_seed(4)
+    assert not torch.equal(qflash.flash_attn_func(q, k, v, dropout_p=0.5), dense)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_dropout_gradients(dtype):
+    from qflash.kernels.attention import dropout_keep_mask
+
+    b, s, h, d, p = 2, 1000, 8, 128, 0.1
+    inputs = _leaves((b, s, h, d), (b, s, h, d), (b, s, h, d), dtype=dtype)
+    mask = dropout_keep_mask(b, h, s, s, dropout_p=p, dropout_seed=_seed_for(11), device="cuda")
+
+    def fn(q, k, v):
+        torch.manual_seed(11)
+        return qflash.flash_attn_func(q, k, v, dropout_p=p, causal=True)
+
+    check_grads(fn, lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=mask,
+                                                          upcast=upcast, reorder_ops=not upcast)[0], inputs)

@@ -63,6 +63,27 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
+    """Row of the dropout counter space where this (batch, head)'s query rows begin.
+
+    Dense: (b * heads + h) * seqlen_q; packed: h * total_q + q_start. Element (i, j) is
+    counter (rng_row0 + i) * rng_cols + j, unique across the whole call."""
+    if IS_VARLEN:
+        row0 = h.to(tl.int64) * rng_rows + q_start
+    else:
+        row0 = (b * num_heads + h).to(tl.int64) * rng_rows
+    return row0
+
+
+@triton.jit
+def _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p):
+    """Which probabilities survive dropout in a [rows, cols] tile: counter-based (Philox), so
+    the backward pass regenerates exactly the forward's mask from (seed, position)."""
+    offsets = (rng_row0 + rows[:, None]).to(tl.int64) * rng_cols + cols[None, :]
+    return tl.rand(dropout_seed, offsets) >= dropout_p
+
+
+@triton.jit
 def _scores_log2(
     qk, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -106,10 +127,11 @@ def _attn_fwd_tile(
     start_n, rows, offs_n, offs_d,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
+    dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One K/V tile of the online softmax: returns the updated (acc, m_i, l_i)."""
     cols = start_n + offs_n  # [BLOCK_N]
@@ -152,6 +174,9 @@ def _attn_fwd_tile(
         v = tl.load(v_ptrs + start_n * stride_vs, mask=d_ok[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs + start_n * stride_vs)
+    if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_D]
     return acc, m_new, l_i
 
@@ -169,12 +194,13 @@ def _attn_fwd_kernel(
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
     qk_scale, softcap_log2, window_left, window_right,
+    dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ACC: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -229,6 +255,8 @@ def _attn_fwd_kernel(
     else:
         slope_log2 = 0.0
 
+    rng_row0 = _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN)
+
     # ---- the range of key blocks this row block can see ---------------------------------
     last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
     lo = 0
@@ -258,21 +286,24 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _attn_fwd_tile(
             acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
+            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+            DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, m_i, l_i = _attn_fwd_tile(
             acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
+            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+            DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
         acc, m_i, l_i = _attn_fwd_tile(
             acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
             start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, DOT_PRECISION, USE_TMA)
+            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+            DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -373,8 +404,8 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
     return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
 
 
-def _variant(q, *, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-             cu_seqlens_q, cu_seqlens_k):
+def _variant(q, k, *, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+             cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed):
     """What forward and backward launches share: optional pointers, their strides, and the
     scalar and constexpr arguments that select the kernel variant."""
     varlen = cu_seqlens_q is not None
@@ -403,6 +434,12 @@ def _variant(q, *, softmax_scale, window_left, window_right, bottom_right, softc
         IS_VARLEN=varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
         ACC=_TL_ACC[_acc_dtype(q.dtype)],
+        HAS_DROPOUT=dropout_p > 0,
+        dropout_p=float(dropout_p),
+        dropout_seed=int(dropout_seed),
+        # Dropout counters: one per (head, query row, key) of the whole call.
+        rng_rows=q.shape[0] if varlen else q.shape[1],
+        rng_cols=k.shape[0] if varlen else k.shape[1],
     )
     return pointers, bias_strides, slope_strides, kwargs
 
@@ -422,6 +459,8 @@ def attention_forward(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     config: Optional[AttnFwdConfig] = None,
 ):
     """Launch the forward kernel. Inputs are already validated by the public op.
@@ -430,6 +469,7 @@ def attention_forward(
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
     ``bias`` is a bool (True = attend) or float additive tensor already expanded to
     (B, H, Sq, Sk) (zero strides are fine). ``window_right = 0`` is causal.
+    ``dropout_p > 0`` drops probabilities with a mask drawn from ``dropout_seed``.
     Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
     or (H, total_q) for varlen.
     """
@@ -450,9 +490,9 @@ def attention_forward(
     if use_tma and q.device.type == "cuda":
         _ensure_descriptor_allocator()
     pointers, bias_strides, slope_strides, variant = _variant(
-        q, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        q, k, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
     num_m_blocks = triton.cdiv(max(seqlen_q, 1), cfg.block_m)
     grid = (num_m_blocks * batch * num_heads,)
@@ -550,13 +590,15 @@ def _attn_bwd_preprocess_kernel(
 def _attn_bwd_p_ds(
     q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
+    dropout_p, dropout_seed, rng_row0, rng_cols,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Recompute P for a [rows, cols] tile from the saved lse, and dS = dL/d(q.k) / scale.
 
-    q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns p and ds, [BLOCK_M, BLOCK_N].
+    q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns the probabilities that
+    multiplied V in the forward pass (after dropout) and ds, both [BLOCK_M, BLOCK_N].
     """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
@@ -565,7 +607,12 @@ def _attn_bwd_p_ds(
     # lse = +inf for rows that see no key (and padding rows): p = 0 there, never NaN.
     p = tl.math.exp2(s - lse_log2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    if HAS_DROPOUT:  # the same mask as the forward, regenerated from its counters
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     ds = p * (dp - delta[:, None])
+    if HAS_DROPOUT:
+        p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     if HAS_SOFTCAP:  # d/dx [cap * tanh(x / cap)] = 1 - tanh^2
         t = _tanh(qk * qk_scale)
         ds = ds * (1.0 - t * t)
@@ -585,10 +632,12 @@ def _attn_bwd_dq_kernel(
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
     qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -625,6 +674,8 @@ def _attn_bwd_dq_kernel(
     else:
         slope_log2 = 0.0
 
+    rng_row0 = _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN)
+
     # Same key range as the forward pass.
     last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
     lo = 0
@@ -642,7 +693,8 @@ def _attn_bwd_dq_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
         p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
                                seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                               slope_log2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                               slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
                                DOT_PRECISION)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)  # [BLOCK_M, BLOCK_D]
     dq *= softmax_scale
@@ -664,10 +716,12 @@ def _attn_bwd_dkdv_kernel(
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads_kv, kv_group, num_n_blocks,
     qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -715,6 +769,7 @@ def _attn_bwd_dkdv_kernel(
             slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
         else:
             slope_log2 = 0.0
+        rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m  # [BLOCK_M]
             row_ok = rows < seqlen_q
@@ -726,7 +781,8 @@ def _attn_bwd_dkdv_kernel(
             delta = tl.load(Delta + l_base + rows * stride_ls, mask=row_ok, other=0.0)
             p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
                                    seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                                   slope_log2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                                   slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                                   MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
                                    DOT_PRECISION)
             dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
             dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
@@ -776,12 +832,14 @@ def attention_backward(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     configs=None,
 ):
     """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
 
-    Same layouts and options as ``attention_forward``; ``dout`` has out's shape and a
-    unit last stride. dk and dv are summed over the query heads of each GQA group.
+    Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
+    the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the query heads of each GQA group.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -801,9 +859,9 @@ def attention_backward(
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     pointers, bias_strides, slope_strides, variant = _variant(
-        q, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        q, k, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed)
     block_d = _block_d(head_dim)
     # Tiles that can cut through a sequence end need the bounds mask; full tiles of an
     # unmasked problem skip it.
@@ -838,3 +896,28 @@ def attention_backward(
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
     )
     return dq, dk, dv
+
+
+@triton.jit
+def _dropout_mask_kernel(Mask, dropout_p, dropout_seed, seqlen_q, seqlen_k, num_heads,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rng_row0 = _rng_row0(bh // num_heads, bh % num_heads, num_heads, 0, seqlen_q, False)
+    keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, seqlen_k, dropout_p)
+    ptrs = Mask + bh.to(tl.int64) * seqlen_q * seqlen_k + rows[:, None].to(tl.int64) * seqlen_k + cols[None, :]
+    tl.store(ptrs, keep, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
+
+
+def dropout_keep_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, dropout_p: float,
+                      dropout_seed: int, device) -> torch.Tensor:
+    """The keep mask (batch, heads, seqlen_q, seqlen_k) that a dense call with this seed uses.
+
+    For tests and debugging: a reference that applies it reproduces the kernel's dropout.
+    """
+    mask = torch.empty(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * heads)
+    _dropout_mask_kernel[grid](mask, float(dropout_p), int(dropout_seed), seqlen_q, seqlen_k, heads,
+                               BLOCK_M=32, BLOCK_N=32)
+    return mask

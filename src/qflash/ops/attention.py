@@ -16,8 +16,9 @@ Two causal alignments exist and both are supported::
     q1    x  x  x  x                                 q1    x  x  .  .
 
 Gradients flow to q, k and v (and through the packed forms to qkv / kv); the
-log-sum-exp output is not differentiated, as in flash-attn. Dropout is not
-implemented yet, nor a gradient for a float ``attn_mask``: both raise a clear error.
+log-sum-exp output is not differentiated, as in flash-attn. No gradient is
+computed for a float ``attn_mask`` (a clear error says so). Dropout draws its mask in the
+kernel from a counter-based generator and regenerates it in the backward pass.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def _attention_forward_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
+    dropout_p: float,
+    dropout_seed: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import attention_forward
 
@@ -84,12 +87,14 @@ def _attention_forward_op(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
 
 
 @_attention_forward_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
@@ -118,6 +123,8 @@ def _attention_backward_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
+    dropout_p: float,
+    dropout_seed: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import attention_backward
 
@@ -134,6 +141,8 @@ def _attention_backward_op(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
 
 
@@ -146,11 +155,11 @@ def _(dout, q, k, v, out, lse, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
+     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.lengths = (max_seqlen_q, max_seqlen_k)
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
 
 
 def _backward(ctx, dout, dlse):
@@ -161,9 +170,9 @@ def _backward(ctx, dout, dlse):
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
     dq, dk, dv = torch.ops.qflash.attention_backward(
         _unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k,
-        *ctx.lengths,
+        *ctx.rest,
     )
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 13
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -239,11 +248,17 @@ def _scale(softmax_scale, headdim: int) -> float:
     return scale
 
 
-def _check_dropout(dropout_p) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: dropout is not implemented yet in qflash; use 0.0"
-        )
+def _dropout(dropout_p) -> Tuple[float, int]:
+    """Validated dropout probability and a fresh seed for its mask.
+
+    The seed comes from PyTorch's default CPU generator, so ``torch.manual_seed`` makes
+    the mask reproducible; the backward pass regenerates the same mask from it.
+    """
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    seed = int(torch.randint(0, 2**31 - 1, ())) if p > 0 else 0
+    return p, seed
 
 
 def _check_softcap(softcap) -> float:
@@ -299,7 +314,9 @@ def flash_attn_func(
         q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
         k, v: (batch, seqlen_k, heads_kv, headdim); heads % heads_kv == 0 (MQA / GQA).
             Any strides with a unit last stride; nothing is copied.
-        dropout_p: must be 0.0 for now.
+        dropout_p: probability of dropping each attention probability (training); the mask is
+            drawn in the kernel from a seed taken from PyTorch's CPU generator and regenerated
+            in the backward pass, never stored.
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: mask aligned bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
         window_size: (left, right); query i sees keys in
@@ -316,7 +333,6 @@ def flash_attn_func(
         key give out = 0 and lse = +inf.
     """
     _check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, heads, headdim)")
-    _check_dropout(dropout_p)
     batch, seqlen_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[2], headdim)
     if k.shape[0] != batch:
@@ -326,6 +342,7 @@ def flash_attn_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
+        *_dropout(dropout_p),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -407,7 +424,6 @@ def flash_attn_varlen_func(
         (heads, total_q), float32.
     """
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
-    _check_dropout(dropout_p)
     total_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[1], headdim)
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
@@ -426,7 +442,7 @@ def flash_attn_varlen_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k,
+        max_seqlen_k, *_dropout(dropout_p),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -487,7 +503,6 @@ def sdpa(
             raise ValueError("key and value must be 3-D when query is 3-D")
         query, key, value, squeeze = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), True
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
-    _check_dropout(dropout_p)
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
     _check_heads(key, value, heads, heads_kv, headdim, names=("key", "value"))
@@ -517,7 +532,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = torch.ops.qflash.attention_forward(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k,
+        seqlen_k, *_dropout(dropout_p),
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out

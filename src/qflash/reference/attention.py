@@ -95,17 +95,24 @@ def _repeat_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     return x.repeat_interleave(heads_q // heads_kv, dim=2)
 
 
-def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor):
+def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_mask=None):
     """softmax(scores) @ v and logsumexp(scores) over the last axis, safe for all -inf rows.
 
     scores: [B, H, Sq, Sk] in the compute dtype, -inf where masked; v: [B, H, Sk, Dv].
+    With dropout, the probabilities that multiply v are ``p * keep / (1 - dropout_p)``
+    (``dropout_mask``, bool, True = keep); the log-sum-exp is that of the full softmax.
     """
     row_max = scores.amax(dim=-1, keepdim=True)
     empty = torch.isneginf(row_max)
     row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
     p = torch.exp(scores - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
-    out = (p / torch.where(empty, torch.ones_like(row_sum), row_sum)) @ v
+    p = p / torch.where(empty, torch.ones_like(row_sum), row_sum)
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs the dropout_mask to apply")
+        p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    out = p @ v
     lse = torch.where(empty, torch.full_like(row_max, math.inf), row_max + torch.log(row_sum))
     return out, lse.squeeze(-1)
 
@@ -122,6 +129,8 @@ def attention_ref(
     alibi_slopes: Optional[torch.Tensor] = None,
     upcast: bool = True,
     reorder_ops: bool = False,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
 ):
     """Attention in three plain steps: scores, softmax, weighted sum.
 
@@ -136,6 +145,8 @@ def attention_ref(
         upcast: compute in float32 when the inputs are half precision, else in their dtype.
         reorder_ops: scale q before the product instead of the scores after it
             (changes rounding only; flash-attn's tests use it to measure PyTorch's error).
+        dropout_p, dropout_mask: drop probabilities where the bool (batch, heads, seqlen_q,
+            seqlen_k) mask is False and scale the rest by 1 / (1 - dropout_p).
 
     Returns:
         out: (batch, seqlen_q, heads, headdim) in q's dtype.
@@ -162,7 +173,7 @@ def attention_ref(
     visible = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=q.device)
     if visible is not None:
         scores = scores.masked_fill(~visible, -math.inf)
-    out, lse = _softmax_with_lse(scores, vt)
+    out, lse = _softmax_with_lse(scores, vt, dropout_p, dropout_mask)
     return out.transpose(1, 2).to(dtype_out), lse
 
 
