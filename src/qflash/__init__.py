@@ -19,6 +19,10 @@ _LAZY = {
     "flash_attn_varlen_qkvpacked_func": "qflash.ops.attention",
     "sdpa": "qflash.ops.attention",
     "set_debug": "qflash.ops.attention",
+    "quantize": "qflash.ops.quantize",
+    "dequantize": "qflash.ops.quantize",
+    "int8_matmul": "qflash.ops.matmul",
+    "fp8_matmul": "qflash.ops.matmul",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -29,6 +29,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from qflash.ops.common import require_runnable, require_tensor
+
 __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -181,16 +183,9 @@ _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 # Validation shared by every entry point.
 # ----------------------------------------------------------------------------------------------
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
 def _check_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: int, what: str) -> None:
     for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")
+        require_tensor(name, t, ndim, what)
     q = tensors[0]
     if q.dtype not in _DTYPES:
         raise TypeError(f"{names[0]} must be float16, bfloat16, float32 or float64, got {q.dtype}")
@@ -199,11 +194,7 @@ def _check_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: 
             raise TypeError(f"{name} has dtype {t.dtype} but {names[0]} has {q.dtype}: they must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but {names[0]} is on {q.device}: they must match")
-    if q.device.type != "cuda" and not _interpreter_on():
-        raise RuntimeError(
-            f"qflash kernels run on CUDA tensors; {names[0]} is on {q.device}. On a CPU-only machine, "
-            "set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter."
-        )
+    require_runnable(names[0], q)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Scaled INT8 and FP8 matrix products: C = (A_q * a_scale) @ (B_q * b_scale).T + bias.
+
+A is (M, K) row-major activations, B is (N, K) in ``nn.Linear`` weight layout. INT8
+products accumulate exactly in int32 and the scales are applied once, in the
+epilogue. FP8 products are accumulated in float32 one K block (QBLOCK = 128) at a
+time and added to the float32 total ("promotion"): Hopper's FP8 tensor cores keep
+only about 14-22 bits of a long sum, and with block scales each K block has its own
+scale anyway.
+
+Scale layouts (float32): tensor () or (1,); row (M, 1) for A and (N, 1) for B; block
+(M, K/128) for A (1 x 128 groups) and (N/128, K/128) for B (128 x 128 groups).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.testing import new_output
+
+QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
+
+# How scales are laid out (constexpr SCALES).
+SCALES_TENSOR = tl.constexpr(0)
+SCALES_ROW = tl.constexpr(1)  # A per row, B per output column (row of B)
+SCALES_BLOCK = tl.constexpr(2)  # A per (row, 128-wide K block), B per (128 x 128) block
+
+
+@triton.jit
+def _scaled_matmul_kernel(
+    A, B, C, AScale, BScale, Bias,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n)) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+    b_ptrs = B + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    if IS_INT8:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # exact: |sum| < K * 127^2
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a_ok = (rows[:, None] < M) & (k + offs_k[None, :] < K)
+        b_ok = (cols[None, :] < N) & (k + offs_k[:, None] < K)
+        if IS_INT8:
+            a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=0)
+            b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=0)
+        else:
+            a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=0.0)
+            b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=0.0)
+        if IS_INT8:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            part = tl.dot(a, b, out_dtype=tl.float32)  # one K block, promoted to the fp32 total below
+            if SCALES == SCALES_BLOCK:
+                kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
+                a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
+                b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
+                part = part * (a_s[:, None] * b_s)
+            acc += part
+
+    out = acc.to(tl.float32)
+    if SCALES == SCALES_TENSOR:
+        out = out * (tl.load(AScale) * tl.load(BScale))
+    elif SCALES == SCALES_ROW:
+        a_s = tl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
+        b_s = tl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+        out = out * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
+    """Launch on validated inputs. ``scales`` is "tensor", "row" or "block"."""
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    c = new_output((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
+    is_int8 = a_q.dtype == torch.int8
+    if a_q.device.type != "cuda":
+        bm, bn, bk, warps, stages = 32, 32, (QBLOCK if scales == "block" else 32), 4, 1
+    elif scales == "block":
+        bm, bn, bk, warps, stages = 128, 128, QBLOCK, 8, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
+    b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _scaled_matmul_kernel[grid](
+        a_q, b_q, c, a_s, b_s, bias if bias is not None else c,
+        m, n, k,
+        a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=is_int8, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+    )
+    return c

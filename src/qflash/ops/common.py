@@ -1,0 +1,27 @@
+"""Checks every public op shares."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def require_runnable(name: str, t: torch.Tensor) -> None:
+    """The kernels run on CUDA tensors, or anywhere in Triton's interpreter."""
+    if t.device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(
+            f"qflash kernels run on CUDA tensors; {name} is on {t.device}. On a CPU-only machine, "
+            "set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter."
+        )
+
+
+def require_tensor(name: str, t, ndim: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")

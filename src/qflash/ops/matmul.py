@@ -1,0 +1,112 @@
+"""Public scaled matmuls: ``int8_matmul`` and ``fp8_matmul``.
+
+``C = (a_q * a_scale) @ (b_q * b_scale).T + bias`` with A (M, K) activations and B
+(N, K) in ``nn.Linear`` weight layout, output in ``out_dtype``. No alignment is
+required (edges are masked); K a multiple of 128 and M, N multiples of 128 give
+full tiles.
+
+Scales (float32):
+    per tensor   a_scale and b_scale with one element each
+    per row      a_scale (M,) or (M, 1), b_scale (N,) or (N, 1) (one may be per tensor)
+    block (fp8)  a_scale (M, ceil(K/128)) for 1 x 128 groups and
+                 b_scale (ceil(N/128), ceil(K/128)) for 128 x 128 groups
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qflash.ops.common import require_runnable, require_tensor
+
+__all__ = ["int8_matmul", "fp8_matmul"]
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_operands(a_q, b_q, dtypes, bias, out_dtype):
+    require_tensor("a_q", a_q, 2, "(M, K)")
+    require_tensor("b_q", b_q, 2, "(N, K), nn.Linear's weight layout")
+    for name, t in (("a_q", a_q), ("b_q", b_q)):
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if a_q.dtype != b_q.dtype:
+        raise TypeError(f"a_q is {a_q.dtype} but b_q is {b_q.dtype}: they must match")
+    if a_q.shape[1] != b_q.shape[1]:
+        raise ValueError(f"a_q (M, K) = {tuple(a_q.shape)} and b_q (N, K) = {tuple(b_q.shape)} disagree on K")
+    if b_q.device != a_q.device:
+        raise ValueError(f"b_q is on {b_q.device} but a_q is on {a_q.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (b_q.shape[0],):
+            raise ValueError(f"bias must be a tensor of shape ({b_q.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.device != a_q.device:
+            raise ValueError(f"bias is on {bias.device}, expected {a_q.device}")
+    require_runnable("a_q", a_q)
+
+
+def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
+    """A per-tensor or per-row scale as float32 (rows, 1), zero-stride when per tensor."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor")
+    if scale.device != device:
+        raise ValueError(f"{name} is on {scale.device}, expected {device}")
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).float().expand(rows, 1)
+    if tuple(scale.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(f"{name} must have one element (per tensor) or shape ({rows},) / ({rows}, 1) "
+                         f"(per row), got {tuple(scale.shape)}")
+    return scale.reshape(rows, 1).float()
+
+
+def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """s8 x s8 with exact int32 accumulation; scales and bias applied once, in the epilogue.
+
+    Per-tensor or per-row scales (see the module docstring). Returns (M, N) ``out_dtype``.
+    """
+    _check_operands(a_q, b_q, (torch.int8,), bias, out_dtype)
+    m, n = a_q.shape[0], b_q.shape[0]
+    from qflash.kernels.matmul import scaled_matmul
+
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        a_s, b_s = _scale("a_scale", a_scale, 1, a_q.device), _scale("b_scale", b_scale, 1, a_q.device)
+        return scaled_matmul(a_q, b_q, a_s.reshape(()), b_s.reshape(()), bias, out_dtype, "tensor")
+    return scaled_matmul(a_q, b_q, _scale("a_scale", a_scale, m, a_q.device),
+                         _scale("b_scale", b_scale, n, a_q.device), bias, out_dtype, "row")
+
+
+def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 (e4m3fn or e5m2) product, promoted to float32 every 128-wide K block.
+
+    Per-tensor, per-row or block scales (1 x 128 for A, 128 x 128 for B); see the
+    module docstring. Returns (M, N) ``out_dtype``.
+    """
+    _check_operands(a_q, b_q, _FP8, bias, out_dtype)
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    from qflash.kernels.matmul import QBLOCK, scaled_matmul
+
+    block_a = (m, _cdiv(k, QBLOCK))
+    block_b = (_cdiv(n, QBLOCK), _cdiv(k, QBLOCK))
+    if isinstance(b_scale, torch.Tensor) and b_scale.dim() == 2 and tuple(b_scale.shape) == block_b \
+            and b_scale.numel() > 1 and b_scale.shape[0] != n:
+        if not isinstance(a_scale, torch.Tensor) or tuple(a_scale.shape) != block_a:
+            raise ValueError(f"with block-scaled b_scale {block_b}, a_scale must be (M, ceil(K/128)) = {block_a}, "
+                             f"got {tuple(getattr(a_scale, 'shape', ()))}")
+        if a_scale.device != a_q.device or b_scale.device != a_q.device:
+            raise ValueError("a_scale and b_scale must be on a_q's device")
+        return scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        a_s, b_s = _scale("a_scale", a_scale, 1, a_q.device), _scale("b_scale", b_scale, 1, a_q.device)
+        return scaled_matmul(a_q, b_q, a_s.reshape(()), b_s.reshape(()), bias, out_dtype, "tensor")
+    return scaled_matmul(a_q, b_q, _scale("a_scale", a_scale, m, a_q.device),
+                         _scale("b_scale", b_scale, n, a_q.device), bias, out_dtype, "row")

@@ -1,0 +1,78 @@
+"""Pure-PyTorch symmetric quantization: what the quantize kernel must produce.
+
+A group of values (the whole tensor, a row, a column or a 2-D block) shares one
+scale ``absmax(group) / QMAX`` with QMAX = 127 (int8), 448 (float8_e4m3fn) or
+57344 (float8_e5m2). ``x_q = saturate(round(x / scale))`` and ``x ~ x_q * scale``.
+
+- int8 rounds half away from zero, then saturates to [-127, 127] (symmetric: -128 unused).
+- float8 rounds to nearest even (the hardware conversion) after saturating to +-QMAX,
+  so values past the format's range never become inf or NaN.
+- An all-zero group gets scale 1 (its values quantize to 0, exactly).
+- A group holding NaN or +-inf gets scale NaN, so dequantizing it gives NaN: a
+  non-finite input stays visible instead of being silently clipped.
+
+Scales are float32, shaped to broadcast against the input after expansion:
+tensor () ; row (M, 1) ; column (1, N) ; block (ceil(M/bm), ceil(N/bn)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+GRANULARITIES = ("tensor", "row", "column", "block")
+
+__all__ = ["QMAX", "GRANULARITIES", "quantize_ref", "dequantize_ref", "expand_scale"]
+
+
+def expand_scale(scale: torch.Tensor, shape: Sequence[int], granularity: str,
+                 block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The per-element scale of a 2-D tensor of ``shape``."""
+    m, n = shape
+    if granularity == "block":
+        bm, bn = block_size
+        return scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+    return scale.expand(m, n) if scale.dim() else scale.reshape(1, 1).expand(m, n)
+
+
+def _group_absmax(x: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
+    a = x.abs()
+    if granularity == "tensor":
+        return a.amax()
+    if granularity == "row":
+        return a.amax(dim=1, keepdim=True)
+    if granularity == "column":
+        return a.amax(dim=0, keepdim=True)
+    bm, bn = block_size
+    m, n = x.shape
+    pad = torch.zeros(math.ceil(m / bm) * bm, math.ceil(n / bn) * bn, dtype=a.dtype, device=a.device)
+    pad[:m, :n] = a
+    return pad.view(pad.shape[0] // bm, bm, pad.shape[1] // bn, bn).amax(dim=(1, 3))
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
+                 block_size: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of a 2-D tensor; returns (x_q, scale) as described above."""
+    x = x.detach().to(torch.float32)
+    qmax = QMAX[dtype]
+    amax = _group_absmax(x, granularity, block_size)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    bad = _group_absmax(torch.where(torch.isfinite(x), torch.zeros_like(x), torch.ones_like(x)), granularity,
+                        block_size) > 0
+    scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
+    full = expand_scale(scale, x.shape, granularity, block_size)
+    y = (x / full).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
+        q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
+    else:
+        q = y.to(dtype)
+    return q, scale.to(torch.float32)
+
+
+def dequantize_ref(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
+                   block_size: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (x_q.to(torch.float32) * expand_scale(scale.float(), x_q.shape, granularity, block_size)).to(dtype)

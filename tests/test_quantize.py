@@ -1,0 +1,88 @@
+"""Quantize kernel: bit-exact against the pure-PyTorch reference, with the edge cases spelled out."""
+
+import math
+
+import pytest
+import torch
+
+import qflash
+from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
+from qflash.testing import assert_written, poisoned, sqnr_db, with_outlier_channels
+
+from conftest import DEVICE
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+GROUPS = [("tensor", None), ("row", None), ("column", None), ("block", (32, 64)), ("block", (1, 128))]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN included."""
+    return torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                       if b.element_size() == 1 else b)
+
+
+@pytest.mark.parametrize("granularity,block", GROUPS)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (70, 300), (129, 33)])
+def test_matches_reference_bitwise(shape, qdtype, granularity, block):
+    x = torch.randn(shape, device=DEVICE) * 3
+    with poisoned():
+        x_q, scale = qflash.quantize(x, qdtype, granularity, block)
+    ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
+    assert x_q.dtype == qdtype and scale.dtype == torch.float32 and scale.shape == ref_scale.shape
+    assert_written(scale, "scale")
+    assert _same(x_q, ref_q)
+    assert torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_saturation_zero_groups_and_nonfinite(qdtype):
+    qmax = QMAX[qdtype]
+    x = torch.randn(4, 64, device=DEVICE)
+    x[1] = 0.0  # an all-zero row: scale 1, values exactly 0
+    x[2, 5] = math.inf  # a non-finite row: scale NaN
+    x[3, 7] = math.nan
+    x_q, scale = qflash.quantize(x.half(), qdtype, "row")
+    assert scale[1].item() == 1.0 and bool((x_q[1].float() == 0).all())
+    assert math.isnan(scale[2].item()) and math.isnan(scale[3].item())
+    assert math.isfinite(scale[0].item())
+    assert float(x_q[0].float().abs().max()) == qmax  # the row's absmax lands exactly on QMAX
+    # A scale smaller than the data needs (a block whose max is one huge value) still saturates.
+    y = torch.full((16, 16), 1000.0, device=DEVICE)
+    y_q, _ = qflash.quantize(y, qdtype, "tensor")
+    assert torch.isfinite(y_q.float()).all() and float(y_q.float().max()) == qmax
+
+
+def test_dequantize_round_trip_and_sqnr():
+    x = torch.randn(64, 256, device=DEVICE)
+    for qdtype, floor_db in ((torch.int8, 35.0), (torch.float8_e4m3fn, 28.0)):
+        x_q, scale = qflash.quantize(x, qdtype, "row")
+        back = qflash.dequantize(x_q, scale, "row")
+        torch.testing.assert_close(back, dequantize_ref(x_q, scale, "row"), rtol=0, atol=0)
+        assert sqnr_db(back, x) > floor_db
+    x_q, scale = qflash.quantize(x, torch.float8_e4m3fn, "block", (1, 128))
+    assert qflash.dequantize(x_q, scale, "block", (1, 128)).shape == x.shape
+
+
+def test_outliers_collapse_per_tensor_but_not_per_row():
+    x = with_outlier_channels(torch.randn(128, 256), num=4, scale=100.0, seed=0).T.contiguous().to(DEVICE)
+    # channels as rows: a few rows 100x larger
+    db = {g: sqnr_db(qflash.dequantize(*qflash.quantize(x, torch.int8, g), g), x) for g in ("tensor", "row")}
+    assert db["row"] > db["tensor"] + 15, db
+
+
+def test_bad_inputs():
+    x = torch.randn(8, 8, device=DEVICE)
+    cases = [
+        (lambda: qflash.quantize(x[0]), ValueError, "x must have 2 dimensions"),
+        (lambda: qflash.quantize(x.double()), TypeError, "float16, bfloat16 or float32"),
+        (lambda: qflash.quantize(x, torch.int16), TypeError, "dtype must be"),
+        (lambda: qflash.quantize(x, granularity="channel"), ValueError, "granularity must be one of"),
+        (lambda: qflash.quantize(x, granularity="block"), ValueError, "block_size is required"),
+        (lambda: qflash.quantize(x, granularity="row", block_size=(1, 128)), ValueError, "block_size is required"),
+        (lambda: qflash.quantize(x, granularity="block", block_size=(3, 128)), ValueError, "powers of two"),
+        (lambda: qflash.dequantize(*qflash.quantize(x), granularity="column"), ValueError, "does not fit"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
