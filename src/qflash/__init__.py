@@ -23,12 +23,16 @@ _LAZY = {
     "dequantize": "qflash.ops.quantize",
     "int8_matmul": "qflash.ops.matmul",
     "fp8_matmul": "qflash.ops.matmul",
+    "quantize_model": "qflash.nn",
 }
+_SUBMODULES = ("nn", "reference", "testing", "kernels", "ops", "bench", "integrations")
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"qflash.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'qflash' has no attribute {name!r}")

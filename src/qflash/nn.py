@@ -1,0 +1,116 @@
+"""Quantized layers for inference: ``QuantizedLinear`` and ``quantize_model``.
+
+Weights are quantized once, offline; activations are quantized on the fly by the
+fused quantize kernel right before the scaled matmul:
+
+    "int8"  weight per output channel (row of W), activations per token (row of x),
+            int8 x int8 -> exact int32 -> scales in the epilogue
+    "fp8"   e4m3 with block scales: weight 128 x 128, activations 1 x 128 (DeepSeek-V3),
+            float32 promotion every 128-wide K block
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["QuantizedLinear", "quantize_model"]
+
+MODES = ("int8", "fp8")
+_PLAIN_LINEARS = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
+def _weight_recipe(mode: str):
+    if mode == "int8":
+        return torch.int8, "row", None
+    return torch.float8_e4m3fn, "block", (128, 128)
+
+
+def _activation_recipe(mode: str):
+    if mode == "int8":
+        return torch.int8, "row", None
+    return torch.float8_e4m3fn, "block", (1, 128)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + b`` with W stored quantized (``mode`` "int8" or "fp8"). Inference only.
+
+    Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
+    ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` (or None).
+    Input (..., in_features) in float16 / bfloat16 / float32; output in the input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "int8",
+                 device=None, out_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        qdtype, _, block = _weight_recipe(mode)
+        scale_shape = (out_features, 1) if block is None else (-(-out_features // 128), -(-in_features // 128))
+        self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str = "int8") -> "QuantizedLinear":
+        """Quantize an ``nn.Linear``'s weight (offline) into a new layer on the same device."""
+        import qflash
+
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=w.device)
+        qdtype, granularity, block = _weight_recipe(mode)
+        w_q, scale = qflash.quantize(w if w.dtype != torch.float64 else w.float(), qdtype, granularity, block)
+        layer.weight_q.copy_(w_q)
+        layer.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach().float())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import qflash
+
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("QuantizedLinear is for inference: call it under torch.no_grad() or inference_mode()")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input (..., {self.in_features}), got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        qdtype, granularity, block = _activation_recipe(self.mode)
+        x_q, x_scale = qflash.quantize(x2, qdtype, granularity, block)
+        matmul = qflash.int8_matmul if self.mode == "int8" else qflash.fp8_matmul
+        y = matmul(x_q, self.weight_q, x_scale, self.weight_scale, bias=self.bias, out_dtype=x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, mode={self.mode}"
+
+
+def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] = ()) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``QuantizedLinear``; returns ``model``.
+
+    ``skip`` lists module names (as in ``named_modules``) to leave alone, e.g. ``["lm_head"]``.
+    A subclass of ``nn.Linear`` with a forward of its own (LoRA wrappers and the like)
+    cannot be replaced faithfully: it raises, naming the layer, unless skipped.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    skip = set(skip)
+    targets = []
+    for name, module in model.named_modules():
+        if name in skip or not isinstance(module, nn.Linear):
+            continue
+        if type(module) not in _PLAIN_LINEARS:
+            raise TypeError(f"quantize_model: layer {name!r} is a {type(module).__name__}, a subclass of nn.Linear "
+                            f"with its own behaviour; qflash replaces plain nn.Linear only (pass skip=[{name!r}])")
+        if not module.weight.is_floating_point():
+            raise TypeError(f"quantize_model: layer {name!r} has a {module.weight.dtype} weight; expected floats")
+        targets.append(name)
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedLinear.from_linear(getattr(parent, child), mode))
+    return model

@@ -1,0 +1,83 @@
+"""QuantizedLinear and quantize_model: accuracy against float layers, exactness against the
+reference pipeline, state_dict round trips and clear errors."""
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qflash
+from qflash.nn import QuantizedLinear, quantize_model
+from qflash.reference.matmul import int8_matmul_ref
+from qflash.reference.quantize import quantize_ref
+from qflash.testing import sqnr_db
+
+from conftest import DEVICE
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 256)).to(DEVICE)
+
+
+@pytest.mark.parametrize("mode,floor_db", [("int8", 30.0), ("fp8", 25.0)])
+def test_quantized_linear_tracks_the_float_layer(mode, floor_db):
+    lin = nn.Linear(256, 200).to(DEVICE)
+    x = torch.randn(3, 17, 256, device=DEVICE)
+    q = QuantizedLinear.from_linear(lin, mode)
+    with torch.no_grad():
+        y, ref = q(x), lin(x)
+    assert y.shape == (3, 17, 200) and y.dtype == x.dtype
+    assert sqnr_db(y, ref) > floor_db
+
+
+def test_int8_layer_equals_the_reference_pipeline():
+    lin = nn.Linear(96, 40).to(DEVICE)
+    x = torch.randn(10, 96, device=DEVICE)
+    q = QuantizedLinear.from_linear(lin, "int8")
+    w_q, w_s = quantize_ref(lin.weight, torch.int8, "row")
+    x_q, x_s = quantize_ref(x, torch.int8, "row")
+    with torch.no_grad():
+        expected = int8_matmul_ref(x_q, w_q, x_s, w_s, lin.bias.detach(), torch.float32)
+        assert torch.equal(q(x), expected)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantize_model_and_state_dict_round_trip(mode):
+    model = _mlp()
+    x = torch.randn(8, 256, device=DEVICE)
+    with torch.no_grad():
+        ref = model(x)
+    quantize_model(model, mode, skip=["2"])
+    assert isinstance(model[0], QuantizedLinear) and isinstance(model[2], nn.Linear)
+    with torch.no_grad():
+        y = model(x)
+    assert sqnr_db(y, ref) > 20
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    fresh = quantize_model(_mlp(), mode, skip=["2"])
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), y)
+    assert "mode=" + mode in repr(model)
+
+
+def test_clear_errors():
+    class LoRALinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(8, 8), LoRALinear(8, 8)).to(DEVICE)
+    with pytest.raises(TypeError, match="layer '1' is a LoRALinear"):
+        quantize_model(model, "int8")
+    quantize_model(model, "int8", skip=["1"])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quantize_model(_mlp(), "int4")
+    q = QuantizedLinear.from_linear(nn.Linear(16, 8).to(DEVICE))
+    with pytest.raises(ValueError, match=r"expected input \(..., 16\)"):
+        with torch.no_grad():
+            q(torch.randn(4, 15, device=DEVICE))
+    with pytest.raises(RuntimeError, match="inference"):
+        q(torch.randn(4, 16, device=DEVICE, requires_grad=True))
+    assert qflash.quantize_model is quantize_model and qflash.nn.QuantizedLinear is QuantizedLinear
