@@ -63,13 +63,27 @@ def test_bench_quick_json(tmp_path):
     assert (tmp_path / "bench.png").exists()
 
 
+def test_bench_matmul_and_quantize_quick(tmp_path):
+    out = tmp_path / "mm.json"
+    r = qflash("bench", "matmul", "--quick", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    qrows = [row for row in rows if row["provider"].startswith("qflash")]
+    assert len(qrows) == 4 and all(row["error"] is None and row["rel_err"] < 0.06 for row in qrows)
+    out = tmp_path / "acc.json"
+    r = qflash("bench", "quantize", "--accuracy", "--quick", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    acc = json.loads(out.read_text())["accuracy"]
+    assert len(acc) == 10 and all(row["kernel_rel_err"] < 1e-5 for row in acc)
+
+
 def test_bad_command_and_flag():
     r = qflash("nonsense")
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = qflash("demo", "--bogus")
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
-    r = qflash("bench", "matmul")
-    assert r.returncode != 0 and "unknown op 'matmul'" in r.stderr
+    r = qflash("bench", "softmax")
+    assert r.returncode != 0 and "unknown op 'softmax'" in r.stderr
     r = qflash("bench", "attention", "--providers", "qflash,nope")
     assert r.returncode == 2 and "unknown provider" in r.stderr
     r = qflash("bench", "attention", "--seqlens", "a,b")

@@ -85,3 +85,17 @@ def test_bad_inputs():
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
             fn()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (1024, 6144, 4096), (8192, 8192, 1024)])
+def test_gpu_int8_bit_exact_bf16_and_fp8_block(m, n, k):
+    a, b, bias = (t.cuda() for t in (torch.randn(m, k), torch.randn(n, k), torch.randn(n)))
+    a_q, a_s = qflash.quantize(a.bfloat16(), torch.int8, "row")
+    b_q, b_s = qflash.quantize(b.bfloat16(), torch.int8, "row")
+    c = qflash.int8_matmul(a_q, b_q, a_s, b_s, bias=bias)  # bf16 out: the GPU's conversion rounds to nearest even
+    assert torch.equal(c.cpu(), int8_matmul_ref(a_q.cpu(), b_q.cpu(), a_s.cpu(), b_s.cpu(), bias.cpu(), torch.bfloat16))
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    c = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32)
+    assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5

@@ -86,3 +86,13 @@ def test_bad_inputs():
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
             fn()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity,block", GROUPS)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_gpu_matches_reference_bitwise(qdtype, granularity, block):
+    x = (torch.randn(4097, 1500, device="cuda") * 5).bfloat16()
+    x_q, scale = qflash.quantize(x, qdtype, granularity, block)
+    ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
+    assert _same(x_q, ref_q) and torch.equal(scale, ref_scale)

@@ -249,7 +249,16 @@ def cmd_bench(args) -> int:
         from qflash.bench.attention import main as bench_main
 
         return bench_main(args.rest + (["--backward"] if args.op == "attention-backward" else []))
-    raise SystemExit(f"qflash bench: unknown op {args.op!r}; available: attention, attention-backward")
+    if args.op == "quantize":
+        from qflash.bench.quantize import main as bench_main
+
+        return bench_main(args.rest)
+    if args.op == "matmul":
+        from qflash.bench.matmul import main as bench_main
+
+        return bench_main(args.rest)
+    raise SystemExit(f"qflash bench: unknown op {args.op!r}; available: attention, attention-backward, "
+                     "matmul, quantize")
 
 
 def cmd_check(args) -> int:
@@ -284,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="benchmark an op against its peers (GPU)")
-    p.add_argument("op", help="attention | attention-backward")
+    p.add_argument("op", help="attention | attention-backward | matmul | quantize")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help lists them)")
     p.set_defaults(fn=cmd_bench)
     return parser

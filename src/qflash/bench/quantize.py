@@ -1,0 +1,129 @@
+"""Quantization: accuracy of each scheme (quantization error apart from kernel error) and
+the fused quantize kernel's bandwidth.
+
+    qflash bench quantize --accuracy --out acc.json     # any device (CPU: the interpreter)
+    qflash bench quantize --out bw.json                 # GB/s against the copy ceiling (GPU)
+
+Accuracy: for A (M, K) activations, Gaussian or with a few outlier channels 20-100x
+larger, and B (N, K) Gaussian weights, each scheme quantizes both operands and
+multiplies them with qflash's kernel. ``quant_*`` compares the exact product of the
+dequantized operands with the float64 product of the originals (the price of the
+format and the scales); ``kernel_rel_err`` compares the kernel's output with that exact
+product of the dequantized operands (the price of the kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from qflash.bench.harness import environment, measure_ceilings, rich_table, save_json, time_ms
+
+# name: (dtype, A granularity, A block, B granularity, B block, matmul)
+SCHEMES = {
+    "int8 per-tensor": (torch.int8, "tensor", None, "tensor", None, "int8"),
+    "int8 per-row x per-column": (torch.int8, "row", None, "row", None, "int8"),
+    "fp8 per-tensor": (torch.float8_e4m3fn, "tensor", None, "tensor", None, "fp8"),
+    "fp8 per-row x per-column": (torch.float8_e4m3fn, "row", None, "row", None, "fp8"),
+    "fp8 block 1x128 / 128x128": (torch.float8_e4m3fn, "block", (1, 128), "block", (128, 128), "fp8"),
+}
+
+
+def deepgemm_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's calc_diff: 1 - cosine-like similarity, 0 for identical tensors."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum()))
+
+
+def accuracy_rows(m: int, n: int, k: int, device: str, seed: int = 0) -> List[dict]:
+    import qflash
+    from qflash.reference.matmul import dequantize_operand
+    from qflash.testing import rel_l2_err, sqnr_db, with_outlier_channels
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    a_gauss = torch.randn(m, k, generator=g)
+    inputs = {
+        "gaussian": a_gauss,
+        "outlier channels (4 x 50)": with_outlier_channels(a_gauss, num=4, scale=50.0, seed=seed),
+    }
+    b = torch.randn(n, k, generator=g).to(device)
+    rows = []
+    for data, a in inputs.items():
+        a = a.to(device)
+        exact = a.double() @ b.double().T
+        for name, (qdtype, ga, ba, gb, bb, kind) in SCHEMES.items():
+            a_q, a_s = qflash.quantize(a, qdtype, ga, ba)
+            b_q, b_s = qflash.quantize(b, qdtype, gb, bb)
+            deq = dequantize_operand(a_q, a_s, block_rows=1) @ dequantize_operand(b_q, b_s, block_rows=128).T
+            mm = qflash.int8_matmul if kind == "int8" else qflash.fp8_matmul
+            out = mm(a_q, b_q, a_s, b_s, out_dtype=torch.float32)
+            rows.append(dict(data=data, scheme=name, quant_sqnr_db=sqnr_db(deq, exact),
+                             quant_rel_err=rel_l2_err(deq, exact), quant_deepgemm_diff=deepgemm_diff(deq, exact),
+                             kernel_rel_err=rel_l2_err(out, deq)))
+    return rows
+
+
+def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
+    """Quantize throughput, bytes read + written over time, per scheme (CUDA)."""
+    import qflash
+
+    rows = []
+    for m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        for name, (qdtype, ga, ba, _, _, _) in SCHEMES.items():
+            res = time_ms(lambda: qflash.quantize(x, qdtype, ga, ba))
+            nbytes = x.numel() * (x.element_size() + 1)
+            rows.append(dict(shape=f"{m}x{k}", scheme=name, ms=res["ms"], gbps=nbytes / (res["ms"] * 1e-3) / 1e9))
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="qflash bench quantize", description=__doc__.splitlines()[0])
+    parser.add_argument("--accuracy", action="store_true", help="quantization vs kernel error table (any device)")
+    parser.add_argument("--shape", default="256,1024,512", help="M,N,K of the accuracy product")
+    parser.add_argument("--quick", action="store_true", help="small shapes")
+    parser.add_argument("--out", help="write results as JSON here")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
+    if not args.accuracy and not cuda:
+        parser.error("bandwidth is measured on a CUDA GPU; on a CPU use --accuracy")
+    try:
+        m, n, k = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        parser.error("--shape takes three comma-separated integers M,N,K")
+    from rich.console import Console
+
+    console = Console()
+    result = {"env": environment()}
+    if args.accuracy:
+        if args.quick:
+            m, n, k = 32, 64, 256
+        result["accuracy"] = accuracy_rows(m, n, k, "cuda" if cuda else "cpu")
+        result["accuracy_shape"] = [m, n, k]
+        console.print(rich_table(result["accuracy"], ["data", "scheme", "quant_sqnr_db", "quant_rel_err",
+                                                      "quant_deepgemm_diff", "kernel_rel_err"],
+                                 f"quantized matmul accuracy, (M, N, K) = {(m, n, k)}"))
+    else:
+        shapes = [(1024, 4096)] if args.quick else [(4096, 4096), (8192, 8192), (16384, 8192)]
+        result["ceilings"] = measure_ceilings()
+        result["bandwidth"] = bandwidth_rows(shapes)
+        for r in result["bandwidth"]:
+            r["x_copy"] = r["gbps"] / (result["ceilings"]["copy_TBps"] * 1e3)
+        console.print(rich_table(result["bandwidth"], ["shape", "scheme", "ms", "gbps", "x_copy"],
+                                 "fused quantize, bf16 in, 1-byte out"))
+    if args.out:
+        save_json(args.out, result)
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())
