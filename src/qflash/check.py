@@ -3,6 +3,8 @@
 Each case draws fresh random inputs, runs the kernel on poisoned outputs, and
 compares it with the float64 reference next to PyTorch in the same precision
 (flash-attn's rule: kernel error <= 2 x PyTorch's error + a rounding floor).
+Quantization and INT8 matmul must match their references bit for bit; FP8 matmul
+must match the product of its dequantized inputs to float32 rounding.
 On a CPU the kernels run in Triton's interpreter, so the cases are small.
 """
 
@@ -82,6 +84,46 @@ def _sdpa_case(b, h, sq, sk, d, dtype, mask_kind):
     return run
 
 
+def _quantize_case(qdtype, granularity, block):
+    def run(device: str, seed: int):
+        import qflash
+        from qflash.reference.quantize import quantize_ref
+
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(67, 300, device=device, generator=g) * 4
+        with poisoned():
+            x_q, scale = qflash.quantize(x, qdtype, granularity, block)
+        ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
+        # Bit-exact: compare the codes and the scales as float64, with no tolerance.
+        out = torch.cat([x_q.double().flatten(), scale.double().flatten()])
+        ref = torch.cat([ref_q.double().flatten(), ref_scale.double().flatten()])
+        return out, ref, None, 0.0
+
+    return run
+
+
+def _matmul_case(kind: str, scales: str):
+    def run(device: str, seed: int):
+        import qflash
+        from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
+
+        g = torch.Generator(device=device).manual_seed(seed)
+        a, b = torch.randn(70, 300, device=device, generator=g), torch.randn(90, 300, device=device, generator=g)
+        bias = torch.randn(90, device=device, generator=g)
+        if kind == "int8":
+            (a_q, a_s), (b_q, b_s) = (qflash.quantize(t, torch.int8, scales) for t in (a, b))
+            out = qflash.int8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
+            return out, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32).double(), None, 0.0
+        blocks = ((1, 128), (128, 128)) if scales == "block" else (None, None)
+        a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, scales, blocks[0])
+        b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, scales, blocks[1])
+        out = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
+        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+        return out, ref, None, 1e-5 * float(ref.abs().max())  # float32 accumulation
+
+    return run
+
+
 def cases(device: str, quick: bool) -> Iterator[Tuple[str, str, Callable]]:
     """(op, description, run) for every kernel. Small on a CPU, GPU-sized on CUDA."""
     f16 = torch.float16
@@ -108,6 +150,15 @@ def cases(device: str, quick: bool) -> Iterator[Tuple[str, str, Callable]]:
     yield "sdpa", "top-left causal", _sdpa_case(2, 2, 40, 70, 64, f16, "causal")
     yield "sdpa", "bool mask", _sdpa_case(2, 2, 40, 70, 64, f16, "bool")
     yield "sdpa", "float mask", _sdpa_case(2, 2, 40, 70, 64, f16, "float")
+    yield "quantize", "int8 per row (bit-exact)", _quantize_case(torch.int8, "row", None)
+    yield "quantize", "fp8 e4m3 blocks 1x128 (bit-exact)", _quantize_case(torch.float8_e4m3fn, "block", (1, 128))
+    if not quick:
+        yield "quantize", "fp8 e5m2 per column (bit-exact)", _quantize_case(torch.float8_e5m2, "column", None)
+        yield "quantize", "int8 per tensor (bit-exact)", _quantize_case(torch.int8, "tensor", None)
+    yield "int8_matmul", "per-row x per-column (bit-exact)", _matmul_case("int8", "row")
+    yield "fp8_matmul", "block scales, vs dequantized fp64", _matmul_case("fp8", "block")
+    if not quick:
+        yield "fp8_matmul", "per-tensor, vs dequantized fp64", _matmul_case("fp8", "tensor")
 
 
 def run_check(quick: bool = False, seed: int = 0) -> List[Dict[str, object]]:
@@ -115,8 +166,11 @@ def run_check(quick: bool = False, seed: int = 0) -> List[Dict[str, object]]:
     rows = []
     for i, (op, what, run) in enumerate(cases(device, quick)):
         try:
-            out, ref, pt = run(device, seed + i)
-            res = flash_rule(out, ref, pt)
+            out, ref, pt, *floor = run(device, seed + i)
+            if pt is None:  # no PyTorch counterpart: the bound is the stated tolerance alone
+                res = flash_rule(out, ref, ref, floor=floor[0])
+            else:
+                res = flash_rule(out, ref, pt)
             rows.append(dict(op=op, case=what, kernel_err=res.kernel_err, torch_err=res.torch_err, bound=res.bound,
                              ok=res.ok, error=None))
         except Exception as exc:  # a crash is a failed check, reported with its reason

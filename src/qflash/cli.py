@@ -49,7 +49,9 @@ def cmd_info(args) -> int:
     t.add_row("Triton interpreter", "on (kernels run on the CPU, slowly)" if interp else "off")
     where = "CUDA" if cuda else ("interpreter" if interp else "unavailable here")
     for op in ("flash_attn_func", "flash_attn_varlen_func", "sdpa"):
-        t.add_row(f"kernel: {op}", f"forward on {where}")
+        t.add_row(f"kernel: {op}", f"forward + backward on {where}")
+    for op in ("quantize", "int8_matmul", "fp8_matmul"):
+        t.add_row(f"kernel: {op}", f"on {where}")
     Console().print(t)
     return 0
 
@@ -273,7 +275,8 @@ def cmd_check(args) -> int:
     for r in rows:
         r["result"] = "pass" if r["ok"] else "FAIL"
     console.print(rich_table(rows, ["op", "case", "kernel_err", "torch_err", "bound", "result", "error"],
-                             "qflash check: kernel error vs 2 x PyTorch's error + rounding floor (fp64 reference)"))
+                             "qflash check: kernel error against an fp64 reference; bound = 2 x PyTorch's error "
+                             "+ rounding floor (attention), 0 (bit-exact) or fp32 rounding (fp8 matmul)"))
     failed = sum(not r["ok"] for r in rows)
     console.print(f"{len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
