@@ -253,3 +253,16 @@ def test_gpu_dropout_gradients(dtype):
 
     check_grads(fn, lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=mask,
                                                           upcast=upcast, reorder_ops=not upcast)[0], inputs)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_wide_dtypes(dtype, d):
+    check_flash_grads(1, 300, 517, 4, 2, d, dtype=dtype, causal=True)
+
+
+@gpu
+def test_gpu_gradcheck_float64():
+    q, k, v = _leaves((1, 9, 2, 8), (1, 11, 1, 8), (1, 11, 1, 8), dtype=torch.float64, device="cuda")
+    assert torch.autograd.gradcheck(lambda *a: qflash.flash_attn_func(*a, causal=True, softcap=3.0), (q, k, v))
