@@ -271,6 +271,7 @@ def _bad_cases():
         (lambda: f(q, *_qkv(1, 8, 8, 4, 3, 32)[1:]), ValueError, "multiple of key/value heads"),
         (lambda: f(*_qkv(1, 8, 8, 2, 2, 288)), ValueError, "between 1 and 256"),
         (lambda: f(q, k.float(), v), TypeError, "k has dtype"),
+        (lambda: f(q, k.to("meta"), v), ValueError, "k is on meta"),
         (lambda: f(*(t.to(torch.float8_e4m3fn) for t in (q, k, v))), TypeError, "float16, bfloat16, float32 or float64"),
         (lambda: f(q.int(), k, v), TypeError, "float16"),
         (lambda: f(q, k, v, window_size=(-2, 0)), ValueError, "window_size left"),
