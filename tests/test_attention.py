@@ -6,7 +6,6 @@ interpreter's bf16 dot returns wrong values without an error.
 """
 
 import dataclasses
-import math
 
 import pytest
 import torch

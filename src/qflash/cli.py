@@ -7,7 +7,6 @@ be thrown before triton is imported, so it happens here, first.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import List, Optional

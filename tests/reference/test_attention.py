@@ -120,7 +120,6 @@ def test_alibi_direct_formula(per_batch):
 
 
 def test_varlen_equals_per_sequence():
-    lens_q, lens_k = [5, 1, 13], [7, 4, 13]
     cu_q = torch.tensor([0, 5, 6, 19], dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 11, 24], dtype=torch.int32)
     q, k, v = torch.randn(19, 4, 8, dtype=F64), torch.randn(24, 2, 8, dtype=F64), torch.randn(24, 2, 8, dtype=F64)

@@ -30,6 +30,7 @@ from qflash.bench.harness import (
     measure_ceilings,
     plot_lines,
     plot_roofline,
+    require_runnable,
     rich_table,
     save_json,
     time_ms,
@@ -378,8 +379,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--seqlens and --head-dims take comma-separated integers")
     if (args.tiles or args.memory or args.ceilings) and not cuda:
         parser.error("--tiles, --memory and --ceilings measure a CUDA GPU; none is visible")
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
+    require_runnable(parser)
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     dtype = DTYPES[args.dtype]
     if cuda:

@@ -58,6 +58,16 @@ def time_ms(fn: Callable[[], object], *, rep_ms: int = 100, device: str = "cuda"
     return {"ms": statistics.median(samples), "ms_p20": q[0], "ms_p80": q[-1]}
 
 
+def _copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written, in TB/s."""
+    import triton
+
+    src = torch.randn(2**28, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
+
+
 def measure_ceilings() -> Dict[str, Optional[float]]:
     """The machine's own limits, measured in the same run as the benchmark (CUDA only).
 
@@ -66,12 +76,7 @@ def measure_ceilings() -> Dict[str, Optional[float]]:
     """
     import triton
 
-    out: Dict[str, Optional[float]] = {}
-    x = torch.randn(2**28, device="cuda", dtype=torch.float32)  # 1 GiB
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-    out["copy_TBps"] = 2 * x.numel() * 4 / (ms * 1e-3) / 1e12
-    del x, y
+    out: Dict[str, Optional[float]] = {"copy_TBps": _copy_bandwidth()}
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -87,6 +92,16 @@ def measure_ceilings() -> Dict[str, Optional[float]]:
     except Exception:  # older GPUs have no FP8 tensor cores
         out["fp8_mm_TFLOPs"] = None
     return out
+
+
+def require_runnable(parser) -> bool:
+    """True on CUDA; on a CPU only through ``qflash bench`` (which turns the interpreter on)."""
+    import os
+
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
+    return cuda
 
 
 def save_json(path: str, result: dict) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from qflash.bench.harness import environment, measure_ceilings, rich_table, save_json, time_ms
+from qflash.bench.harness import environment, measure_ceilings, require_runnable, rich_table, save_json, time_ms
 
 # (N, K) of Llama-3 projections: 8B qkv / o / gate+up / down, then 70B o / down.
 LLM_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
@@ -125,9 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes")
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
+    cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
     from rich.console import Console
 

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from qflash.bench.harness import environment, measure_ceilings, rich_table, save_json, time_ms
+from qflash.bench.harness import environment, measure_ceilings, require_runnable, rich_table, save_json, time_ms
 
 # name: (dtype, A granularity, A block, B granularity, B block, matmul)
 SCHEMES = {
@@ -88,9 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes")
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("no CUDA device is visible: run through `qflash bench`, which uses Triton's interpreter")
+    cuda = require_runnable(parser)
     if not args.accuracy and not cuda:
         parser.error("bandwidth is measured on a CUDA GPU; on a CPU use --accuracy")
     try:

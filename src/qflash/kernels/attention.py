@@ -28,7 +28,6 @@ gradients are bitwise identical from run to run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -516,41 +515,6 @@ def attention_forward(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **variant,
-    )
-    return out, lse
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        bias if bias is not None else dummy,
-        alibi_slopes if alibi_slopes is not None else dummy,
-        cu_seqlens_q if varlen else dummy,
-        cu_seqlens_k if varlen else dummy,
-        *sq, *sk, *sv, *so, *sl, *sb, *ss,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        num_heads=num_heads,
-        kv_group=num_heads // heads_kv,
-        num_m_blocks=num_m_blocks,
-        qk_scale=qk_scale,
-        softcap_log2=softcap * RCP_LN2.value,
-        window_left=window_left,
-        window_right=window_right,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        HAS_LEFT=window_left >= 0,
-        HAS_RIGHT=window_right >= 0,
-        BOTTOM_RIGHT=bottom_right,
-        HAS_SOFTCAP=has_softcap,
-        HAS_ALIBI=alibi_slopes is not None,
-        BIAS_KIND=bias_kind,
-        IS_VARLEN=varlen,
-        HEAVY_FIRST=window_right >= 0,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        USE_TMA=use_tma,
-        ACC=_TL_ACC[lse_dtype],
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
     return out, lse
 
