@@ -1,5 +1,8 @@
 """Pure-PyTorch references: what a correct answer is. Never imports triton."""
 
+from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
+from qflash.reference.quantize import dequantize_ref, quantize_ref
+
 from qflash.reference.attention import (
     alibi_bias,
     attention_ref,
@@ -10,6 +13,10 @@ from qflash.reference.attention import (
 )
 
 __all__ = [
+    "dequantize_ref",
+    "fp8_matmul_ref",
+    "int8_matmul_ref",
+    "quantize_ref",
     "alibi_bias",
     "attention_ref",
     "attention_varlen_ref",
