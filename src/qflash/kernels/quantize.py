@@ -1,7 +1,8 @@
 """Symmetric quantization in one Triton pass per group: absmax, scale, round, saturate, cast.
 
 A program owns whole groups: BLOCK_M rows (row scales, columns swept in chunks),
-BLOCK_N columns (column scales, rows swept), or one 2-D block (block scales). It
+BLOCK_N columns (column scales, rows swept), or a stack of 2-D blocks (block scales;
+16 rows of 1 x 128 activation blocks share a program). It
 reads its groups twice (absmax, then quantize), the second time from L2. Per-tensor
 scales need a reduction over the whole tensor first; that one is done by PyTorch
 (``amax``) before a single quantizing pass.
@@ -89,7 +90,7 @@ def _quantize_kernel(
     X, Xq, Scale, M, N,
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -121,11 +122,18 @@ def _quantize_kernel(
         for m in range(0, M, BLOCK_M):
             _quantize_store(X, Xq, m + offs_m, cols, scale[None, :], M, N, stride_xm, stride_xn, stride_qm,
                             stride_qn, QMAX, OUT)
-    elif GROUP == GROUP_BLOCK:  # this program: one BLOCK_M x BLOCK_N block
+    elif GROUP == GROUP_BLOCK:  # this program: BLOCK_M // GROUP_ROWS blocks of GROUP_ROWS x BLOCK_N, stacked
         a, nf = _load_abs(X, rows, cols, M, N, stride_xm, stride_xn)
-        scale = _scale_of(tl.max(tl.max(a, axis=1), axis=0), tl.max(tl.max(nf, axis=1), axis=0), QMAX)
-        tl.store(Scale + pid_m * stride_sm + pid_n * stride_sn, scale)
-        _quantize_store(X, Xq, rows, cols, scale, M, N, stride_xm, stride_xn, stride_qm, stride_qn, QMAX, OUT)
+        # [BLOCK_M, BLOCK_N] -> [blocks, GROUP_ROWS, BLOCK_N]: one scale per block. Thin blocks
+        # (1 x 128 for activations) thus share a program instead of getting one each.
+        amax = tl.max(tl.max(tl.reshape(a, [BLOCK_M // GROUP_ROWS, GROUP_ROWS, BLOCK_N]), axis=2), axis=1)
+        bad = tl.max(tl.max(tl.reshape(nf, [BLOCK_M // GROUP_ROWS, GROUP_ROWS, BLOCK_N]), axis=2), axis=1)
+        scale = _scale_of(amax, bad, QMAX)  # [BLOCK_M // GROUP_ROWS]
+        blocks = pid_m * (BLOCK_M // GROUP_ROWS) + tl.arange(0, BLOCK_M // GROUP_ROWS)
+        tl.store(Scale + blocks * stride_sm + pid_n * stride_sn, scale, mask=blocks * GROUP_ROWS < M)
+        row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK_M // GROUP_ROWS, GROUP_ROWS]), [BLOCK_M])
+        _quantize_store(X, Xq, rows, cols, row_scale[:, None], M, N, stride_xm, stride_xn, stride_qm, stride_qn,
+                        QMAX, OUT)
     else:  # one scale, computed beforehand
         _quantize_store(X, Xq, rows, cols, tl.load(Scale), M, N, stride_xm, stride_xn, stride_qm, stride_qn,
                         QMAX, OUT)
@@ -144,23 +152,27 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
         scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
         bm, bn = 64, 64
         strides = (0, 0)
+        group_rows = bm
     elif granularity == "row":
         scale = new_output((m, 1), dtype=torch.float32, device=x.device)
         bm, bn = 16, 128
         strides = (scale.stride(0), 0)
+        group_rows = bm
     elif granularity == "column":
         scale = new_output((1, n), dtype=torch.float32, device=x.device)
         bm, bn = 128, 16
         strides = (0, scale.stride(1))
+        group_rows = bm
     else:
-        bm, bn = block_size
-        scale = new_output((triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32, device=x.device)
+        group_rows, bn = block_size
+        scale = new_output((triton.cdiv(m, group_rows), triton.cdiv(n, bn)), dtype=torch.float32, device=x.device)
         strides = tuple(scale.stride())
+        bm = max(group_rows, 16)  # thin blocks: 16 rows of them per program
     grid = (triton.cdiv(m, bm) if granularity != "column" else 1, triton.cdiv(n, bn) if granularity != "row" else 1)
     if m == 0 or n == 0:
         return x_q, scale
     _quantize_kernel[grid](
         x, x_q, scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), *strides,
-        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
+        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, GROUP_ROWS=group_rows,
     )
     return x_q, scale
