@@ -19,19 +19,20 @@ import argparse
 import itertools
 import math
 import os
-import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from qflash.bench.harness import (
     environment,
+    finish,
     fmt,
     measure_ceilings,
     plot_lines,
     plot_roofline,
     require_runnable,
     rich_table,
+    run_as_script,
     save_json,
     time_ms,
 )
@@ -441,14 +442,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if result.get("memory"):
         console.print(rich_table(result["memory"], ["provider", "seqlen", "extra_mb", "error"],
                                  "extra peak memory, MB (B=1, H=16, D=128, bf16)"))
-    if args.out:
-        save_json(args.out, result)
-        written = [args.out] + (_plots(result, stem) if "rows" in result else [])
-        console.print("wrote " + ", ".join(written))
-    return 0
+    return finish(console, args.out, result, lambda: _plots(result, stem) if "rows" in result else [])
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.exit(main())
+    run_as_script(main)

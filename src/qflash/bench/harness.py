@@ -104,6 +104,24 @@ def require_runnable(parser) -> bool:
     return cuda
 
 
+def finish(console, path: Optional[str], result: dict, plots: Callable[[], List[str]] = lambda: []) -> int:
+    """Write the results (and any plots) where asked, say so, and return the exit code."""
+    if path:
+        save_json(path, result)
+        console.print("wrote " + ", ".join([path] + plots()))
+    return 0
+
+
+def run_as_script(main: Callable[[], int]) -> None:
+    """``python -m qflash.bench.X``: without a GPU, switch the interpreter on before triton loads."""
+    import os
+    import sys
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())
+
+
 def save_json(path: str, result: dict) -> None:
     import os
 

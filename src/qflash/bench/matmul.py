@@ -11,13 +11,19 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from qflash.bench.harness import environment, measure_ceilings, require_runnable, rich_table, save_json, time_ms
+from qflash.bench.harness import (
+    environment,
+    finish,
+    measure_ceilings,
+    require_runnable,
+    rich_table,
+    run_as_script,
+    time_ms,
+)
 
 # (N, K) of Llama-3 projections: 8B qkv / o / gate+up / down, then 70B o / down.
 LLM_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
@@ -147,13 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["rows"] = run(shapes, device)
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "ms", "rel_err", "error"],
                                  "scaled matmul, TOPS / TFLOP/s = 2MNK / time"))
-    if args.out:
-        save_json(args.out, result)
-        console.print(f"wrote {args.out}")
-    return 0
+    return finish(console, args.out, result)
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.exit(main())
+    run_as_script(main)

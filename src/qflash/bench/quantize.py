@@ -15,13 +15,19 @@ product of the dequantized operands (the price of the kernel).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import List, Optional
 
 import torch
 
-from qflash.bench.harness import environment, measure_ceilings, require_runnable, rich_table, save_json, time_ms
+from qflash.bench.harness import (
+    environment,
+    finish,
+    measure_ceilings,
+    require_runnable,
+    rich_table,
+    run_as_script,
+    time_ms,
+)
 
 # name: (dtype, A granularity, A block, B granularity, B block, matmul)
 SCHEMES = {
@@ -115,13 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["x_copy"] = r["gbps"] / (result["ceilings"]["copy_TBps"] * 1e3)
         console.print(rich_table(result["bandwidth"], ["shape", "scheme", "ms", "gbps", "x_copy"],
                                  "fused quantize, bf16 in, 1-byte out"))
-    if args.out:
-        save_json(args.out, result)
-        console.print(f"wrote {args.out}")
-    return 0
+    return finish(console, args.out, result)
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.exit(main())
+    run_as_script(main)
