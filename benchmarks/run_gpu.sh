@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bench] [bwd] [train] [matmul] [mlp] [quant]
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [bwd] [train] [matmul]
+#                                      [mlp] [quant]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check)
 #
@@ -22,13 +23,16 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
-    tests)  timeout 150 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf -n 8 \
+    tests)  timeout 280 python3 -m pytest tests -m gpu -q -p no:cacheprovider --maxfail=25 -rf -n 8 \
               2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
     bench)  timeout 240 python3 -m qflash.cli bench attention \
               --providers qflash,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_math,naive --ceilings --memory \
               --out "$OUT/attention_fwd.json" 2>&1 | tail -n 70 ;;
+    bwdtiles) timeout 420 python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
+              --head-dims "${HEAD_DIMS:-64,128,256}" --out "$OUT/attention_bwd_tiles.json" 2>&1 | tail -n 40 ;;
+    mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
     bwd)    timeout 100 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
@@ -41,6 +45,6 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bench, bwd, train, matmul, mlp, quant, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, bwd, train, matmul, mlp, quant, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

@@ -173,6 +173,29 @@ def test_bad_dout_and_mask_gradient():
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------
+CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1))]
+
+
+def _gpu_bwd_tiles():
+    from qflash.bench.attention import BWD_TILE_GRID
+
+    return [(d, (dq, dkdv)) for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
+
+
+@pytest.mark.parametrize("d,tiles", [(40, t) for t in CPU_BWD_TILES] if DEVICE == "cpu" else _gpu_bwd_tiles(),
+                         ids=str)
+@pytest.mark.parametrize("window", [(-1, 0), (9, 2), (-1, -1)])
+def test_every_tile_shape_splits_masked_blocks_right(d, tiles, window, monkeypatch):
+    """Tiles with block_m != block_n move the masked / unmasked boundaries; gradients must not."""
+    import qflash.kernels.attention as kernels
+
+    configs = tuple(kernels.AttnBwdConfig(*t) for t in tiles)
+    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args: configs)
+    sq, sk = (113, 203) if DEVICE == "cpu" else (1023, 1500)
+    check_flash_grads(2, sq, sk, 2, 1, d, window_size=window)
+    check_flash_grads(1, sk, sq, 2, 2, d, window_size=window)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80, 128, 256])

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import qflash
+from qflash.bench.matmul import MATMUL_TILE_GRID
+from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.testing import assert_written, poisoned, rel_l2_err, sqnr_db
 
@@ -45,6 +47,30 @@ def test_fp8_within_fp32_rounding(m, n, k, scales, qdtype):
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
     # float32 accumulation over K terms: error ~ sqrt(K) * 2^-24 relative; allow a wide margin.
     assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+
+
+CPU_TILES = [MatmulConfig(32, 32, 32, 4, 1, use_tma=True), MatmulConfig(16, 64, 128, 4, 1, group_m=2, use_tma=True),
+             MatmulConfig(64, 16, 128, 4, 1, group_m=1)]
+
+
+@pytest.mark.parametrize("cfg", CPU_TILES + ([] if DEVICE == "cpu" else [MatmulConfig(*t) for t in MATMUL_TILE_GRID]), ids=str)
+@pytest.mark.parametrize("m,n,k", [(70, 90, 256), (33, 129, 272), (129, 256, 384)])
+def test_every_tile_path_is_exact(m, n, k, cfg):
+    """Descriptor and pointer loads, any tile shape: INT8 stays bit-exact and block-scaled FP8
+    (where the tile fits the 128-wide scale blocks) within fp32 rounding."""
+    a, b, bias = _operands(m, n, k)
+    a_q, a_s = qflash.quantize(a, torch.int8, "row")
+    b_q, b_s = qflash.quantize(b, torch.int8, "row")
+    with poisoned():
+        c = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "row", config=cfg)
+    assert_written(c)
+    assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+    if cfg.block_k == 128 and 128 % cfg.block_n == 0:
+        a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        with poisoned():
+            c = scaled_matmul(a_q, b_q, a_s, b_s, None, torch.float32, "block", config=cfg)
+        assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5
 
 
 def test_quantization_error_is_reported_apart_from_kernel_error():

@@ -289,6 +289,67 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
     return rows
 
 
+# Backward tiles, (block_m, block_n, num_warps, num_stages): the dQ kernel keeps block_m query
+# rows and streams keys, the dK/dV kernel keeps block_n keys and streams query rows.
+BWD_TILE_GRID = {
+    64: {"dq": [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+         "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
+    128: {"dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
+          "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (32, 64, 4, 3), (128, 64, 8, 2)]},
+    256: {"dq": [(64, 32, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (64, 32, 8, 2), (32, 64, 4, 2)],
+          "dkdv": [(32, 64, 4, 1), (64, 64, 8, 1), (32, 128, 8, 1), (64, 32, 8, 2), (16, 64, 4, 2)]},
+}
+
+
+def _qflash_bwd_provider(configs):
+    """Times the qflash backward launcher alone, with explicit (dQ, dK/dV) tile configs."""
+    def make(q, k, v, causal):
+        from qflash.kernels.attention import attention_backward, attention_forward
+
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        window_right = 0 if causal else -1
+        out, lse = attention_forward(q, k, v, softmax_scale=scale, window_right=window_right)
+        g = torch.Generator(device=q.device).manual_seed(1)
+        dout = torch.randn(out.shape, device=q.device, generator=g).to(out.dtype)
+
+        def run():
+            return attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, window_right=window_right,
+                                      configs=configs)
+
+        run.dout = dout
+        return run
+
+    return make
+
+
+def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None) -> List[dict]:
+    """Each dQ candidate next to the default dK/dV config, and each dK/dV candidate next to the
+    default dQ config: the time differences belong to the kernel that changed."""
+    from qflash.kernels.attention import AttnBwdConfig, default_bwd_configs
+
+    for d in head_dims:
+        inputs = {}
+        for seqlen in seqlens:
+            batch, heads = max(1, 16384 // seqlen), 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(d + seqlen)
+            inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype)
+                              for _ in range(3)]
+        dq_default, dkdv_default = default_bwd_configs(d, dtype, torch.device("cuda"))
+        grid = BWD_TILE_GRID[64 if d <= 64 else 128 if d <= 128 else 256]
+        pairs = [("dq", (AttnBwdConfig(*t), dkdv_default)) for t in grid["dq"]] + \
+                [("dkdv", (dq_default, AttnBwdConfig(*t))) for t in grid["dkdv"]]
+        for causal in causals:
+            for vary, configs in pairs:
+                for seqlen, (q, k, v) in inputs.items():
+                    res = bench_one(_qflash_bwd_provider(configs), q, k, v, causal, rep_ms=60, backward=True)
+                    row = _row("qflash", q.shape[0], q.shape[2], seqlen, d, causal, dtype, res, backward=True)
+                    rows.append(dict(row, vary=vary, dq_config=configs[0].__dict__,
+                                     dkdv_config=configs[1].__dict__))
+                    if progress:
+                        progress(rows[-1])
+    return rows
+
+
 def memory_probe(seqlens=(4096, 16384, 65536), providers=("qflash", "sdpa_flash", "naive")) -> List[dict]:
     """Extra peak device memory of one forward at batch 1, 16 heads, D=128, bf16."""
     rows = []
@@ -403,10 +464,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         if args.tiles:
             result["tiles"] = []
-            total = len(head_dims) * len(causals) * len(seqlens) * 8
+            total = len(head_dims) * len(causals) * len(seqlens) * 10
             task = bar.add_task("tile search", total=total)
-            run_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"],
-                      progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
+            search = run_bwd_tiles if args.backward else run_tiles
+            search(seqlens, head_dims, causals, dtype, rows=result["tiles"],
+                   progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
         else:
             result["rows"] = []
             task = bar.add_task(f"attention {result['pass']}", total=len(shapes) * len(causals) * len(providers))
@@ -420,10 +482,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiles:
         best = {}
         for r in result["tiles"]:
-            key = (r["head_dim"], r["causal"], r["seqlen"])
+            key = (r["head_dim"], r["causal"], r["seqlen"], r.get("vary"))
             if r.get("tflops") and (key not in best or r["tflops"] > best[key]["tflops"]):
                 best[key] = r
-        console.print(rich_table(list(best.values()), ["config", "seqlen", "head_dim", "causal", "tflops"],
+        console.print(rich_table(list(best.values()), ["config", "vary", "dq_config", "dkdv_config", "seqlen",
+                                                       "head_dim", "causal", "tflops"],
                                  "best tile config per (head_dim, causal, seqlen)"))
     else:
         rows = result["rows"]

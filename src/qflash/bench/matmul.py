@@ -11,6 +11,7 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -31,39 +32,55 @@ LLM_M = [16, 128, 1024, 8192]
 
 
 def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch.Tensor]]:
-    """Callables computing a @ b.T by each method, quantization of B done beforehand
-    (weights are quantized offline), quantization of A inside (activations are dynamic)."""
+    """Callables computing a @ b.T by each method. Weights (B) are quantized beforehand, as
+    offline; "+q" rows also quantize the activations (A) inside the timed call, as a
+    quantized Linear does, the others time the matmul kernel alone on quantized inputs."""
     import qflash
 
+    f8 = torch.float8_e4m3fn
+    q = {  # method -> (A quantizer, pre-quantized A, quantized B)
+        "int8 (row x col)": (lambda: qflash.quantize(a, torch.int8, "row"), qflash.quantize(b, torch.int8, "row")),
+        "fp8 (tensor)": (lambda: qflash.quantize(a, f8, "tensor"), qflash.quantize(b, f8, "tensor")),
+        "fp8 (row x col)": (lambda: qflash.quantize(a, f8, "row"), qflash.quantize(b, f8, "row")),
+        "fp8 (block)": (lambda: qflash.quantize(a, f8, "block", (1, 128)), qflash.quantize(b, f8, "block", (128, 128))),
+    }
     out: Dict[str, Callable] = {"bf16 matmul": lambda: a @ b.T}
-    b8, b8_s = qflash.quantize(b, torch.int8, "row")
-    out["qflash int8 (row x col)"] = lambda: qflash.int8_matmul(*_pair(qflash.quantize(a, torch.int8, "row"), b8, b8_s))
-    bf, bf_s = qflash.quantize(b, torch.float8_e4m3fn, "tensor")
-    out["qflash fp8 (tensor)"] = lambda: qflash.fp8_matmul(*_pair(qflash.quantize(a, torch.float8_e4m3fn, "tensor"),
-                                                                  bf, bf_s))
-    br, br_s = qflash.quantize(b, torch.float8_e4m3fn, "row")
-    out["qflash fp8 (row x col)"] = lambda: qflash.fp8_matmul(*_pair(qflash.quantize(a, torch.float8_e4m3fn, "row"),
-                                                                     br, br_s))
-    bb, bb_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-    out["qflash fp8 (block)"] = lambda: qflash.fp8_matmul(*_pair(qflash.quantize(a, torch.float8_e4m3fn, "block",
-                                                                                 (1, 128)), bb, bb_s))
+    for method, (quant_a, (b_q, b_s)) in q.items():
+        mm = qflash.int8_matmul if method.startswith("int8") else qflash.fp8_matmul
+        a_q, a_s = quant_a()
+        out[f"qflash {method}"] = partial(mm, a_q, b_q, a_s, b_s)
+        out[f"qflash {method} +q"] = partial(_quantize_then_matmul, mm, quant_a, b_q, b_s)
 
-    def int_mm():  # PyTorch's INT8 path: int32 out, scales applied outside
-        a_q, a_s = qflash.quantize(a, torch.int8, "row")
-        return (torch._int_mm(a_q, b8.T) * a_s * b8_s.T).to(torch.bfloat16)
-
-    def scaled_mm():  # PyTorch's FP8 path (cuBLASLt), per-tensor scales
-        a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "tensor")
-        return torch._scaled_mm(a_q, bf.T, scale_a=a_s, scale_b=bf_s, out_dtype=torch.bfloat16)
-
-    out["torch._int_mm"] = int_mm
-    out["torch._scaled_mm"] = scaled_mm
+    a8, a8_s = q["int8 (row x col)"][0]()
+    b8, b8_s = q["int8 (row x col)"][1]
+    out["torch._int_mm"] = lambda: torch._int_mm(a8, b8.T)  # int32 out; scales would be a separate pass
+    out["torch._int_mm +scales"] = lambda: (torch._int_mm(a8, b8.T) * a8_s * b8_s.T).to(torch.bfloat16)
+    for method in ("fp8 (tensor)", "fp8 (row x col)"):  # cuBLASLt, fp32 accumulation (no fast accumulate)
+        a_q, a_s = q[method][0]()
+        b_q, b_s = q[method][1]
+        out[f"torch._scaled_mm {method[4:]}"] = partial(torch._scaled_mm, a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if
+                                                         a_s.numel() > 1 else a_s, scale_b=b_s.reshape(1, -1) if
+                                                         b_s.numel() > 1 else b_s, out_dtype=torch.bfloat16)
     return out
 
 
-def _pair(quantized, b_q, b_s):
-    a_q, a_s = quantized
-    return a_q, b_q, a_s, b_s
+def _quantize_then_matmul(mm, quant_a, b_q, b_s):
+    a_q, a_s = quant_a()
+    return mm(a_q, b_q, a_s, b_s)
+
+
+def _time_row(name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, m: int, n: int, k: int,
+              device: str, **extra) -> dict:
+    try:
+        out = fn()
+        # int32 products are unscaled: compare them after the scales so that rel_err stays meaningful
+        err = float((out.float() - ref).norm() / ref.norm()) if out.dtype != torch.int32 else None
+        res = time_ms(fn, device=device)
+        return dict(provider=name, m=m, n=n, k=k, ms=res["ms"], rel_err=err,
+                    tflops=2 * m * n * k / (res["ms"] * 1e-3) / 1e12, error=None, **extra)
+    except Exception as exc:  # e.g. torch._int_mm refuses a shape
+        return dict(provider=name, m=m, n=n, k=k, ms=None, rel_err=None, tflops=None,
+                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}", **extra)
 
 
 def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict]:
@@ -73,17 +90,46 @@ def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict
         b = torch.randn(n, k, device=device, dtype=a.dtype)
         ref = (a.float() @ b.float().T)
         for name, fn in _providers(a, b).items():
-            if providers and name not in providers:
-                continue
-            try:
-                out = fn()
-                err = float((out.float() - ref).norm() / ref.norm())
-                res = time_ms(fn, device=device)
-                rows.append(dict(provider=name, m=m, n=n, k=k, ms=res["ms"], rel_err=err,
-                                 tflops=2 * m * n * k / (res["ms"] * 1e-3) / 1e12, error=None))
-            except Exception as exc:  # e.g. torch._int_mm refuses a shape
-                rows.append(dict(provider=name, m=m, n=n, k=k, ms=None, rel_err=None, tflops=None,
-                                 error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"))
+            if not providers or name in providers:
+                rows.append(_time_row(name, fn, ref, m, n, k, device))
+        del a, b, ref
+    return rows
+
+
+# (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma) tried by --tiles on the H200;
+# benchmarks/results/matmul_tiles_*.json hold the rounds, the winners are
+# qflash.kernels.matmul.default_config.
+MATMUL_TILE_GRID = [
+    (128, 128, 128, 8, 3, 8, True), (128, 128, 128, 8, 4, 8, True), (128, 128, 128, 4, 4, 8, True),
+    (128, 128, 128, 8, 3, 8, False), (128, 256, 128, 8, 3, 8, True), (256, 128, 128, 8, 3, 8, True),
+    (128, 256, 64, 8, 4, 8, True), (64, 128, 128, 4, 4, 8, True), (64, 64, 128, 4, 5, 8, True),
+]
+TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
+
+
+def run_tiles(shapes, device: str) -> List[dict]:
+    """Every MATMUL_TILE_GRID config on each kind of scaling, kernel only, quantized inputs."""
+    import qflash
+    from qflash.kernels.matmul import MatmulConfig, scaled_matmul
+
+    f8 = torch.float8_e4m3fn
+    kinds = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (f8, "tensor", None, None),
+             "fp8 row": (f8, "row", None, None), "fp8 block": (f8, "block", (1, 128), (128, 128))}
+    rows = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        ref = a.float() @ b.float().T
+        for kind, (dtype, scales, block_a, block_b) in kinds.items():
+            a_q, a_s = qflash.quantize(a, dtype, scales, block_a)
+            b_q, b_s = qflash.quantize(b, dtype, scales, block_b)
+            if scales == "row":
+                a_s, b_s = a_s.reshape(m, 1), b_s.reshape(n, 1)
+            for cfg in (MatmulConfig(*t) for t in MATMUL_TILE_GRID):
+                if scales == "block" and 128 % cfg.block_n:
+                    continue
+                fn = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales, config=cfg)
+                rows.append(_time_row(f"qflash {kind}", fn, ref, m, n, k, device, config=cfg.__dict__))
         del a, b, ref
     return rows
 
@@ -128,6 +174,7 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="qflash bench matmul", description=__doc__.splitlines()[0])
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
+    parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes")
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args(argv)
@@ -137,7 +184,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     console = Console()
     result = {"env": environment()}
-    if args.mlp:
+    if args.tiles:
+        if not cuda:
+            parser.error("--tiles measures a CUDA GPU; none is visible")
+        result["tiles"] = run_tiles(TILE_SHAPES, device)
+        console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "rel_err", "error"],
+                                 "qflash tile search, kernel only"))
+    elif args.mlp:
         ms = [16, 1024, 8192] if cuda and not args.quick else [16]
         dims = {} if cuda and not args.quick else {"d": 128, "hidden": 256}
         result["mlp"] = mlp_rows(ms, device, **dims)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels.common import ensure_descriptor_allocator, tma_compatible
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
@@ -80,6 +81,58 @@ def _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p):
     the backward pass regenerates exactly the forward's mask from (seed, position)."""
     offsets = (rng_row0 + rows[:, None]).to(tl.int64) * rng_cols + cols[None, :]
     return tl.rand(dropout_seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Keys that query rows [m0, m0 + BLOCK_M) can see: [lo, hi), in BLOCK_N steps from lo.
+
+    Key (column) j is visible from row i when i + shift - left <= j <= i + shift + right.
+    Blocks in [full_lo, full_hi) are visible from every row and inside seqlen_k, so they
+    skip the mask; the ones around them (window edges, diagonal, sequence end) pay for it.
+    """
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the partial last block needs the bound mask
+    if HAS_LEFT:
+        lo = (tl.maximum(m0 + shift - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_row + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(last_row + shift + window_right + 1, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_blocks(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query rows that can see a key of [n0, n0 + BLOCK_N): [lo, hi), in BLOCK_M steps from lo;
+    [full_lo, full_hi) see every key of the block and skip the mask.
+
+    Rows past seqlen_q (lse = +inf, so p = 0) and keys past seqlen_k (their dK/dV rows are
+    never stored) need no bound mask here, only the causal/window edges do.
+    """
+    last_col = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if HAS_RIGHT:  # j <= i + shift + right  <=>  i >= j - shift - right
+        lo = (tl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last_col - shift - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:  # j >= i + shift - left  <=>  i <= j - shift + left
+        hi = tl.minimum(hi, tl.maximum(last_col - shift + window_left + 1, 0))
+        full_hi = (tl.maximum(n0 - shift + window_left + 1, 0) // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -257,20 +310,8 @@ def _attn_fwd_kernel(
     rng_row0 = _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN)
 
     # ---- the range of key blocks this row block can see ---------------------------------
-    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # the partial last block needs the bound mask
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + shift - window_left, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last_row + shift - window_left, 0), BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.maximum(last_row + shift + window_right + 1, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + shift + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
-    hi = tl.maximum(hi, lo)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     # ---- the Q tile stays resident -------------------------------------------------------
     if USE_TMA:
@@ -368,31 +409,6 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _tma_compatible(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and 16-byte multiple strides."""
-    for t in tensors:
-        if t.numel() == 0:  # descriptors need every dimension > 0
-            return False
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
-
-
-_ALLOCATOR_SET = [False]
-
-
-def _ensure_descriptor_allocator() -> None:
-    # Descriptors built inside a kernel live in a global-memory scratch buffer that
-    # triton asks the host to allocate.
-    if not _ALLOCATOR_SET[0]:
-        def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET[0] = True
-
-
 def _bshd_strides(t: torch.Tensor, varlen: bool):
     # Dense (B, S, H, D) or packed (total, H, D): the kernels take (batch, seq, head) strides.
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
@@ -485,9 +501,9 @@ def attention_forward(
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=window_right >= 0)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
-    use_tma = cfg.use_tma and _tma_compatible(q, k, v, out)
-    if use_tma and q.device.type == "cuda":
-        _ensure_descriptor_allocator()
+    use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
+    if use_tma:
+        ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(
         q, k, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
         bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
@@ -584,6 +600,57 @@ def _attn_bwd_p_ds(
 
 
 @triton.jit
+def _attn_bwd_dq_tile(
+    dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+    start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+    qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One K/V tile of the dQ sum: dq += dS @ K."""
+    cols = start_n + offs_n  # [BLOCK_N]
+    kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+    p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                           seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                           slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                           MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                           DOT_PRECISION)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)  # [BLOCK_M, BLOCK_D]
+
+
+@triton.jit
+def _attn_bwd_dkdv_tile(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
+    bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
+    rows = start_m + offs_m  # [BLOCK_M]
+    row_ok = rows < seqlen_q
+    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    r64 = rows[:, None].to(tl.int64)
+    q = tl.load(q_base + r64 * stride_qs + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
+    do = tl.load(do_base + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
+    # Rows past the end get lse = +inf: p = 0, so they add nothing.
+    lse_log2 = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf")) * RCP_LN2  # [BLOCK_M]
+    delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)  # [BLOCK_M]
+    p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                           seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                           slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                           MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                           DOT_PRECISION)
+    dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, dOut, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
@@ -600,8 +667,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -640,27 +706,29 @@ def _attn_bwd_dq_kernel(
 
     rng_row0 = _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN)
 
-    # Same key range as the forward pass.
-    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    if HAS_LEFT:
-        lo = (tl.maximum(m0 + shift - window_left, 0) // BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.maximum(last_row + shift + window_right + 1, 0))
-
+    # The forward pass's key range, with the same masked / unmasked split.
+    lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n  # [BLOCK_N]
-        kv_ok = (cols[:, None] < seqlen_k) & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-        p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
-                               seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                               slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                               DOT_PRECISION)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)  # [BLOCK_M, BLOCK_D]
+    for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
+        dq = _attn_bwd_dq_tile(
+            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
+            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        dq = _attn_bwd_dq_tile(
+            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
+            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
+        dq = _attn_bwd_dq_tile(
+            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
+            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
     dq *= softmax_scale
     tl.store(dQ + b64 * stride_dqb + h * stride_dqh + r64 * stride_dqs + offs_d[None, :],
              dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -684,8 +752,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -712,15 +779,8 @@ def _attn_bwd_dkdv_kernel(
     k = tl.load(K + b64 * stride_kb + h_kv * stride_kh + c64 * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V + b64 * stride_vb + h_kv * stride_vh + c64 * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
 
-    # Query rows that can see a key of this block: i >= j - shift - right, i <= j - shift + left.
-    last_col = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
-    lo = 0
-    hi = seqlen_q
-    if HAS_RIGHT:
-        lo = (tl.maximum(n0 - shift - window_right, 0) // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = tl.minimum(hi, tl.maximum(last_col - shift + window_left + 1, 0))
-
+    lo, full_lo, full_hi, hi = _query_blocks(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     for g in range(kv_group):
@@ -734,22 +794,28 @@ def _attn_bwd_dkdv_kernel(
         else:
             slope_log2 = 0.0
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
-        for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + offs_m  # [BLOCK_M]
-            row_ok = rows < seqlen_q
-            r64 = rows[:, None].to(tl.int64)
-            q = tl.load(q_base + r64 * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(do_base + r64 * stride_dos + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                         other=0.0)
-            lse_log2 = tl.load(Lse + l_base + rows * stride_ls, mask=row_ok, other=float("inf")) * RCP_LN2
-            delta = tl.load(Delta + l_base + rows * stride_ls, mask=row_ok, other=0.0)
-            p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
-                                   seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                                   slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                                   MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                                   DOT_PRECISION)
-            dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
-            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
+        for start_m in range(lo, full_lo, BLOCK_M):  # diagonal / right window edge
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
+                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                rng_row0, rng_cols,
+                HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+        for start_m in range(full_lo, full_hi, BLOCK_M):  # interior: no mask
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
+                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                rng_row0, rng_cols,
+                HEAD_DIM, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+        for start_m in range(full_hi, hi, BLOCK_M):  # left window edge
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
+                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                rng_row0, rng_cols,
+                HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -827,12 +893,7 @@ def attention_backward(
         bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed)
     block_d = _block_d(head_dim)
-    # Tiles that can cut through a sequence end need the bounds mask; full tiles of an
-    # unmasked problem skip it.
-    ragged = varlen or seqlen_q % max(dq_cfg.block_m, dkdv_cfg.block_m) or \
-        seqlen_k % max(dq_cfg.block_n, dkdv_cfg.block_n)  # tile sizes are powers of two
-    shared = dict(softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  MASKED=bool(ragged or window_left >= 0 or window_right >= 0), **variant)
+    shared = dict(softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, **variant)
     sl = _lse_strides(lse, varlen)
     strides = (*_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
                *_bshd_strides(dout, varlen))

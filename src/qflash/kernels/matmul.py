@@ -13,12 +13,14 @@ Scale layouts (float32): tensor () or (1,); row (M, 1) for A and (N, 1) for B; b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels.common import ensure_descriptor_allocator, tma_compatible
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -35,7 +37,7 @@ def _scaled_matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
-    SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
@@ -51,21 +53,26 @@ def _scaled_matmul_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-    b_ptrs = B + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    if USE_TMA:  # Hopper's copy engine fetches whole tiles, zero-filling past the edges
+        a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+        b_ptrs = B + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
     if IS_INT8:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # exact: |sum| < K * 127^2
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        a_ok = (rows[:, None] < M) & (k + offs_k[None, :] < K)
-        b_ok = (cols[None, :] < N) & (k + offs_k[:, None] < K)
-        if IS_INT8:
-            a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=0)
-            b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=0)
+        if USE_TMA:
+            a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
+            b = b_desc.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
         else:
-            a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=0.0)
-            b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=0.0)
+            a_ok = (rows[:, None] < M) & (k + offs_k[None, :] < K)
+            b_ok = (cols[None, :] < N) & (k + offs_k[:, None] < K)
+            zero = 0 if IS_INT8 else 0.0  # masked-off K must add nothing
+            a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=zero)
+            b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=zero)
         if IS_INT8:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
@@ -90,30 +97,51 @@ def _scaled_matmul_kernel(
     tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
+
+
+def default_config(m: int, n: int, k: int, scales: str, device: torch.device) -> MatmulConfig:
+    """Tiles searched on the H200 (benchmarks/results/matmul_tiles_*); small ones for the interpreter."""
+    if device.type != "cuda":
+        return MatmulConfig(32, 32, QBLOCK if scales == "block" else 32, 4, 1)
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    return MatmulConfig(128, 128, 128, 8, 3, use_tma=hopper)
+
+
 def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str,
+                  config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """Launch on validated inputs. ``scales`` is "tensor", "row" or "block"."""
     m, k = a_q.shape
     n = b_q.shape[0]
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
-    is_int8 = a_q.dtype == torch.int8
-    if a_q.device.type != "cuda":
-        bm, bn, bk, warps, stages = 32, 32, (QBLOCK if scales == "block" else 32), 4, 1
-    elif scales == "block":
-        bm, bn, bk, warps, stages = 128, 128, QBLOCK, 8, 3
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    cfg = config or default_config(m, n, k, scales, a_q.device)
+    if scales == "block" and (cfg.block_k != QBLOCK or QBLOCK % cfg.block_n):
+        raise ValueError(f"block scales need block_k == {QBLOCK} and block_n dividing {QBLOCK}, got {cfg}")
+    use_tma = cfg.use_tma and tma_compatible(a_q, b_q)
+    if use_tma:
+        ensure_descriptor_allocator(a_q.device)
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _scaled_matmul_kernel[grid](
         a_q, b_q, c, a_s, b_s, bias if bias is not None else c,
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=is_int8, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=a_q.dtype == torch.int8,
+        HAS_BIAS=bias is not None, USE_TMA=use_tma,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c

@@ -1,0 +1,32 @@
+"""Launch helpers shared by the kernels: tensor-descriptor (TMA) eligibility and scratch memory."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a unit last stride, every dimension > 0, a 16-byte aligned
+    base and strides that are multiples of 16 bytes."""
+    for t in tensors:
+        if t.numel() == 0 or t.stride(-1) != 1:
+            return False
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_ALLOCATOR_SET = [False]
+
+
+def ensure_descriptor_allocator(device: torch.device) -> None:
+    """Descriptors built inside a kernel live in a global-memory scratch buffer that triton
+    asks the host to allocate (the interpreter needs none)."""
+    if device.type == "cuda" and not _ALLOCATOR_SET[0]:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET[0] = True
