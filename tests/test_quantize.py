@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import qflash
+from qflash.kernels.quantize import quantize as quantize_kernel
 from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
 from qflash.testing import assert_written, poisoned, sqnr_db, with_outlier_channels
 
@@ -33,6 +34,30 @@ def test_matches_reference_bitwise(shape, qdtype, granularity, block):
     assert_written(scale, "scale")
     assert _same(x_q, ref_q)
     assert torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("granularity", ["row", "column"])
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_long_rows_and_columns_are_swept(granularity, qdtype, monkeypatch):
+    """Groups longer than a tile take the two-pass sweep; NaN and zero groups included."""
+    import qflash.kernels.quantize as kernels
+
+    monkeypatch.setattr(kernels, "MAX_TILE_N", 64)
+    x = torch.randn(150, 1100, device=DEVICE) * 4
+    x[3] = 0.0
+    x[:, 5] = 0.0
+    x[7, 900] = math.nan
+    x = x if granularity == "row" else x.T.contiguous()
+    x_q, scale = qflash.quantize(x, qdtype, granularity)
+    ref_q, ref_scale = quantize_ref(x, qdtype, granularity)
+    assert torch.equal(scale.nan_to_num(-1.0), ref_scale.nan_to_num(-1.0))
+    finite = (scale == scale).expand_as(x)  # groups without NaN
+    # Values, not bits: the interpreter's float8 cast also drops the sign of -0.
+    assert torch.equal(x_q[finite].float(), ref_q[finite].float())
+    if qdtype == torch.int8:
+        assert bool((x_q[~finite] == 0).all())
+    elif DEVICE == "cuda":  # the interpreter's float8 cast turns NaN into 384; the GPU's keeps NaN
+        assert bool(x_q[~finite].float().isnan().all())
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
@@ -93,6 +118,7 @@ def test_bad_inputs():
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_gpu_matches_reference_bitwise(qdtype, granularity, block):
     x = (torch.randn(4097, 1500, device="cuda") * 5).bfloat16()
-    x_q, scale = qflash.quantize(x, qdtype, granularity, block)
     ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
-    assert _same(x_q, ref_q) and torch.equal(scale, ref_scale)
+    for round_in_fp32 in (False, True):  # the hardware float8 cast, and the interpreter's path
+        x_q, scale = quantize_kernel(x, qdtype, granularity, block, round_in_fp32=round_in_fp32)
+        assert _same(x_q, ref_q) and torch.equal(scale, ref_scale)

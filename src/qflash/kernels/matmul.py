@@ -39,6 +39,7 @@ def _scaled_matmul_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
     pid = tl.program_id(0)
@@ -63,7 +64,8 @@ def _scaled_matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # exact: |sum| < K * 127^2
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # Warp specialization: producer warps issue the loads while consumer warps multiply.
+    for k in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if USE_TMA:
             a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
             b = b_desc.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
@@ -106,6 +108,7 @@ class MatmulConfig:
     num_stages: int
     group_m: int = 8
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
+    warp_specialize: bool = False
 
 
 def default_config(m: int, n: int, k: int, scales: str, device: torch.device) -> MatmulConfig:
@@ -142,6 +145,6 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=a_q.dtype == torch.int8,
         HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c

@@ -1,17 +1,21 @@
-"""Symmetric quantization in one Triton pass per group: absmax, scale, round, saturate, cast.
+"""Symmetric quantization in one Triton pass: absmax, scale, round, saturate, cast.
 
-A program owns whole groups: BLOCK_M rows (row scales, columns swept in chunks),
-BLOCK_N columns (column scales, rows swept), or a stack of 2-D blocks (block scales;
-16 rows of 1 x 128 activation blocks share a program). It
-reads its groups twice (absmax, then quantize), the second time from L2. Per-tensor
-scales need a reduction over the whole tensor first; that one is done by PyTorch
-(``amax``) before a single quantizing pass.
+Each program loads a [BLOCK_M, BLOCK_N] tile once, into registers. Groups that fit
+in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get their
+scale from that tile and are quantized from the same registers: one read, one write.
+Longer rows and columns are swept twice (absmax, then quantize; the second read
+mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a small
+kernel writes one partial maximum per tile and PyTorch reduces those few values.
 
-Rounding and special values follow ``qflash.reference.quantize``.
+Rounding and special values follow ``qflash.reference.quantize``. On the GPU the
+float8 cast itself rounds to nearest even; Triton's interpreter mis-rounds values
+that cross a power of two, so there (ROUND_IN_FP32) the rounding is done in float32
+first and the cast becomes exact.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -21,39 +25,41 @@ import triton.language as tl
 from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
 
+MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
+TILE_ELEMS = 8192  # elements a program holds at once (about 32 fp32 registers a thread at 8 warps)
+
 # Which groups share a scale (constexpr GROUP).
 GROUP_TENSOR = tl.constexpr(0)  # scale given: one for everything
-GROUP_ROW = tl.constexpr(1)
-GROUP_COLUMN = tl.constexpr(2)
-GROUP_BLOCK = tl.constexpr(3)
-_GROUPS = {"tensor": 0, "row": 1, "column": 2, "block": 3}
+GROUP_TILED = tl.constexpr(1)  # GROUP_M x GROUP_N groups tile each program's tile (rows, columns, blocks)
+GROUP_ROW_SWEEP = tl.constexpr(2)  # rows longer than a tile
+GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns longer than a tile
 _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 @triton.jit
-def _load_abs(X, rows, cols, M, N, stride_xm, stride_xn):
-    """|x| of a tile (non-finite entries as 0) and a 0/1 flag tile marking NaN and inf."""
+def _load_tile(X, rows, cols, M, N, stride_xm, stride_xn):
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xn, mask=ok, other=0.0)
-    a = tl.abs(x.to(tl.float32))
-    finite = a < float("inf")  # False for inf and for NaN
-    return tl.where(finite, a, 0.0), tl.where(finite, 0.0, 1.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
-def _scale_of(amax, bad, QMAX: tl.constexpr):
+def _abs_or_inf(x):
+    # NaN and inf both become +inf, so one max finds the group's absmax and whether it is finite.
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, float("inf"))
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
     # Zero group -> scale 1 (values quantize to exactly 0); non-finite group -> NaN.
     scale = tl.where(amax > 0, amax / QMAX, 1.0)
-    return tl.where(bad > 0, float("nan"), scale)
+    return tl.where(amax < float("inf"), scale, float("nan"))
 
 
 @triton.jit
 def _round_to_float8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Round float32 values to the nearest value of a float8 format (ties to even).
-
-    Done here in float32, so that the final cast is exact whatever the conversion
-    instruction (Triton's interpreter mis-rounds values that cross a power of two).
-    """
+    """Round float32 values to the nearest value of a float8 format (ties to even)."""
     a = tl.abs(y)
     e = tl.floor(tl.math.log2(tl.maximum(a, 1e-30)))  # 0 lands in the subnormal range below
     e = tl.where(a >= tl.math.exp2(e + 1.0), e + 1.0, e)  # log2 of powers of two can be 1 ulp off
@@ -68,29 +74,29 @@ def _round_to_float8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(X, Xq, rows, cols, scale, M, N, stride_xm, stride_xn, stride_qm, stride_qn,
-                    QMAX: tl.constexpr, OUT: tl.constexpr):
-    ok = (rows[:, None] < M) & (cols[None, :] < N)
-    r64 = rows[:, None].to(tl.int64)
-    x = tl.load(X + r64 * stride_xm + cols[None, :] * stride_xn, mask=ok, other=0.0).to(tl.float32)
+def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn,
+                    QMAX: tl.constexpr, OUT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Store saturate(round(x / scale)) for a float32 tile x."""
     y = x / scale
     # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
     y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
     if OUT == tl.int8:  # round half away from zero; NaN (a non-finite group) -> 0
         y = tl.where(y == y, tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5)), 0.0)
-    elif OUT == tl.float8e4nv:  # e4m3: 3 mantissa bits, smallest normal 2^-6
-        y = _round_to_float8_grid(y, 3.0, -6.0)
-    else:  # e5m2: 2 mantissa bits, smallest normal 2^-14
-        y = _round_to_float8_grid(y, 2.0, -14.0)
-    tl.store(Xq + r64 * stride_qm + cols[None, :] * stride_qn, y.to(OUT), mask=ok)
+    elif ROUND_IN_FP32:  # NaN (a non-finite group) stays NaN
+        if OUT == tl.float8e4nv:  # e4m3: 3 mantissa bits, smallest normal 2^-6
+            y = tl.where(y == y, _round_to_float8_grid(y, 3.0, -6.0), y)
+        else:  # e5m2: 2 mantissa bits, smallest normal 2^-14
+            y = tl.where(y == y, _round_to_float8_grid(y, 2.0, -14.0), y)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(Xq + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qn, y.to(OUT), mask=ok)
 
 
 @triton.jit
 def _quantize_kernel(
     X, Xq, Scale, M, N,
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
-    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,81 +104,109 @@ def _quantize_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if GROUP == GROUP_ROW:  # this program: BLOCK_M whole rows
+    if GROUP == GROUP_TILED:  # one load: the tile holds whole groups, GM x GN each
+        x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)  # [BLOCK_M, BLOCK_N]
+        grouped: tl.constexpr = [BLOCK_M // GROUP_M, GROUP_M, BLOCK_N // GROUP_N, GROUP_N]
+        amax = tl.max(tl.max(tl.reshape(_abs_or_inf(x), grouped), axis=3), axis=1)  # [BM // GM, BN // GN]
+        scale = _scale_of(amax, QMAX)
+        g_rows = pid_m * (BLOCK_M // GROUP_M) + tl.arange(0, BLOCK_M // GROUP_M)
+        g_cols = pid_n * (BLOCK_N // GROUP_N) + tl.arange(0, BLOCK_N // GROUP_N)
+        tl.store(Scale + g_rows[:, None] * stride_sm + g_cols[None, :] * stride_sn, scale,
+                 mask=(g_rows[:, None] * GROUP_M < M) & (g_cols[None, :] * GROUP_N < N))
+        scale = tl.reshape(scale, [BLOCK_M // GROUP_M, 1, BLOCK_N // GROUP_N, 1])
+        scale = tl.reshape(tl.broadcast_to(scale, grouped), [BLOCK_M, BLOCK_N])  # each element's own scale
+        _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX, OUT, ROUND_IN_FP32)
+    elif GROUP == GROUP_ROW_SWEEP:  # this program: BLOCK_M whole rows, swept twice
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        bad = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n in range(0, N, BLOCK_N):
-            a, nf = _load_abs(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
-            amax = tl.maximum(amax, tl.max(a, axis=1))
-            bad = tl.maximum(bad, tl.max(nf, axis=1))
-        scale = _scale_of(amax, bad, QMAX)  # [BLOCK_M]
+            x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
+            amax = tl.maximum(amax, tl.max(_abs_or_inf(x), axis=1))
+        scale = _scale_of(amax, QMAX)  # [BLOCK_M]
         tl.store(Scale + rows * stride_sm, scale, mask=rows < M)
         for n in range(0, N, BLOCK_N):
-            _quantize_store(X, Xq, rows, n + offs_n, scale[:, None], M, N, stride_xm, stride_xn, stride_qm,
-                            stride_qn, QMAX, OUT)
-    elif GROUP == GROUP_COLUMN:  # this program: BLOCK_N whole columns
+            x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
+            _quantize_store(Xq, rows, n + offs_n, x, scale[:, None], M, N, stride_qm, stride_qn,
+                            QMAX, OUT, ROUND_IN_FP32)
+    elif GROUP == GROUP_COLUMN_SWEEP:  # this program: BLOCK_N whole columns, swept twice
         amax = tl.zeros([BLOCK_N], dtype=tl.float32)
-        bad = tl.zeros([BLOCK_N], dtype=tl.float32)
         for m in range(0, M, BLOCK_M):
-            a, nf = _load_abs(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
-            amax = tl.maximum(amax, tl.max(a, axis=0))
-            bad = tl.maximum(bad, tl.max(nf, axis=0))
-        scale = _scale_of(amax, bad, QMAX)  # [BLOCK_N]
+            x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
+            amax = tl.maximum(amax, tl.max(_abs_or_inf(x), axis=0))
+        scale = _scale_of(amax, QMAX)  # [BLOCK_N]
         tl.store(Scale + cols * stride_sn, scale, mask=cols < N)
         for m in range(0, M, BLOCK_M):
-            _quantize_store(X, Xq, m + offs_m, cols, scale[None, :], M, N, stride_xm, stride_xn, stride_qm,
-                            stride_qn, QMAX, OUT)
-    elif GROUP == GROUP_BLOCK:  # this program: BLOCK_M // GROUP_ROWS blocks of GROUP_ROWS x BLOCK_N, stacked
-        a, nf = _load_abs(X, rows, cols, M, N, stride_xm, stride_xn)
-        # [BLOCK_M, BLOCK_N] -> [blocks, GROUP_ROWS, BLOCK_N]: one scale per block. Thin blocks
-        # (1 x 128 for activations) thus share a program instead of getting one each.
-        amax = tl.max(tl.max(tl.reshape(a, [BLOCK_M // GROUP_ROWS, GROUP_ROWS, BLOCK_N]), axis=2), axis=1)
-        bad = tl.max(tl.max(tl.reshape(nf, [BLOCK_M // GROUP_ROWS, GROUP_ROWS, BLOCK_N]), axis=2), axis=1)
-        scale = _scale_of(amax, bad, QMAX)  # [BLOCK_M // GROUP_ROWS]
-        blocks = pid_m * (BLOCK_M // GROUP_ROWS) + tl.arange(0, BLOCK_M // GROUP_ROWS)
-        tl.store(Scale + blocks * stride_sm + pid_n * stride_sn, scale, mask=blocks * GROUP_ROWS < M)
-        row_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK_M // GROUP_ROWS, GROUP_ROWS]), [BLOCK_M])
-        _quantize_store(X, Xq, rows, cols, row_scale[:, None], M, N, stride_xm, stride_xn, stride_qm, stride_qn,
-                        QMAX, OUT)
+            x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
+            _quantize_store(Xq, m + offs_m, cols, x, scale[None, :], M, N, stride_qm, stride_qn,
+                            QMAX, OUT, ROUND_IN_FP32)
     else:  # one scale, computed beforehand
-        _quantize_store(X, Xq, rows, cols, tl.load(Scale), M, N, stride_xm, stride_xn, stride_qm, stride_qn,
-                        QMAX, OUT)
+        x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
+        _quantize_store(Xq, rows, cols, x, tl.load(Scale), M, N, stride_qm, stride_qn, QMAX, OUT, ROUND_IN_FP32)
+
+
+@triton.jit
+def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One max |x| per tile (+inf if the tile holds NaN or inf), for per-tensor scales."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a = _abs_or_inf(_load_tile(X, rows, cols, M, N, stride_xm, stride_xn))
+    tl.store(Partial + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
+
+
+def _tile(m: int, n: int, group_m: int, group_n: int) -> Tuple[int, int]:
+    """A tile of about TILE_ELEMS elements made of whole groups (powers of two)."""
+    block_n = max(group_n, min(triton.next_power_of_2(n), 512))
+    block_m = max(group_m, min(triton.next_power_of_2(m), max(1, TILE_ELEMS // block_n)))
+    return block_m, block_n
+
+
+def _interpreting(x: torch.Tensor) -> bool:
+    return x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
-             block_size: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale)."""
+             block_size: Optional[Sequence[int]] = None, *,
+             round_in_fp32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
+
+    ``round_in_fp32`` forces (or skips) the float32 rounding of float8 values; by default
+    it is used only where the cast cannot be trusted (the interpreter).
+    """
     m, n = x.shape
     qmax = QMAX[dtype]
     x_q = new_output((m, n), dtype=dtype, device=x.device)
-    group = _GROUPS[granularity]
-    if granularity == "tensor":
-        amax = x.abs().amax().float()  # NaN and inf propagate into amax
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-        bm, bn = 64, 64
-        strides = (0, 0)
-        group_rows = bm
-    elif granularity == "row":
-        scale = new_output((m, 1), dtype=torch.float32, device=x.device)
-        bm, bn = 16, 128
-        strides = (scale.stride(0), 0)
-        group_rows = bm
-    elif granularity == "column":
-        scale = new_output((1, n), dtype=torch.float32, device=x.device)
-        bm, bn = 128, 16
-        strides = (0, scale.stride(1))
-        group_rows = bm
-    else:
-        group_rows, bn = block_size
-        scale = new_output((triton.cdiv(m, group_rows), triton.cdiv(n, bn)), dtype=torch.float32, device=x.device)
-        strides = tuple(scale.stride())
-        bm = max(group_rows, 16)  # thin blocks: 16 rows of them per program
-    grid = (triton.cdiv(m, bm) if granularity != "column" else 1, triton.cdiv(n, bn) if granularity != "row" else 1)
+    shapes = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}
+    scale_shape = shapes.get(granularity) or (triton.cdiv(m, block_size[0]), triton.cdiv(n, block_size[1]))
+    scale = new_output(scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
-        return x_q, scale
+        return x_q, scale.reshape(()) if granularity == "tensor" else scale
+    if granularity == "row" and n > MAX_TILE_N:
+        group, bm, bn, gm, gn = GROUP_ROW_SWEEP, 4, 1024, 1, 1
+    elif granularity == "column" and m > MAX_TILE_N:
+        group, bm, bn, gm, gn = GROUP_COLUMN_SWEEP, 64, 64, 1, 1
+    elif granularity == "tensor":
+        bm, bn = _tile(m, n, 1, 1)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+        _absmax_partials_kernel[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                                      num_warps=8)
+        amax = partials.amax()  # +inf when any element is NaN or inf
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        scale = torch.where(amax < float("inf"), scale, torch.full_like(scale, float("nan"))).reshape(1, 1)
+        group, gm, gn = GROUP_TENSOR, 1, 1
+    else:  # rows, columns and blocks that fit in a tile
+        gm, gn = {"row": (1, triton.next_power_of_2(n)), "column": (triton.next_power_of_2(m), 1)}.get(
+            granularity) or tuple(block_size)
+        bm, bn = _tile(m, n, gm, gn)
+        group = GROUP_TILED
+    grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
+            triton.cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     _quantize_kernel[grid](
-        x, x_q, scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), *strides,
-        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, GROUP_ROWS=group_rows,
+        x, x_q, scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1),
+        scale.stride(0), scale.stride(1),
+        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group,
+        ROUND_IN_FP32=_interpreting(x) if round_in_fp32 is None else round_in_fp32,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=8 if bm * bn >= 4096 else 4,
     )
-    return x_q, scale
+    return x_q, scale.reshape(()) if granularity == "tensor" else scale
