@@ -101,9 +101,8 @@ def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict
 # qflash.kernels.matmul.default_config.
 MATMUL_TILE_GRID = [
     (128, 128, 128, 8, 3, 8, True), (128, 128, 128, 8, 4, 8, True), (128, 128, 128, 8, 3, 8, False),
-    (128, 256, 128, 8, 3, 8, True), (256, 128, 128, 8, 3, 8, True), (128, 128, 128, 8, 3, 8, True, True),
-    (128, 256, 128, 8, 3, 8, True, True), (128, 128, 128, 4, 4, 8, True, True), (64, 128, 128, 4, 4, 8, False),
-    (64, 64, 128, 4, 4, 8, False), (64, 32, 128, 4, 4, 8, False), (64, 64, 128, 4, 4, 8, True),
+    (128, 128, 128, 4, 4, 8, True, True), (128, 128, 128, 4, 5, 8, True, True), (256, 128, 128, 8, 3, 8, True, True),
+    (128, 256, 128, 8, 4, 8, True, True), (64, 128, 128, 4, 4, 8, False), (64, 32, 128, 4, 4, 8, False),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (16, 4096, 4096)]
 

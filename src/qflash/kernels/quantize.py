@@ -3,19 +3,18 @@
 Each program loads a [BLOCK_M, BLOCK_N] tile once, into registers. Groups that fit
 in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get their
 scale from that tile and are quantized from the same registers: one read, one write.
-Longer rows and columns are swept twice (absmax, then quantize; the second read
+Longer rows, and columns, are swept twice (absmax, then quantize; the second read
 mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a small
 kernel writes one partial maximum per tile and PyTorch reduces those few values.
 
-Rounding and special values follow ``qflash.reference.quantize``. On the GPU the
-float8 cast itself rounds to nearest even; Triton's interpreter mis-rounds values
-that cross a power of two, so there (ROUND_IN_FP32) the rounding is done in float32
-first and the cast becomes exact.
+Rounding and special values follow ``qflash.reference.quantize``, bit for bit:
+divisions are IEEE-rounded (``div_rn``), and float8 values are rounded to the
+format's grid in float32 first, so the final cast is exact whatever instruction
+(or, on a CPU, whatever interpreter conversion) performs it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -53,40 +52,45 @@ def _abs_or_inf(x):
 @triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
     # Zero group -> scale 1 (values quantize to exactly 0); non-finite group -> NaN.
-    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    # div_rn: IEEE division, as PyTorch's (the plain "/" is approximate on the GPU).
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
     return tl.where(amax < float("inf"), scale, float("nan"))
 
 
 @triton.jit
-def _round_to_float8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Round float32 values to the nearest value of a float8 format (ties to even)."""
-    a = tl.abs(y)
-    e = tl.floor(tl.math.log2(tl.maximum(a, 1e-30)))  # 0 lands in the subnormal range below
-    e = tl.where(a >= tl.math.exp2(e + 1.0), e + 1.0, e)  # log2 of powers of two can be 1 ulp off
-    e = tl.where(a < tl.math.exp2(e), e - 1.0, e)
-    e = tl.maximum(e, MIN_EXP)  # subnormals share the smallest exponent's spacing
-    step = tl.math.exp2(e - MANT_BITS)
-    t = a / step
+def _round_to_float8(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round float32 values within the format's range to the nearest float8 value, ties
+    to even, still in float32: the cast that follows is then exact on every path.
+
+    Normal values keep MANT_BITS of float32's 23 mantissa bits (integer rounding of the
+    bit pattern; a carry moves into the exponent as it should). Below 2^MIN_EXP the
+    format's step is fixed, 2^(MIN_EXP - MANT_BITS), so there it is a rounding to an
+    integer multiple of that step.
+    """
+    DROP: tl.constexpr = 23 - MANT_BITS
+    bits = y.to(tl.int32, bitcast=True)
+    bits = bits + ((bits >> DROP) & 1) + ((1 << (DROP - 1)) - 1)
+    normal = (bits & -(1 << DROP)).to(tl.float32, bitcast=True)
+    t = tl.abs(y) * (2.0 ** (MANT_BITS - MIN_EXP))  # exact: a power of two
     r = tl.floor(t + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    r = tl.where(((r - t) == 0.5) & odd, r - 1.0, r)
-    return tl.where(y < 0, -r * step, r * step)
+    r = tl.where(((r - t) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0), r - 1.0, r)  # ties to even
+    small = tl.where(y < 0, -r, r) * (2.0 ** (MIN_EXP - MANT_BITS))
+    out = tl.where(tl.abs(y) < 2.0 ** MIN_EXP, small, normal)
+    return tl.where(y == y, out, y)  # NaN stays NaN
 
 
 @triton.jit
-def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn,
-                    QMAX: tl.constexpr, OUT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr):
     """Store saturate(round(x / scale)) for a float32 tile x."""
-    y = x / scale
+    y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
     # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
     y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
     if OUT == tl.int8:  # round half away from zero; NaN (a non-finite group) -> 0
         y = tl.where(y == y, tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5)), 0.0)
-    elif ROUND_IN_FP32:  # NaN (a non-finite group) stays NaN
-        if OUT == tl.float8e4nv:  # e4m3: 3 mantissa bits, smallest normal 2^-6
-            y = tl.where(y == y, _round_to_float8_grid(y, 3.0, -6.0), y)
-        else:  # e5m2: 2 mantissa bits, smallest normal 2^-14
-            y = tl.where(y == y, _round_to_float8_grid(y, 2.0, -14.0), y)
+    elif OUT == tl.float8e4nv:  # e4m3: 3 mantissa bits, smallest normal 2^-6
+        y = _round_to_float8(y, 3, -6)
+    else:  # e5m2: 2 mantissa bits, smallest normal 2^-14
+        y = _round_to_float8(y, 2, -14)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(Xq + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qn, y.to(OUT), mask=ok)
 
@@ -95,7 +99,7 @@ def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn,
 def _quantize_kernel(
     X, Xq, Scale, M, N,
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
-    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -104,18 +108,30 @@ def _quantize_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if GROUP == GROUP_TILED:  # one load: the tile holds whole groups, GM x GN each
+    if GROUP == GROUP_TILED:  # one load: the tile holds whole groups of GROUP_M x GROUP_N
+        GROUPS_M: tl.constexpr = BLOCK_M // GROUP_M
+        GROUPS_N: tl.constexpr = BLOCK_N // GROUP_N
         x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)  # [BLOCK_M, BLOCK_N]
-        grouped: tl.constexpr = [BLOCK_M // GROUP_M, GROUP_M, BLOCK_N // GROUP_N, GROUP_N]
-        amax = tl.max(tl.max(tl.reshape(_abs_or_inf(x), grouped), axis=3), axis=1)  # [BM // GM, BN // GN]
+        a = _abs_or_inf(x)
+        if GROUPS_N == 1:
+            amax = tl.max(a, axis=1)[:, None]  # [BLOCK_M, 1]
+        else:
+            amax = tl.max(tl.reshape(a, [BLOCK_M, GROUPS_N, GROUP_N]), axis=2)  # [BLOCK_M, GROUPS_N]
+        if GROUP_M > 1:  # then over the rows of each group
+            amax = tl.max(tl.reshape(amax, [GROUPS_M, GROUP_M, GROUPS_N]), axis=1)  # [GROUPS_M, GROUPS_N]
         scale = _scale_of(amax, QMAX)
-        g_rows = pid_m * (BLOCK_M // GROUP_M) + tl.arange(0, BLOCK_M // GROUP_M)
-        g_cols = pid_n * (BLOCK_N // GROUP_N) + tl.arange(0, BLOCK_N // GROUP_N)
+        g_rows = pid_m * GROUPS_M + tl.arange(0, GROUPS_M)
+        g_cols = pid_n * GROUPS_N + tl.arange(0, GROUPS_N)
         tl.store(Scale + g_rows[:, None] * stride_sm + g_cols[None, :] * stride_sn, scale,
                  mask=(g_rows[:, None] * GROUP_M < M) & (g_cols[None, :] * GROUP_N < N))
-        scale = tl.reshape(scale, [BLOCK_M // GROUP_M, 1, BLOCK_N // GROUP_N, 1])
-        scale = tl.reshape(tl.broadcast_to(scale, grouped), [BLOCK_M, BLOCK_N])  # each element's own scale
-        _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX, OUT, ROUND_IN_FP32)
+        # Back to one scale per element: repeat over the rows, then the columns, of each group.
+        if GROUP_M > 1:
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [GROUPS_M, GROUP_M, GROUPS_N]),
+                               [BLOCK_M, GROUPS_N])
+        if GROUPS_N > 1:
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_M, GROUPS_N, GROUP_N]),
+                               [BLOCK_M, BLOCK_N])
+        _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX, OUT)
     elif GROUP == GROUP_ROW_SWEEP:  # this program: BLOCK_M whole rows, swept twice
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n in range(0, N, BLOCK_N):
@@ -125,8 +141,7 @@ def _quantize_kernel(
         tl.store(Scale + rows * stride_sm, scale, mask=rows < M)
         for n in range(0, N, BLOCK_N):
             x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
-            _quantize_store(Xq, rows, n + offs_n, x, scale[:, None], M, N, stride_qm, stride_qn,
-                            QMAX, OUT, ROUND_IN_FP32)
+            _quantize_store(Xq, rows, n + offs_n, x, scale[:, None], M, N, stride_qm, stride_qn, QMAX, OUT)
     elif GROUP == GROUP_COLUMN_SWEEP:  # this program: BLOCK_N whole columns, swept twice
         amax = tl.zeros([BLOCK_N], dtype=tl.float32)
         for m in range(0, M, BLOCK_M):
@@ -136,11 +151,10 @@ def _quantize_kernel(
         tl.store(Scale + cols * stride_sn, scale, mask=cols < N)
         for m in range(0, M, BLOCK_M):
             x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
-            _quantize_store(Xq, m + offs_m, cols, x, scale[None, :], M, N, stride_qm, stride_qn,
-                            QMAX, OUT, ROUND_IN_FP32)
+            _quantize_store(Xq, m + offs_m, cols, x, scale[None, :], M, N, stride_qm, stride_qn, QMAX, OUT)
     else:  # one scale, computed beforehand
         x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
-        _quantize_store(Xq, rows, cols, x, tl.load(Scale), M, N, stride_qm, stride_qn, QMAX, OUT, ROUND_IN_FP32)
+        _quantize_store(Xq, rows, cols, x, tl.load(Scale), M, N, stride_qm, stride_qn, QMAX, OUT)
 
 
 @triton.jit
@@ -156,23 +170,14 @@ def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.
 
 def _tile(m: int, n: int, group_m: int, group_n: int) -> Tuple[int, int]:
     """A tile of about TILE_ELEMS elements made of whole groups (powers of two)."""
-    block_n = max(group_n, min(triton.next_power_of_2(n), 512))
+    block_n = max(group_n, min(triton.next_power_of_2(n), 512, max(1, TILE_ELEMS // group_m)))
     block_m = max(group_m, min(triton.next_power_of_2(m), max(1, TILE_ELEMS // block_n)))
     return block_m, block_n
 
 
-def _interpreting(x: torch.Tensor) -> bool:
-    return x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
-             block_size: Optional[Sequence[int]] = None, *,
-             round_in_fp32: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
-
-    ``round_in_fp32`` forces (or skips) the float32 rounding of float8 values; by default
-    it is used only where the cast cannot be trusted (the interpreter).
-    """
+             block_size: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale)."""
     m, n = x.shape
     qmax = QMAX[dtype]
     x_q = new_output((m, n), dtype=dtype, device=x.device)
@@ -183,7 +188,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
     if granularity == "row" and n > MAX_TILE_N:
         group, bm, bn, gm, gn = GROUP_ROW_SWEEP, 4, 1024, 1, 1
-    elif granularity == "column" and m > MAX_TILE_N:
+    elif granularity == "column":  # weights, quantized offline: a strided sweep is fine
         group, bm, bn, gm, gn = GROUP_COLUMN_SWEEP, 64, 64, 1, 1
     elif granularity == "tensor":
         bm, bn = _tile(m, n, 1, 1)
@@ -195,9 +200,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
         scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
         scale = torch.where(amax < float("inf"), scale, torch.full_like(scale, float("nan"))).reshape(1, 1)
         group, gm, gn = GROUP_TENSOR, 1, 1
-    else:  # rows, columns and blocks that fit in a tile
-        gm, gn = {"row": (1, triton.next_power_of_2(n)), "column": (triton.next_power_of_2(m), 1)}.get(
-            granularity) or tuple(block_size)
+    else:  # rows and blocks that fit in a tile
+        gm, gn = (1, triton.next_power_of_2(n)) if granularity == "row" else tuple(block_size)
         bm, bn = _tile(m, n, gm, gn)
         group = GROUP_TILED
     grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
@@ -206,7 +210,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
         x, x_q, scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1),
         scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group,
-        ROUND_IN_FP32=_interpreting(x) if round_in_fp32 is None else round_in_fp32,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=8 if bm * bn >= 4096 else 4,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
