@@ -69,7 +69,10 @@ def test_bench_matmul_and_quantize_quick(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
     qrows = [row for row in rows if row["provider"].startswith("qflash")]
-    assert len(qrows) == 4 and all(row["error"] is None and row["rel_err"] < 0.06 for row in qrows)
+    # 4 schemes, each as the kernel alone and with the activation quantize (+q)
+    assert len(qrows) == 8 and all(row["error"] is None and row["rel_err"] < 0.06 for row in qrows)
+    ratios = json.loads(out.read_text())["ratios"]
+    assert len(ratios) == 1 and ratios[0]["fp8 block / our tensor"] > 0
     out = tmp_path / "acc.json"
     r = qflash("bench", "quantize", "--accuracy", "--quick", "--out", str(out))
     assert r.returncode == 0, r.stderr

@@ -262,6 +262,17 @@ TILE_GRID = {
 }
 
 
+def _tile_inputs(seqlens, d: int, dtype) -> Dict[int, list]:
+    """q, k, v per length at the benchmark's sizing (16k tokens, 2048 = heads x d), made once
+    so that one compile of a config serves every length."""
+    inputs = {}
+    for seqlen in seqlens:
+        batch, heads = max(1, 16384 // seqlen), 2048 // d
+        g = torch.Generator(device="cuda").manual_seed(d + seqlen)
+        inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype) for _ in range(3)]
+    return inputs
+
+
 def tile_configs(head_dim: int):
     from qflash.kernels.attention import AttnFwdConfig
 
@@ -272,12 +283,7 @@ def tile_configs(head_dim: int):
 
 def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None) -> List[dict]:
     for d in head_dims:
-        inputs = {}
-        for seqlen in seqlens:
-            batch, heads = max(1, 16384 // seqlen), 2048 // d
-            g = torch.Generator(device="cuda").manual_seed(d + seqlen)
-            inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype)
-                              for _ in range(3)]
+        inputs = _tile_inputs(seqlens, d, dtype)
         for causal in causals:
             for cfg in tile_configs(d):
                 for seqlen, (q, k, v) in inputs.items():  # one compile serves every length
@@ -328,12 +334,7 @@ def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progr
     from qflash.kernels.attention import AttnBwdConfig, default_bwd_configs
 
     for d in head_dims:
-        inputs = {}
-        for seqlen in seqlens:
-            batch, heads = max(1, 16384 // seqlen), 2048 // d
-            g = torch.Generator(device="cuda").manual_seed(d + seqlen)
-            inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype)
-                              for _ in range(3)]
+        inputs = _tile_inputs(seqlens, d, dtype)
         dq_default, dkdv_default = default_bwd_configs(d, dtype, torch.device("cuda"))
         grid = BWD_TILE_GRID[64 if d <= 64 else 128 if d <= 128 else 256]
         pairs = [("dq", (AttnBwdConfig(*t), dkdv_default)) for t in grid["dq"]] + \

@@ -54,6 +54,8 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
     a8, a8_s = q["int8 (row x col)"][0]()
     b8, b8_s = q["int8 (row x col)"][1]
     out["torch._int_mm"] = lambda: torch._int_mm(a8, b8.T)  # int32 out; scales would be a separate pass
+    b8_kn = b8.T.contiguous()  # B stored (K, N) row-major, as in a plain a @ b: cuBLAS's slower INT8 layout
+    out["torch._int_mm (B as K x N)"] = lambda: torch._int_mm(a8, b8_kn)
     out["torch._int_mm +scales"] = lambda: (torch._int_mm(a8, b8.T) * a8_s * b8_s.T).to(torch.bfloat16)
     for method in ("fp8 (tensor)", "fp8 (row x col)"):  # cuBLASLt, fp32 accumulation (no fast accumulate)
         a_q, a_s = q[method][0]()
@@ -134,6 +136,29 @@ def run_tiles(shapes, device: str) -> List[dict]:
     return rows
 
 
+# (name, numerator, denominator): the comparisons the targets are stated in.
+RATIOS = [
+    ("int8 / _int_mm", "qflash int8 (row x col)", "torch._int_mm"),
+    ("int8 / _int_mm (B as K x N)", "qflash int8 (row x col)", "torch._int_mm (B as K x N)"),
+    ("fp8 tensor / _scaled_mm", "qflash fp8 (tensor)", "torch._scaled_mm (tensor)"),
+    ("fp8 row / _scaled_mm row", "qflash fp8 (row x col)", "torch._scaled_mm (row x col)"),
+    ("fp8 block / our tensor", "qflash fp8 (block)", "qflash fp8 (tensor)"),
+]
+
+
+def ratio_rows(rows: List[dict]) -> List[dict]:
+    """Per shape, the time ratios of RATIOS (> 1: the numerator is faster)."""
+    ms = {(r["provider"], r["m"], r["n"], r["k"]): r["ms"] for r in rows}
+    out = []
+    for m, n, k in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
+        row = dict(m=m, n=n, k=k)
+        for name, num, den in RATIOS:
+            a, b = ms.get((num, m, n, k)), ms.get((den, m, n, k))
+            row[name] = b / a if a and b else None
+        out.append(row)
+    return out
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, d: int, hidden: int):
         super().__init__()
@@ -204,8 +229,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             shapes = [(33, 64, 256)]
         result["rows"] = run(shapes, device)
+        result["ratios"] = ratio_rows(result["rows"])
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "ms", "rel_err", "error"],
                                  "scaled matmul, TOPS / TFLOP/s = 2MNK / time"))
+        console.print(rich_table(result["ratios"], ["m", "n", "k"] + [name for name, _, _ in RATIOS],
+                                 "speed ratios, same run (> 1: qflash faster)"))
     return finish(console, args.out, result)
 
 

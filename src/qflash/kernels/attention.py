@@ -136,6 +136,18 @@ def _query_blocks(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
+def _stretch(part: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Bounds of stretch ``part`` of a block range: 0 = [lo, full_lo) and 2 = [full_hi, hi)
+    need the mask, 1 = [full_lo, full_hi) does not."""
+    if part == 0:
+        return lo, full_lo
+    elif part == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
+
+
+@triton.jit
 def _scores_log2(
     qk, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -245,7 +257,7 @@ def _attn_fwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
-    qk_scale, softcap_log2, window_left, window_right,
+    qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
     dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -256,6 +268,10 @@ def _attn_fwd_kernel(
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
+    # Float arguments arrive in float64 (a plain Python float would be rounded to float32,
+    # which float64 inputs would notice); compute in the accumulator's precision.
+    qk_scale = tl.full([], qk_scale, ACC)
+    softcap_log2 = tl.full([], softcap_log2, ACC)
     num_bh = tl.num_programs(0) // num_m_blocks
     if HEAVY_FIRST:
         # Causal-like masks make late row blocks the most expensive: launch them first,
@@ -349,7 +365,7 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * tl.full([], LN2, ACC))
     row_ok = rows < seqlen_q
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
     if USE_TMA:
@@ -638,7 +654,8 @@ def _attn_bwd_dkdv_tile(
     q = tl.load(q_base + r64 * stride_qs + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
     do = tl.load(do_base + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
     # Rows past the end get lse = +inf: p = 0, so they add nothing.
-    lse_log2 = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf")) * RCP_LN2  # [BLOCK_M]
+    lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
+    lse_log2 = lse * tl.full([], RCP_LN2, lse.dtype)  # [BLOCK_M]; the constant as precise as lse
     delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)  # [BLOCK_M]
     p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
                            seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
@@ -662,7 +679,7 @@ def _attn_bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
-    qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right, softmax_scale: tl.float64,
     dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -671,6 +688,11 @@ def _attn_bwd_dq_kernel(
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
+    # Float arguments arrive in float64 (a plain Python float would be rounded to float32,
+    # which float64 inputs would notice); compute in the accumulator's precision.
+    qk_scale = tl.full([], qk_scale, ACC)
+    softcap_log2 = tl.full([], softcap_log2, ACC)
+    softmax_scale = tl.full([], softmax_scale, ACC)
     m_block = pid % num_m_blocks
     bh = pid // num_m_blocks
     b = bh // num_heads
@@ -694,7 +716,7 @@ def _attn_bwd_dq_kernel(
     do = tl.load(dOut + b64 * stride_dob + h * stride_doh + r64 * stride_dos + offs_d[None, :],
                  mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     l_off = b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls
-    lse_log2 = tl.load(Lse + l_off, mask=row_ok, other=float("inf")) * RCP_LN2  # [BLOCK_M]
+    lse_log2 = tl.load(Lse + l_off, mask=row_ok, other=float("inf")) * tl.full([], RCP_LN2, ACC)  # [BLOCK_M]
     delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)  # [BLOCK_M]
     k_base = K + b64 * stride_kb + h_kv * stride_kh + k_start * stride_ks
     v_base = V + b64 * stride_vb + h_kv * stride_vh + k_start * stride_vs
@@ -710,25 +732,17 @@ def _attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
-        dq = _attn_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
-            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-    for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = _attn_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
-            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
-        dq = _attn_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
-            softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+    for part in tl.static_range(3):  # left window edge (masked), interior (no mask), diagonal / end (masked)
+        start, end = _stretch(part, lo, full_lo, full_hi, hi)
+        for start_n in range(start, end, BLOCK_N):
+            if part == 1:
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+            dq = _attn_bwd_dq_tile(
+                dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+                start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
+                softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                HEAD_DIM, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                DOT_PRECISION)
     dq *= softmax_scale
     tl.store(dQ + b64 * stride_dqb + h * stride_dqh + r64 * stride_dqs + offs_d[None, :],
              dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -747,7 +761,7 @@ def _attn_bwd_dkdv_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
     seqlen_q, seqlen_k, num_heads_kv, kv_group, num_n_blocks,
-    qk_scale, softcap_log2, window_left, window_right, softmax_scale,
+    qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right, softmax_scale: tl.float64,
     dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -758,6 +772,11 @@ def _attn_bwd_dkdv_kernel(
     block of every query head in its GQA group streams past, so the sum over the group
     happens in registers (no atomics, deterministic)."""
     pid = tl.program_id(0)
+    # Float arguments arrive in float64 (a plain Python float would be rounded to float32,
+    # which float64 inputs would notice); compute in the accumulator's precision.
+    qk_scale = tl.full([], qk_scale, ACC)
+    softcap_log2 = tl.full([], softcap_log2, ACC)
+    softmax_scale = tl.full([], softmax_scale, ACC)
     n_block = pid % num_n_blocks
     bh = pid // num_n_blocks
     b = bh // num_heads_kv
@@ -794,28 +813,21 @@ def _attn_bwd_dkdv_kernel(
         else:
             slope_log2 = 0.0
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
-        for start_m in range(lo, full_lo, BLOCK_M):  # diagonal / right window edge
-            dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
-                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                rng_row0, rng_cols,
-                HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-        for start_m in range(full_lo, full_hi, BLOCK_M):  # interior: no mask
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
-                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                rng_row0, rng_cols,
-                HEAD_DIM, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
-        for start_m in range(full_hi, hi, BLOCK_M):  # left window edge
-            dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
-                bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                rng_row0, rng_cols,
-                HEAD_DIM, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION)
+        # Three stretches of query blocks: the diagonal / right window edge (masked), the
+        # interior (no mask), the left window edge (masked). static_range unrolls them, so
+        # MASKED is a compile-time constant in each.
+        for part in tl.static_range(3):
+            start, end = _stretch(part, lo, full_lo, full_hi, hi)
+            for start_m in range(start, end, BLOCK_M):
+                if part == 1:
+                    start_m = tl.multiple_of(start_m, BLOCK_M)
+                dk, dv = _attn_bwd_dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
+                    bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+                    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                    rng_row0, rng_cols,
+                    HEAD_DIM, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                    DOT_PRECISION)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -832,14 +844,19 @@ class AttnBwdConfig:
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
-    """(dQ config, dK/dV config). Not yet tuned on the H200: safe shared-memory sizes."""
+    """(dQ config, dK/dV config): D <= 128 searched on the H200 (benchmarks/results/attention_bwd_tiles_*);
+    D = 256 and float32/64 are sized to fit shared memory, not yet tuned."""
     if device.type != "cuda":
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     block_d = _block_d(head_dim)
+    if dtype == torch.float64 and block_d > 64:  # 8-byte tiles: shared memory (232 KB) sets the size
+        if block_d > 128:
+            return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
+        return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     if dtype in (torch.float32, torch.float64) or block_d > 128:
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
-    if block_d <= 64:
-        return AttnBwdConfig(128, 64, 8, 2), AttnBwdConfig(64, 128, 8, 2)
+    if block_d <= 64:  # square 64 x 64 tiles, 3 stages: dK/dV +49% over (64, 128, 8 warps) at 8k
+        return AttnBwdConfig(64, 64, 4, 3), AttnBwdConfig(64, 64, 4, 3)
     return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
 
 

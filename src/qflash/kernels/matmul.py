@@ -136,7 +136,8 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
-    cfg = config or default_config(m, n, k, scales, a_q.dtype == torch.int8, a_q.device)
+    is_int8 = a_q.dtype == torch.int8
+    cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
     if scales == "block" and (cfg.block_k != QBLOCK or QBLOCK % cfg.block_n):
         raise ValueError(f"block scales need block_k == {QBLOCK} and block_n dividing {QBLOCK}, got {cfg}")
     use_tma = cfg.use_tma and tma_compatible(a_q, b_q)
@@ -150,9 +151,12 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=a_q.dtype == torch.int8,
+        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=is_int8,
         HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # INT8: no multiply-add fusion in the epilogue, so that the float32 rounding steps are
+        # exactly the reference's (int32 * a_scale * b_scale + bias, each rounded).
+        enable_fp_fusion=not is_int8,
     )
     return c

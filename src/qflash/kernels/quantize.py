@@ -7,10 +7,11 @@ Longer rows, and columns, are swept twice (absmax, then quantize; the second rea
 mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a small
 kernel writes one partial maximum per tile and PyTorch reduces those few values.
 
-Rounding and special values follow ``qflash.reference.quantize``, bit for bit:
-divisions are IEEE-rounded (``div_rn``), and float8 values are rounded to the
-format's grid in float32 first, so the final cast is exact whatever instruction
-(or, on a CPU, whatever interpreter conversion) performs it.
+Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
+group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
+per group), each element x_q = saturate(round(x * inv)): a multiply, not a division,
+per element. float8 values are rounded to the format's grid in float32 first, so the
+final cast is exact whatever instruction (or interpreter conversion) performs it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
 TILE_ELEMS = 8192  # elements a program holds at once (about 32 fp32 registers a thread at 8 warps)
 
 # Which groups share a scale (constexpr GROUP).
-GROUP_TENSOR = tl.constexpr(0)  # scale given: one for everything
+GROUP_TENSOR = tl.constexpr(0)  # one scale, from a tensor-wide absmax computed beforehand
 GROUP_TILED = tl.constexpr(1)  # GROUP_M x GROUP_N groups tile each program's tile (rows, columns, blocks)
 GROUP_ROW_SWEEP = tl.constexpr(2)  # rows longer than a tile
 GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns longer than a tile
@@ -51,10 +52,17 @@ def _abs_or_inf(x):
 
 @triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
-    # Zero group -> scale 1 (values quantize to exactly 0); non-finite group -> NaN.
-    # div_rn: IEEE division, as PyTorch's (the plain "/" is approximate on the GPU).
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
-    return tl.where(amax < float("inf"), scale, float("nan"))
+    """(scale, 1 / scale) of groups with this absmax: amax / QMAX and QMAX / amax.
+
+    Zero group -> 1 and 1 (values quantize to exactly 0); non-finite group -> NaN. Both
+    divisions are IEEE-rounded (div_rn; the plain "/" is approximate on the GPU), and
+    there is one of each per group: the elements are multiplied by the inverse.
+    """
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
+    finite = amax < float("inf")
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 1.0)
+    return tl.where(finite, scale, float("nan")), tl.where(finite, inv, float("nan"))
 
 
 @triton.jit
@@ -80,9 +88,9 @@ def _round_to_float8(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr):
-    """Store saturate(round(x / scale)) for a float32 tile x."""
-    y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr):
+    """Store saturate(round(x * inv)) for a float32 tile x, inv = QMAX / absmax of its group."""
+    y = x * inv
     # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
     y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
     if OUT == tl.int8:  # round half away from zero; NaN (a non-finite group) -> 0
@@ -97,7 +105,7 @@ def _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX: 
 
 @triton.jit
 def _quantize_kernel(
-    X, Xq, Scale, M, N,
+    X, Xq, Scale, Amax, M, N,
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
@@ -119,42 +127,43 @@ def _quantize_kernel(
             amax = tl.max(tl.reshape(a, [BLOCK_M, GROUPS_N, GROUP_N]), axis=2)  # [BLOCK_M, GROUPS_N]
         if GROUP_M > 1:  # then over the rows of each group
             amax = tl.max(tl.reshape(amax, [GROUPS_M, GROUP_M, GROUPS_N]), axis=1)  # [GROUPS_M, GROUPS_N]
-        scale = _scale_of(amax, QMAX)
+        scale, inv = _scale_of(amax, QMAX)
         g_rows = pid_m * GROUPS_M + tl.arange(0, GROUPS_M)
         g_cols = pid_n * GROUPS_N + tl.arange(0, GROUPS_N)
         tl.store(Scale + g_rows[:, None] * stride_sm + g_cols[None, :] * stride_sn, scale,
                  mask=(g_rows[:, None] * GROUP_M < M) & (g_cols[None, :] * GROUP_N < N))
-        # Back to one scale per element: repeat over the rows, then the columns, of each group.
+        # Back to one factor per element: repeat over the rows, then the columns, of each group.
         if GROUP_M > 1:
-            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [GROUPS_M, GROUP_M, GROUPS_N]),
-                               [BLOCK_M, GROUPS_N])
+            inv = tl.reshape(tl.broadcast_to(inv[:, None, :], [GROUPS_M, GROUP_M, GROUPS_N]), [BLOCK_M, GROUPS_N])
         if GROUPS_N > 1:
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_M, GROUPS_N, GROUP_N]),
-                               [BLOCK_M, BLOCK_N])
-        _quantize_store(Xq, rows, cols, x, scale, M, N, stride_qm, stride_qn, QMAX, OUT)
+            inv = tl.reshape(tl.broadcast_to(inv[:, :, None], [BLOCK_M, GROUPS_N, GROUP_N]), [BLOCK_M, BLOCK_N])
+        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT)
     elif GROUP == GROUP_ROW_SWEEP:  # this program: BLOCK_M whole rows, swept twice
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n in range(0, N, BLOCK_N):
             x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
             amax = tl.maximum(amax, tl.max(_abs_or_inf(x), axis=1))
-        scale = _scale_of(amax, QMAX)  # [BLOCK_M]
+        scale, inv = _scale_of(amax, QMAX)  # [BLOCK_M]
         tl.store(Scale + rows * stride_sm, scale, mask=rows < M)
         for n in range(0, N, BLOCK_N):
             x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
-            _quantize_store(Xq, rows, n + offs_n, x, scale[:, None], M, N, stride_qm, stride_qn, QMAX, OUT)
+            _quantize_store(Xq, rows, n + offs_n, x, inv[:, None], M, N, stride_qm, stride_qn, QMAX, OUT)
     elif GROUP == GROUP_COLUMN_SWEEP:  # this program: BLOCK_N whole columns, swept twice
         amax = tl.zeros([BLOCK_N], dtype=tl.float32)
         for m in range(0, M, BLOCK_M):
             x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
             amax = tl.maximum(amax, tl.max(_abs_or_inf(x), axis=0))
-        scale = _scale_of(amax, QMAX)  # [BLOCK_N]
+        scale, inv = _scale_of(amax, QMAX)  # [BLOCK_N]
         tl.store(Scale + cols * stride_sn, scale, mask=cols < N)
         for m in range(0, M, BLOCK_M):
             x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
-            _quantize_store(Xq, m + offs_m, cols, x, scale[None, :], M, N, stride_qm, stride_qn, QMAX, OUT)
-    else:  # one scale, computed beforehand
+            _quantize_store(Xq, m + offs_m, cols, x, inv[None, :], M, N, stride_qm, stride_qn, QMAX, OUT)
+    else:  # one scale, from the absmax of the whole tensor (found beforehand)
+        scale, inv = _scale_of(tl.load(Amax), QMAX)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(Scale, scale)
         x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
-        _quantize_store(Xq, rows, cols, x, tl.load(Scale), M, N, stride_qm, stride_qn, QMAX, OUT)
+        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT)
 
 
 @triton.jit
@@ -197,8 +206,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
         _absmax_partials_kernel[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
                                       num_warps=8)
         amax = partials.amax()  # +inf when any element is NaN or inf
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        scale = torch.where(amax < float("inf"), scale, torch.full_like(scale, float("nan"))).reshape(1, 1)
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
         gm, gn = (1, triton.next_power_of_2(n)) if granularity == "row" else tuple(block_size)
@@ -207,7 +214,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
     grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
             triton.cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     _quantize_kernel[grid](
-        x, x_q, scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1),
+        x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1),
         scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=8 if bm * bn >= 4096 else 4,

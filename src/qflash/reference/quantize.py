@@ -2,7 +2,8 @@
 
 A group of values (the whole tensor, a row, a column or a 2-D block) shares one
 scale ``absmax(group) / QMAX`` with QMAX = 127 (int8), 448 (float8_e4m3fn) or
-57344 (float8_e5m2). ``x_q = saturate(round(x / scale))`` and ``x ~ x_q * scale``.
+57344 (float8_e5m2). ``x_q = saturate(round(x * (QMAX / absmax)))`` (a multiply per
+element by the group's inverse scale, as fast kernels do) and ``x ~ x_q * scale``.
 
 - int8 rounds half away from zero, then saturates to [-127, 127] (symmetric: -128 unused).
 - float8 rounds to nearest even (the hardware conversion) after saturating to +-QMAX,
@@ -59,12 +60,16 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
     x = x.detach().to(torch.float32)
     qmax = QMAX[dtype]
     amax = _group_absmax(x, granularity, block_size)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # Tensor / tensor divisions: IEEE on every device (PyTorch's CUDA division by a Python
+    # number multiplies by its reciprocal instead, which can differ in the last bit).
+    qmax_t = torch.full_like(amax, qmax)
+    scale = torch.where(amax > 0, amax / qmax_t, torch.ones_like(amax))
+    inv = torch.where(amax > 0, qmax_t / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
     bad = _group_absmax(torch.where(torch.isfinite(x), torch.zeros_like(x), torch.ones_like(x)), granularity,
                         block_size) > 0
     scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
-    full = expand_scale(scale, x.shape, granularity, block_size)
-    y = (x / full).clamp(-qmax, qmax)
+    inv = torch.where(bad, torch.full_like(inv, math.nan), inv)
+    y = (x * expand_scale(inv, x.shape, granularity, block_size)).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
         q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
