@@ -177,14 +177,15 @@ CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 
 
 
 def _gpu_bwd_tiles():
+    """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 runs every candidate."""
     from qflash.bench.attention import BWD_TILE_GRID
 
-    return [(d, (dq, dkdv)) for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
+    return [pytest.param(d, (dq, dkdv), marks=gpu)
+            for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
 
 
-@pytest.mark.parametrize("d,tiles", [(40, t) for t in CPU_BWD_TILES] if DEVICE == "cpu" else _gpu_bwd_tiles(),
-                         ids=str)
-@pytest.mark.parametrize("window", [(-1, 0), (9, 2)] + ([(-1, -1)] if DEVICE == "cpu" else []))
+@pytest.mark.parametrize("d,tiles", [(40, t) for t in CPU_BWD_TILES] + _gpu_bwd_tiles(), ids=str)
+@pytest.mark.parametrize("window", [(-1, 0), (9, 2), (-1, -1)])
 def test_every_tile_shape_splits_masked_blocks_right(d, tiles, window, monkeypatch):
     """Tiles with block_m != block_n move the masked / unmasked boundaries; gradients must not."""
     import qflash.kernels.attention as kernels
