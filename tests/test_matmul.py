@@ -50,7 +50,8 @@ def test_fp8_within_fp32_rounding(m, n, k, scales, qdtype):
 
 
 CPU_TILES = [MatmulConfig(32, 32, 32, 4, 1, use_tma=True), MatmulConfig(16, 64, 128, 4, 1, group_m=2, use_tma=True),
-             MatmulConfig(64, 16, 128, 4, 1, group_m=1)]
+             MatmulConfig(64, 16, 128, 4, 1, group_m=1), MatmulConfig(32, 32, 32, 4, 1, split_k=3),
+             MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True)]
 
 
 # The H200's search grid is gpu-marked: `pytest -m gpu` on the H200 runs every candidate.
@@ -60,8 +61,8 @@ GPU_TILES = [pytest.param(MatmulConfig(*t), marks=pytest.mark.gpu) for t in MATM
 @pytest.mark.parametrize("cfg", CPU_TILES + GPU_TILES, ids=str)
 @pytest.mark.parametrize("m,n,k", [(70, 90, 256), (33, 129, 272), (129, 256, 384)])
 def test_every_tile_path_is_exact(m, n, k, cfg):
-    """Descriptor and pointer loads, any tile shape: INT8 stays bit-exact and block-scaled FP8
-    (where the tile fits the 128-wide scale blocks) within fp32 rounding."""
+    """Descriptor and pointer loads, any tile shape, split-K: INT8 stays bit-exact and
+    block-scaled FP8 (where the tile fits the 128-wide scale blocks) within fp32 rounding."""
     a, b, bias = _operands(m, n, k)
     a_q, a_s = qflash.quantize(a, torch.int8, "row")
     b_q, b_s = qflash.quantize(b, torch.int8, "row")

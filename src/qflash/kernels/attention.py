@@ -338,28 +338,19 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
 
-    for start_n in range(lo, full_lo, BLOCK_N):  # left window edge
-        acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-            DOT_PRECISION, USE_TMA)
-    for start_n in range(full_lo, full_hi, BLOCK_N):  # interior: no mask
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-            DOT_PRECISION, USE_TMA)
-    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal, right window edge, sequence end
-        acc, m_i, l_i = _attn_fwd_tile(
-            acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm, stride_bn,
-            start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-            DOT_PRECISION, USE_TMA)
+    # Three stretches: left window edge (masked), interior (no mask), diagonal / right window
+    # edge / sequence end (masked); static_range makes MASKED a compile-time constant in each.
+    for part in tl.static_range(3):
+        start, end = _stretch(part, lo, full_lo, full_hi, hi)
+        for start_n in range(start, end, BLOCK_N):
+            if part == 1:
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, m_i, l_i = _attn_fwd_tile(
+                acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm,
+                stride_bn, start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+                qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0

@@ -32,14 +32,31 @@ SCALES_BLOCK = tl.constexpr(2)  # A per (row, 128-wide K block), B per (128 x 12
 
 
 @triton.jit
+def _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+              SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """C[rows, cols] = acc * scales + bias, cast to C's dtype (block scales were applied per K step)."""
+    out = acc.to(tl.float32)
+    if SCALES == SCALES_TENSOR:
+        out = out * (tl.load(AScale) * tl.load(BScale))
+    elif SCALES == SCALES_ROW:
+        a_s = tl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
+        b_s = tl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+        out = out * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
 def _scaled_matmul_kernel(
-    A, B, C, AScale, BScale, Bias,
+    A, B, C, AScale, BScale, Bias, Partial,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
     pid = tl.program_id(0)
@@ -50,6 +67,13 @@ def _scaled_matmul_kernel(
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
     pid_n = (pid % (GROUP_M * num_n)) // group_rows
+
+    # Split-K: program_id(1) takes one of SPLIT_K equal runs of whole K blocks, so that a
+    # small M x N still fills the machine; the partial sums meet in _split_k_reduce_kernel.
+    pid_k = tl.program_id(1)
+    k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_run
+    k_hi = tl.minimum(K, k_lo + k_run)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -65,7 +89,7 @@ def _scaled_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # Warp specialization: producer warps issue the loads while consumer warps multiply.
-    for k in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if USE_TMA:
             a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
             b = b_desc.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
@@ -86,17 +110,29 @@ def _scaled_matmul_kernel(
                 part = part * (a_s[:, None] * b_s)
             acc += part
 
-    out = acc.to(tl.float32)
-    if SCALES == SCALES_TENSOR:
-        out = out * (tl.load(AScale) * tl.load(BScale))
-    elif SCALES == SCALES_ROW:
-        a_s = tl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
-        b_s = tl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
-        out = out * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if SPLIT_K == 1:
+        _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+                  SCALES, HAS_BIAS)
+    else:  # Partial is (SPLIT_K, M, N), contiguous, in the accumulator's type
+        p_ptrs = Partial + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(p_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    Partial, C, AScale, BScale, Bias, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.load(p_ptrs, mask=ok, other=0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptrs + s * M * N, mask=ok, other=0)
+    _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+              SCALES, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -109,6 +145,7 @@ class MatmulConfig:
     group_m: int = 8
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
     warp_specialize: bool = False
+    split_k: int = 1  # K cut into this many runs, summed by a second kernel (small M x N)
 
 
 def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torch.device) -> MatmulConfig:
@@ -147,18 +184,29 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         ensure_descriptor_allocator(a_q.device)
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    partial = torch.empty((split_k, m, n), dtype=torch.int32 if is_int8 else torch.float32,
+                          device=a_q.device) if split_k > 1 else c
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
+    scales_kind = {"tensor": 0, "row": 1, "block": 2}[scales]
     _scaled_matmul_kernel[grid](
-        a_q, b_q, c, a_s, b_s, bias if bias is not None else c,
+        a_q, b_q, c, a_s, b_s, bias if bias is not None else c, partial,
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        SCALES={"tensor": 0, "row": 1, "block": 2}[scales], IS_INT8=is_int8,
-        HAS_BIAS=bias is not None, USE_TMA=use_tma,
+        SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # INT8: no multiply-add fusion in the epilogue, so that the float32 rounding steps are
         # exactly the reference's (int32 * a_scale * b_scale + bias, each rounded).
         enable_fp_fusion=not is_int8,
     )
+    if split_k > 1:
+        bm, bn = 32, 128
+        _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            partial, c, a_s, b_s, bias if bias is not None else c, m, n,
+            c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
+            SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=4, enable_fp_fusion=not is_int8,
+        )
     return c
