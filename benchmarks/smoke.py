@@ -3,7 +3,7 @@
 import torch
 
 import qflash
-from qflash.kernels.attention import AttnFwdConfig, attention_forward
+from qflash.kernels.attention import AttnFwdConfig, AttnOptions, attention_forward
 from qflash.reference import attention_ref
 
 for dtype in (torch.float16, torch.bfloat16):
@@ -11,7 +11,8 @@ for dtype in (torch.float16, torch.bfloat16):
         for causal in (False, True):
             q, k, v = (torch.randn(2, 1000, 4, 80, device="cuda", dtype=dtype) for _ in range(3))
             cfg = AttnFwdConfig(128, 64, 8, 3, use_tma=use_tma)
-            out, lse = attention_forward(q, k, v, softmax_scale=80**-0.5, window_right=0 if causal else -1, config=cfg)
+            opts = AttnOptions(80**-0.5, window_right=0 if causal else -1)
+            out, lse = attention_forward(q, k, v, opts, config=cfg)
             ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=causal)
             pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
             print(f"{dtype} tma={use_tma} causal={causal}: err {float((out.double() - ref).abs().max()):.2e} "

@@ -15,7 +15,6 @@ for causal (``tflops``), and the exact count of visible (query, key) pairs
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import os
@@ -24,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from qflash.bench.harness import (
+    bench_parser,
     environment,
     finish,
     fmt,
@@ -84,11 +84,10 @@ def _qflash_provider(config=None):
             import qflash
 
             return lambda: qflash.flash_attn_func(q, k, v, causal=causal)
-        from qflash.kernels.attention import attention_forward
+        from qflash.kernels.attention import AttnOptions, attention_forward
 
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        return lambda: attention_forward(q, k, v, softmax_scale=scale, window_right=0 if causal else -1,
-                                         config=config)[0]
+        opts = AttnOptions(1.0 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
+        return lambda: attention_forward(q, k, v, opts, config=config)[0]
 
     return make
 
@@ -310,17 +309,15 @@ BWD_TILE_GRID = {
 def _qflash_bwd_provider(configs):
     """Times the qflash backward launcher alone, with explicit (dQ, dK/dV) tile configs."""
     def make(q, k, v, causal):
-        from qflash.kernels.attention import attention_backward, attention_forward
+        from qflash.kernels.attention import AttnOptions, attention_backward, attention_forward
 
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        window_right = 0 if causal else -1
-        out, lse = attention_forward(q, k, v, softmax_scale=scale, window_right=window_right)
+        opts = AttnOptions(1.0 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
+        out, lse = attention_forward(q, k, v, opts)
         g = torch.Generator(device=q.device).manual_seed(1)
         dout = torch.randn(out.shape, device=q.device, generator=g).to(out.dtype)
 
         def run():
-            return attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, window_right=window_right,
-                                      configs=configs)
+            return attention_backward(dout, q, k, v, out, lse, opts, configs=configs)
 
         run.dout = dout
         return run
@@ -413,7 +410,7 @@ def _plots(result: dict, stem: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="qflash bench attention", description=__doc__.splitlines()[0])
+    parser = bench_parser("attention", __doc__, quick="a short run (tiny shapes on a CPU)", out="write results as JSON here (plots go beside it, same stem)")
     parser.add_argument("--providers", help=f"comma-separated, from {','.join(PROVIDERS)} "
                                             f"(default: {','.join(DEFAULT_PROVIDERS)}; on a CPU {','.join(CPU_PROVIDERS)})")
     parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
@@ -424,8 +421,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (GPU)")
     parser.add_argument("--ceilings", action="store_true", help="also measure copy and matmul ceilings (GPU)")
-    parser.add_argument("--quick", action="store_true", help="a short run (tiny shapes on a CPU)")
-    parser.add_argument("--out", help="write results as JSON here (plots go beside it, same stem)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()

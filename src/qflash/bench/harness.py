@@ -94,6 +94,16 @@ def measure_ceilings() -> Dict[str, Optional[float]]:
     return out
 
 
+def bench_parser(op: str, doc: str, quick: str, out: str = "write results as JSON here"):
+    """``qflash bench <op>``'s parser with the options every benchmark has: --quick and --out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"qflash bench {op}", description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", help=out)
+    return parser
+
+
 def require_runnable(parser) -> bool:
     """True on CUDA; on a CPU only through ``qflash bench`` (which turns the interpreter on)."""
     import os

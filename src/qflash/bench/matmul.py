@@ -10,13 +10,13 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 
 from __future__ import annotations
 
-import argparse
 from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from qflash.bench.harness import (
+    bench_parser,
     environment,
     finish,
     measure_ceilings,
@@ -198,11 +198,9 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="qflash bench matmul", description=__doc__.splitlines()[0])
+    parser = bench_parser("matmul", __doc__, quick="tiny shapes")
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes")
-    parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"

@@ -14,12 +14,12 @@ product of the dequantized operands (the price of the kernel).
 
 from __future__ import annotations
 
-import argparse
 from typing import List, Optional
 
 import torch
 
 from qflash.bench.harness import (
+    bench_parser,
     environment,
     finish,
     measure_ceilings,
@@ -88,11 +88,9 @@ def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="qflash bench quantize", description=__doc__.splitlines()[0])
+    parser = bench_parser("quantize", __doc__, quick="small shapes")
     parser.add_argument("--accuracy", action="store_true", help="quantization vs kernel error table (any device)")
     parser.add_argument("--shape", default="256,1024,512", help="M,N,K of the accuracy product")
-    parser.add_argument("--quick", action="store_true", help="small shapes")
-    parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     if not args.accuracy and not cuda:

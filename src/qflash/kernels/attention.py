@@ -426,39 +426,67 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
     return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
 
 
-def _variant(q, k, *, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-             cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed):
+@dataclass(frozen=True, eq=False)
+class AttnOptions:
+    """Everything a call asks for besides q, k, v: the forward and backward launchers take the
+    same options, so that a backward pass recomputes exactly what its forward computed.
+
+    ``window_right = 0`` is causal (``bottom_right`` aligns it to the last key); ``bias`` is a
+    bool (True = attend) or additive float tensor already expanded to (B, H, Sq, Sk); varlen
+    calls pass int32 ``cu_seqlens_*`` and the longest lengths; ``dropout_p > 0`` drops with a
+    mask drawn from ``dropout_seed``.
+    """
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = True
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+
+def _variant(q, k, opts: AttnOptions):
     """What forward and backward launches share: optional pointers, their strides, and the
     scalar and constexpr arguments that select the kernel variant."""
-    varlen = cu_seqlens_q is not None
+    varlen, bias, slopes = opts.varlen, opts.bias, opts.alibi_slopes
     dummy = q  # stands in for absent optional pointers; never dereferenced
-    pointers = (bias if bias is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
-                cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy)
-    if alibi_slopes is None:
+    pointers = (bias if bias is not None else dummy, slopes if slopes is not None else dummy,
+                opts.cu_seqlens_q if varlen else dummy, opts.cu_seqlens_k if varlen else dummy)
+    if slopes is None:
         slope_strides = (0, 0)
-    elif alibi_slopes.dim() == 2:  # (batch, heads)
-        slope_strides = tuple(alibi_slopes.stride())
+    elif slopes.dim() == 2:  # (batch, heads)
+        slope_strides = tuple(slopes.stride())
     else:  # (heads,): the same slopes for every batch
-        slope_strides = (0, alibi_slopes.stride(0))
+        slope_strides = (0, slopes.stride(0))
     bias_strides = (0, 0, 0, 0) if bias is None else tuple(bias.stride())
-    has_softcap = softcap > 0
+    has_softcap = opts.softcap > 0
     kwargs = dict(
-        qk_scale=softmax_scale / softcap if has_softcap else softmax_scale * RCP_LN2.value,
-        softcap_log2=softcap * RCP_LN2.value,
-        window_left=window_left,
-        window_right=window_right,
-        HAS_LEFT=window_left >= 0,
-        HAS_RIGHT=window_right >= 0,
-        BOTTOM_RIGHT=bottom_right,
+        qk_scale=opts.softmax_scale / opts.softcap if has_softcap else opts.softmax_scale * RCP_LN2.value,
+        softcap_log2=opts.softcap * RCP_LN2.value,
+        window_left=opts.window_left,
+        window_right=opts.window_right,
+        HAS_LEFT=opts.window_left >= 0,
+        HAS_RIGHT=opts.window_right >= 0,
+        BOTTOM_RIGHT=opts.bottom_right,
         HAS_SOFTCAP=has_softcap,
-        HAS_ALIBI=alibi_slopes is not None,
+        HAS_ALIBI=slopes is not None,
         BIAS_KIND=BIAS_NONE if bias is None else (BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADD),
         IS_VARLEN=varlen,
         DOT_PRECISION=_dot_precision(q.dtype),
         ACC=_TL_ACC[_acc_dtype(q.dtype)],
-        HAS_DROPOUT=dropout_p > 0,
-        dropout_p=float(dropout_p),
-        dropout_seed=int(dropout_seed),
+        HAS_DROPOUT=opts.dropout_p > 0,
+        dropout_p=float(opts.dropout_p),
+        dropout_seed=int(opts.dropout_seed),
         # Dropout counters: one per (head, query row, key) of the whole call.
         rng_rows=q.shape[0] if varlen else q.shape[1],
         rng_cols=k.shape[0] if varlen else k.shape[1],
@@ -466,55 +494,32 @@ def _variant(q, k, *, softmax_scale, window_left, window_right, bottom_right, so
     return pointers, bias_strides, slope_strides, kwargs
 
 
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    softmax_scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    bottom_right: bool = True,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-    max_seqlen_q: Optional[int] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    config: Optional[AttnFwdConfig] = None,
-):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
+                      config: Optional[AttnFwdConfig] = None):
     """Launch the forward kernel. Inputs are already validated by the public op.
 
     Dense: q (B, Sq, H, D), k/v (B, Sk, Hkv, D), any strides with unit last stride.
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
-    ``bias`` is a bool (True = attend) or float additive tensor already expanded to
-    (B, H, Sq, Sk) (zero strides are fine). ``window_right = 0`` is causal.
-    ``dropout_p > 0`` drops probabilities with a mask drawn from ``dropout_seed``.
     Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
     or (H, total_q) for varlen.
     """
-    varlen = cu_seqlens_q is not None
+    varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = max_seqlen_q, 0  # per sequence, read in the kernel
+        batch = opts.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = opts.max_seqlen_q, 0  # per sequence, read in the kernel
         lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
         lse_shape = (batch, num_heads, seqlen_q)
-    cfg = config or default_config(head_dim, q.dtype, q.device, causal=window_right >= 0)
+    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
     use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
     if use_tma:
         ensure_descriptor_allocator(q.device)
-    pointers, bias_strides, slope_strides, variant = _variant(
-        q, k, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
 
     num_m_blocks = triton.cdiv(max(seqlen_q, 1), cfg.block_m)
     grid = (num_m_blocks * batch * num_heads,)
@@ -533,7 +538,7 @@ def attention_forward(
         BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        HEAVY_FIRST=window_right >= 0,
+        HEAVY_FIRST=opts.window_right >= 0,
         USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -855,39 +860,18 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
     return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
 
 
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    softmax_scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    bottom_right: bool = True,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_k: Optional[int] = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    configs=None,
-):
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, opts: AttnOptions, configs=None):
     """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the query heads of each GQA group.
     """
-    varlen = cu_seqlens_q is not None
+    varlen = opts.varlen
     if varlen:
         _, num_heads, head_dim = q.shape
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        batch = opts.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = opts.max_seqlen_q, opts.max_seqlen_k
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
@@ -900,12 +884,9 @@ def attention_backward(
     delta = torch.empty_like(lse, dtype=acc)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    pointers, bias_strides, slope_strides, variant = _variant(
-        q, k, softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
     block_d = _block_d(head_dim)
-    shared = dict(softmax_scale=softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, **variant)
+    shared = dict(softmax_scale=opts.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, **variant)
     sl = _lse_strides(lse, varlen)
     strides = (*_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
                *_bshd_strides(dout, varlen))

@@ -75,23 +75,11 @@ def _attention_forward_op(
     dropout_p: float,
     dropout_seed: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    from qflash.kernels.attention import attention_forward
+    from qflash.kernels.attention import AttnOptions, attention_forward
 
-    return attention_forward(
-        q, k, v,
-        softmax_scale=softmax_scale,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
+    return attention_forward(q, k, v, AttnOptions(
+        softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
 
 
 @_attention_forward_op.register_fake
@@ -128,24 +116,11 @@ def _attention_backward_op(
     dropout_p: float,
     dropout_seed: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from qflash.kernels.attention import attention_backward
+    from qflash.kernels.attention import AttnOptions, attention_backward
 
-    return attention_backward(
-        dout, q, k, v, out, lse,
-        softmax_scale=softmax_scale,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
+    return attention_backward(dout, q, k, v, out, lse, AttnOptions(
+        softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
 
 
 @_attention_backward_op.register_fake
