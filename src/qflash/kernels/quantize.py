@@ -30,9 +30,9 @@ TILE_ELEMS = 8192  # elements a program holds at once (about 32 fp32 registers a
 
 # Which groups share a scale (constexpr GROUP).
 GROUP_TENSOR = tl.constexpr(0)  # one scale, from a tensor-wide absmax computed beforehand
-GROUP_TILED = tl.constexpr(1)  # GROUP_M x GROUP_N groups tile each program's tile (rows, columns, blocks)
+GROUP_TILED = tl.constexpr(1)  # GROUP_M x GROUP_N groups tile each program's tile (rows, blocks)
 GROUP_ROW_SWEEP = tl.constexpr(2)  # rows longer than a tile
-GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns longer than a tile
+GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns (strided: always swept)
 _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
@@ -214,8 +214,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str,
     grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
             triton.cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     _quantize_kernel[grid](
-        x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n, x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1),
-        scale.stride(0), scale.stride(1),
+        x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n,
+        x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=8 if bm * bn >= 4096 else 4,
     )
