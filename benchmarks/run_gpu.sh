@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [bwd] [train] [matmul]
-#                                      [mlp] [quant]
+#                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check)
 #
@@ -39,12 +39,13 @@ for stage in "${stages[@]}"; do
     matmul) timeout 200 python3 -m qflash.cli bench matmul --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
     quant)  timeout 120 python3 -m qflash.cli bench quantize --out "$OUT/quantize.json" 2>&1 | tail -n 25 ;;
+    qtiles) timeout 150 python3 -m qflash.cli bench quantize --tiles --out "$OUT/quantize_tiles.json" 2>&1 | tail -n 60 ;;
     flex)   timeout 120 python3 -m qflash.cli bench attention --providers qflash,flex --seqlens 2048,8192 \
               --head-dims 64,128 --out "$OUT/attention_flex.json" 2>&1 | tail -n 12 ;;
     demo)   timeout 120 python3 -m qflash.cli demo --plot "$OUT/demo.png" 2>&1 | tail -n 30 ;;
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, bwd, train, matmul, mlp, quant, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

@@ -51,7 +51,7 @@ def test_fp8_within_fp32_rounding(m, n, k, scales, qdtype):
 
 CPU_TILES = [MatmulConfig(32, 32, 32, 4, 1, use_tma=True), MatmulConfig(16, 64, 128, 4, 1, group_m=2, use_tma=True),
              MatmulConfig(64, 16, 128, 4, 1, group_m=1), MatmulConfig(32, 32, 32, 4, 1, split_k=3),
-             MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True)]
+             MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True), MatmulConfig(32, 32, 32, 4, 1, warp_specialize=True)]
 
 
 # The H200's search grid is gpu-marked: `pytest -m gpu` on the H200 runs every candidate.
@@ -61,15 +61,26 @@ GPU_TILES = [pytest.param(MatmulConfig(*t), marks=pytest.mark.gpu) for t in MATM
 @pytest.mark.parametrize("cfg", CPU_TILES + GPU_TILES, ids=str)
 @pytest.mark.parametrize("m,n,k", [(70, 90, 256), (33, 129, 272), (129, 256, 384)])
 def test_every_tile_path_is_exact(m, n, k, cfg):
-    """Descriptor and pointer loads, any tile shape, split-K: INT8 stays bit-exact and
-    block-scaled FP8 (where the tile fits the 128-wide scale blocks) within fp32 rounding."""
+    """Descriptor and pointer loads, any tile shape, split-K, warp specialization: INT8 stays
+    bit-exact, FP8 per-row and block-scaled FP8 (where the tile fits the 128-wide scale
+    blocks) within fp32 rounding."""
     a, b, bias = _operands(m, n, k)
     a_q, a_s = qflash.quantize(a, torch.int8, "row")
     b_q, b_s = qflash.quantize(b, torch.int8, "row")
+    if cfg.warp_specialize:  # refused for INT8 (wrong on Triton 3.6)
+        with pytest.raises(ValueError, match="warp_specialize"):
+            scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "row", config=cfg)
+    else:
+        with poisoned():
+            c = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "row", config=cfg)
+        assert_written(c)
+        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "row")
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "row")
     with poisoned():
         c = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "row", config=cfg)
     assert_written(c)
-    assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+    assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * k ** 0.5
     if cfg.block_k == 128 and 128 % cfg.block_n == 0:
         a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
         b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))

@@ -52,6 +52,18 @@ def test_float8_rounding_ties_and_subnormals(qdtype):
         assert torch.equal(x_q.cpu().view(torch.uint8), x.cpu().to(qdtype).view(torch.uint8))
 
 
+def test_int8_rounds_half_away_from_zero():
+    """Scale 1 (absmax 127): halves go away from zero, and 0.49999997 (whose + 0.5 rounds
+    to 1.0 in float32) stays 0."""
+    below_half = 0.5 - 2.0**-25
+    vals = [127.0, below_half, 0.5, 1.5, 2.5, -0.5, -below_half, -2.5, 126.49999, 3.0000002]
+    want = [127, 0, 1, 2, 3, -1, 0, -3, 126, 3]
+    x = torch.tensor([vals], device=DEVICE)
+    x_q, scale = qflash.quantize(x, torch.int8, "row")
+    assert float(scale) == 1.0 and x_q.tolist() == [want]
+    assert quantize_ref(x, torch.int8, "row")[0].tolist() == [want]
+
+
 @pytest.mark.parametrize("granularity", ["row", "column"])
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 def test_long_rows_and_columns_are_swept(granularity, qdtype, monkeypatch):

@@ -3,6 +3,7 @@ the fused quantize kernel's bandwidth.
 
     qflash bench quantize --accuracy --out acc.json     # any device (CPU: the interpreter)
     qflash bench quantize --out bw.json                 # GB/s against the copy ceiling (GPU)
+    qflash bench quantize --tiles --out tiles.json      # program sizes of the one-load paths (GPU)
 
 Accuracy: for A (M, K) activations, Gaussian or with a few outlier channels 20-100x
 larger, and B (N, K) Gaussian weights, each scheme quantizes both operands and
@@ -87,9 +88,32 @@ def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
     return rows
 
 
+# Program sizes tried by --tiles: elements per program x warps.
+QUANTIZE_TILE_GRID = [(elems, warps) for elems in (4096, 8192, 16384) for warps in (4, 8, 16)]
+TILE_SCHEMES = ["int8 per-row x per-column", "fp8 per-row x per-column", "fp8 block 1x128 / 128x128"]
+
+
+def tile_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
+    """Bandwidth of each program size on the one-load paths (activation quantization)."""
+    from qflash.kernels.quantize import quantize as launch
+
+    rows = []
+    for m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        for name in TILE_SCHEMES:
+            qdtype, ga, ba = SCHEMES[name][:3]
+            for elems, warps in QUANTIZE_TILE_GRID:
+                res = time_ms(lambda: launch(x, qdtype, ga, ba, tile_elems=elems, num_warps=warps))
+                nbytes = x.numel() * (x.element_size() + 1)
+                rows.append(dict(shape=f"{m}x{k}", scheme=name, tile_elems=elems, num_warps=warps, ms=res["ms"],
+                                 gbps=nbytes / (res["ms"] * 1e-3) / 1e9))
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("quantize", __doc__, quick="small shapes")
     parser.add_argument("--accuracy", action="store_true", help="quantization vs kernel error table (any device)")
+    parser.add_argument("--tiles", action="store_true", help="time program sizes of the one-load paths (GPU)")
     parser.add_argument("--shape", default="256,1024,512", help="M,N,K of the accuracy product")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
@@ -114,11 +138,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         shapes = [(1024, 4096)] if args.quick else [(4096, 4096), (8192, 8192), (16384, 8192)]
         result["ceilings"] = measure_ceilings()
-        result["bandwidth"] = bandwidth_rows(shapes)
-        for r in result["bandwidth"]:
+        key = "tiles" if args.tiles else "bandwidth"
+        result[key] = tile_rows(shapes[::2]) if args.tiles else bandwidth_rows(shapes)
+        for r in result[key]:
             r["x_copy"] = r["gbps"] / (result["ceilings"]["copy_TBps"] * 1e3)
-        console.print(rich_table(result["bandwidth"], ["shape", "scheme", "ms", "gbps", "x_copy"],
-                                 "fused quantize, bf16 in, 1-byte out"))
+        cols = ["shape", "scheme"] + (["tile_elems", "num_warps"] if args.tiles else []) + ["ms", "gbps", "x_copy"]
+        console.print(rich_table(result[key], cols, "fused quantize, bf16 in, 1-byte out"))
     return finish(console, args.out, result)
 
 

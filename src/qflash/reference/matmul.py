@@ -20,8 +20,10 @@ __all__ = ["int8_matmul_ref", "fp8_matmul_ref", "dequantize_operand"]
 
 
 def int8_matmul_ref(a_q, b_q, a_scale, b_scale, bias: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16):
-    acc = (a_q.to(torch.int64) @ b_q.to(torch.int64).T)  # exact
-    assert int(acc.abs().max()) < 2**31 if acc.numel() else True, "int32 accumulation would overflow"
+    # Exact in float64 on any device (CUDA has no int64 matmul): every partial sum is an
+    # integer below K * 127^2, far under 2^53.
+    acc = a_q.to(torch.float64) @ b_q.to(torch.float64).T
+    assert float(acc.abs().max()) < 2**31 if acc.numel() else True, "int32 accumulation would overflow"
     out = acc.to(torch.float32)
     if a_scale.numel() == 1 and b_scale.numel() == 1:
         out = out * (a_scale.reshape(()).float() * b_scale.reshape(()).float())

@@ -72,7 +72,11 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
     y = (x * expand_scale(inv, x.shape, granularity, block_size)).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
-        q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
+        # Half away from zero, exactly: floor(|y| + 0.5) would round 0.49999997 up, since
+        # the sum rounds to 1.0 in float32; |y| - floor(|y|) is exact.
+        a = y.abs()
+        whole = torch.floor(a)
+        q = (torch.sign(y) * (whole + (a - whole >= 0.5).to(a.dtype))).to(torch.int8)
     else:
         q = y.to(dtype)
     return q, scale.to(torch.float32)
