@@ -27,7 +27,11 @@ from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
 
 MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
-TILE_ELEMS = 8192  # elements a program holds at once (about 32 fp32 registers a thread at 8 warps)
+# Elements a program holds at once, and its warps, on the one-load paths: the best of 9 sizes on
+# the H200 (benchmarks/results/quantize_tiles_*): 0.95x copy bandwidth for fp8 rows, 0.87x for
+# 1 x 128 blocks (16384 x 8192), against 0.91x / 0.83x for 8192 elements and 8 warps.
+TILE_ELEMS = 4096
+TILE_WARPS = 4
 
 # Which groups share a scale (constexpr GROUP).
 GROUP_TENSOR = tl.constexpr(0)  # one scale, from a tensor-wide absmax computed beforehand
@@ -230,12 +234,13 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         gm, gn = (1, triton.next_power_of_2(n)) if granularity == "row" else tuple(block_size)
         bm, bn = _tile(m, n, gm, gn, tile_elems)
         group = GROUP_TILED
+    warps = TILE_WARPS if group in (GROUP_TILED, GROUP_TENSOR) else 8  # sweeps: 4096-element tiles
     grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
             triton.cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     _quantize_kernel[grid](
         x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_FP8_CAST=x.device.type != "cuda",
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=num_warps or (8 if bm * bn >= 4096 else 4),
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
