@@ -180,6 +180,7 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     """A transformer MLP block (up, GELU, down) in bf16 vs quantized with qflash.nn, end to end."""
     import copy
 
+    from qflash.bench.quantize import graph_ms
     from qflash.nn import quantize_model
     from qflash.testing import sqnr_db
 
@@ -196,10 +197,13 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
             for name, model in models.items():
                 res = time_ms(lambda: model(x), device=device)
                 rows.append(dict(model=name, m=m, d=d, hidden=hidden, ms=res["ms"],
+                                 ms_graph=graph_ms(lambda: model(x)) if device == "cuda" else None,
                                  sqnr_db=sqnr_db(model(x).float(), ref)))
-    bf16 = {r["m"]: r["ms"] for r in rows if r["model"] == "bf16"}
+    bf16 = {r["m"]: r for r in rows if r["model"] == "bf16"}
     for r in rows:
-        r["speedup_vs_bf16"] = bf16[r["m"]] / r["ms"]
+        r["speedup_vs_bf16"] = bf16[r["m"]]["ms"] / r["ms"]
+        if r["ms_graph"] and bf16[r["m"]]["ms_graph"]:  # without Python's launch costs (CUDA graph)
+            r["speedup_graph"] = bf16[r["m"]]["ms_graph"] / r["ms_graph"]
     return rows
 
 
@@ -224,7 +228,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ms = [16, 1024, 8192] if cuda and not args.quick else [16]
         dims = {} if cuda and not args.quick else {"d": 128, "hidden": 256}
         result["mlp"] = mlp_rows(ms, device, **dims)
-        console.print(rich_table(result["mlp"], ["model", "m", "d", "hidden", "ms", "speedup_vs_bf16", "sqnr_db"],
+        console.print(rich_table(result["mlp"], ["model", "m", "d", "hidden", "ms", "speedup_vs_bf16", "ms_graph",
+                                                  "speedup_graph", "sqnr_db"],
                                  "transformer MLP block (up d -> hidden, GELU, down), end to end; "
                                  "sqnr_db against the bf16 block"))
     else:
