@@ -19,6 +19,7 @@ from qflash.bench.harness import (
     bench_parser,
     environment,
     finish,
+    graph_ms,
     measure_ceilings,
     require_runnable,
     rich_table,
@@ -83,8 +84,10 @@ def _time_row(name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, m: i
         res = time_ms(fn, device=device)
         # Quantization costs a few percent; anything far beyond is a wrong result, whatever its speed.
         wrong = err is not None and not err < MAX_REL_ERR
-        return dict(provider=name, m=m, n=n, k=k, ms=res["ms"], rel_err=err,
+        graph = graph_ms(fn) if device == "cuda" else None  # without Python's launch cost
+        return dict(provider=name, m=m, n=n, k=k, ms=res["ms"], rel_err=err, ms_graph=graph,
                     tflops=2 * m * n * k / (res["ms"] * 1e-3) / 1e12,
+                    tflops_graph=2 * m * n * k / (graph * 1e-3) / 1e12 if graph else None,
                     error=f"WRONG RESULT (rel_err {err:.3g})" if wrong else None, **extra)
     except Exception as exc:  # e.g. torch._int_mm refuses a shape
         return dict(provider=name, m=m, n=n, k=k, ms=None, rel_err=None, tflops=None,
@@ -153,9 +156,9 @@ RATIOS = [
 ]
 
 
-def ratio_rows(rows: List[dict]) -> List[dict]:
-    """Per shape, the time ratios of RATIOS (> 1: the numerator is faster)."""
-    ms = {(r["provider"], r["m"], r["n"], r["k"]): r["ms"] for r in rows if not r["error"]}  # wrong: no ratio
+def ratio_rows(rows: List[dict], key: str = "ms") -> List[dict]:
+    """Per shape, the time ratios of RATIOS (> 1: the numerator is faster), of times ``key``."""
+    ms = {(r["provider"], r["m"], r["n"], r["k"]): r.get(key) for r in rows if not r["error"]}  # wrong: no ratio
     out = []
     for m, n, k in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
         row = dict(m=m, n=n, k=k)
@@ -180,7 +183,6 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     """A transformer MLP block (up, GELU, down) in bf16 vs quantized with qflash.nn, end to end."""
     import copy
 
-    from qflash.bench.quantize import graph_ms
     from qflash.nn import quantize_model
     from qflash.testing import sqnr_db
 
@@ -240,10 +242,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             shapes = [(33, 64, 256)]
         result["rows"] = run(shapes, device)
         result["ratios"] = ratio_rows(result["rows"])
-        console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "ms", "rel_err", "error"],
-                                 "scaled matmul, TOPS / TFLOP/s = 2MNK / time"))
+        result["ratios_graph"] = ratio_rows(result["rows"], "ms_graph")
+        console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "tflops_graph", "ms", "rel_err",
+                                                  "error"], "scaled matmul, TOPS / TFLOP/s = 2MNK / time"))
         console.print(rich_table(result["ratios"], ["m", "n", "k"] + [name for name, _, _ in RATIOS],
                                  "speed ratios, same run (> 1: qflash faster)"))
+        console.print(rich_table(result["ratios_graph"], ["m", "n", "k"] + [name for name, _, _ in RATIOS],
+                                 "speed ratios replayed from CUDA graphs (kernels without launch cost)"))
     return finish(console, args.out, result)
 
 

@@ -23,6 +23,7 @@ from qflash.bench.harness import (
     bench_parser,
     environment,
     finish,
+    graph_ms,
     measure_ceilings,
     require_runnable,
     rich_table,
@@ -90,17 +91,6 @@ def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
             if rows[-1]["ms_graph"]:
                 rows[-1]["gbps_graph"] = nbytes / (rows[-1]["ms_graph"] * 1e-3) / 1e9
     return rows
-
-
-def graph_ms(fn) -> Optional[float]:
-    """Median time of ``fn`` replayed from a CUDA graph: the kernels without the Python launch
-    cost, which is as long as the kernels themselves for the smaller shapes (None if capture fails)."""
-    import triton
-
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception:  # noqa: BLE001 - a capture failure only drops this column
-        return None
 
 
 # Program sizes tried by --tiles: elements per program x warps.
