@@ -36,7 +36,7 @@ for stage in "${stages[@]}"; do
     bwd)    timeout 100 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
-    matmul) timeout 200 python3 -m qflash.cli bench matmul --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
+    matmul) timeout 480 python3 -m qflash.cli bench matmul --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
     quant)  timeout 120 python3 -m qflash.cli bench quantize --out "$OUT/quantize.json" 2>&1 | tail -n 25 ;;
     qtiles) timeout 150 python3 -m qflash.cli bench quantize --tiles --out "$OUT/quantize_tiles.json" 2>&1 | tail -n 60 ;;
