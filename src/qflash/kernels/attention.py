@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import ensure_descriptor_allocator, tma_compatible
+from qflash.kernels.common import cdiv, ensure_descriptor_allocator, next_power_of_2, tma_compatible
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
@@ -413,7 +413,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16 and a power of two.
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _bshd_strides(t: torch.Tensor, varlen: bool):
@@ -521,7 +521,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
 
-    num_m_blocks = triton.cdiv(max(seqlen_q, 1), cfg.block_m)
+    num_m_blocks = cdiv(max(seqlen_q, 1), cfg.block_m)
     grid = (num_m_blocks * batch * num_heads,)
     if grid[0] == 0:
         return out, lse
@@ -892,20 +892,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                *_bshd_strides(dout, varlen))
     tail = (*sl, *bias_strides, *slope_strides)
 
-    num_m = triton.cdiv(max(seqlen_q, 1), 64)
+    num_m = cdiv(max(seqlen_q, 1), 64)
     _attn_bwd_preprocess_kernel[(num_m * batch * num_heads,)](
         out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
-    num_m = triton.cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
     )
-    num_n = triton.cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
+    num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
         q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
         *_bshd_strides(dv, varlen), *tail,
@@ -935,7 +935,7 @@ def dropout_keep_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, d
     For tests and debugging: a reference that applies it reproduces the kernel's dropout.
     """
     mask = torch.empty(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * heads)
+    grid = (cdiv(seqlen_q, 32), cdiv(seqlen_k, 32), batch * heads)
     _dropout_mask_kernel[grid](mask, float(dropout_p), int(dropout_seed), seqlen_q, seqlen_k, heads,
                                BLOCK_M=32, BLOCK_N=32)
     return mask

@@ -1,9 +1,21 @@
-"""Launch helpers shared by the kernels: tensor-descriptor (TMA) eligibility and scratch memory."""
+"""Launch helpers shared by the kernels: grid arithmetic, tensor-descriptor (TMA) eligibility
+and scratch memory."""
 
 from __future__ import annotations
 
 import torch
 import triton
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids. Plain Python: ``triton.cdiv`` is a constexpr function whose
+    host-side call costs microseconds, several of which add up to a short kernel's run time."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), without ``triton.next_power_of_2``'s wrapper."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

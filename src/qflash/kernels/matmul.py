@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import ensure_descriptor_allocator, tma_compatible
+from qflash.kernels.common import cdiv, ensure_descriptor_allocator, tma_compatible
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -187,10 +187,10 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         ensure_descriptor_allocator(a_q.device)
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    split_k = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
     partial = torch.empty((split_k, m, n), dtype=torch.int32 if is_int8 else torch.float32,
                           device=a_q.device) if split_k > 1 else c
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split_k)
     scales_kind = {"tensor": 0, "row": 1, "block": 2}[scales]
     _scaled_matmul_kernel[grid](
         a_q, b_q, c, a_s, b_s, bias if bias is not None else c, partial,
@@ -206,7 +206,7 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     )
     if split_k > 1:
         bm, bn = 32, 128
-        _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
             partial, c, a_s, b_s, bias if bias is not None else c, m, n,
             c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
             SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels.common import cdiv, next_power_of_2
 from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
 
@@ -198,8 +199,8 @@ def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.
 
 def _tile(m: int, n: int, group_m: int, group_n: int, elems: int) -> Tuple[int, int]:
     """A tile of about ``elems`` elements made of whole groups (powers of two)."""
-    block_n = max(group_n, min(triton.next_power_of_2(n), 512, max(1, elems // group_m)))
-    block_m = max(group_m, min(triton.next_power_of_2(m), max(1, elems // block_n)))
+    block_n = max(group_n, min(next_power_of_2(n), 512, max(1, elems // group_m)))
+    block_m = max(group_m, min(next_power_of_2(m), max(1, elems // block_n)))
     return block_m, block_n
 
 
@@ -214,7 +215,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     qmax = QMAX[dtype]
     x_q = new_output((m, n), dtype=dtype, device=x.device)
     shapes = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}
-    scale_shape = shapes.get(granularity) or (triton.cdiv(m, block_size[0]), triton.cdiv(n, block_size[1]))
+    scale_shape = shapes.get(granularity) or (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
     scale = new_output(scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
@@ -224,19 +225,19 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         group, bm, bn, gm, gn = GROUP_COLUMN_SWEEP, 64, 64, 1, 1
     elif granularity == "tensor":
         bm, bn = _tile(m, n, 1, 1, tile_elems)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        grid = (cdiv(m, bm), cdiv(n, bn))
         partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
         _absmax_partials_kernel[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
                                       num_warps=8)
         amax = partials.amax()  # +inf when any element is NaN or inf
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
-        gm, gn = (1, triton.next_power_of_2(n)) if granularity == "row" else tuple(block_size)
+        gm, gn = (1, next_power_of_2(n)) if granularity == "row" else tuple(block_size)
         bm, bn = _tile(m, n, gm, gn, tile_elems)
         group = GROUP_TILED
     warps = TILE_WARPS if group in (GROUP_TILED, GROUP_TENSOR) else 8  # sweeps: 4096-element tiles
-    grid = (triton.cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
-            triton.cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
+    grid = (cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
+            cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     _quantize_kernel[grid](
         x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
