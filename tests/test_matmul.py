@@ -51,7 +51,8 @@ def test_fp8_within_fp32_rounding(m, n, k, scales, qdtype):
 
 CPU_TILES = [MatmulConfig(32, 32, 32, 4, 1, use_tma=True), MatmulConfig(16, 64, 128, 4, 1, group_m=2, use_tma=True),
              MatmulConfig(64, 16, 128, 4, 1, group_m=1), MatmulConfig(32, 32, 32, 4, 1, split_k=3),
-             MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True), MatmulConfig(32, 32, 32, 4, 1, warp_specialize=True)]
+             MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True), MatmulConfig(32, 32, 32, 4, 1, warp_specialize=True),
+             MatmulConfig(32, 32, 32, 4, 1, promote_in_dot=True)]
 
 
 # The H200's search grid is gpu-marked: `pytest -m gpu` on the H200 runs every candidate.
@@ -67,8 +68,8 @@ def test_every_tile_path_is_exact(m, n, k, cfg):
     a, b, bias = _operands(m, n, k)
     a_q, a_s = qflash.quantize(a, torch.int8, "row")
     b_q, b_s = qflash.quantize(b, torch.int8, "row")
-    if cfg.warp_specialize:  # refused for INT8 (wrong on Triton 3.6)
-        with pytest.raises(ValueError, match="warp_specialize"):
+    if cfg.warp_specialize or cfg.promote_in_dot:  # refused for INT8 (FP8-only options)
+        with pytest.raises(ValueError, match="warp_specialize|promote_in_dot"):
             scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "row", config=cfg)
     else:
         with poisoned():
@@ -88,6 +89,10 @@ def test_every_tile_path_is_exact(m, n, k, cfg):
     if cfg.block_k == 128 and 128 % cfg.block_n == 0:
         a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
         b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        if cfg.promote_in_dot:  # block scales multiply each K block's sum: no room for it
+            with pytest.raises(ValueError, match="promote_in_dot"):
+                scaled_matmul(a_q, b_q, a_s, b_s, None, torch.float32, "block", config=cfg)
+            return
         with poisoned():
             c = scaled_matmul(a_q, b_q, a_s, b_s, None, torch.float32, "block", config=cfg)
         assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5

@@ -115,6 +115,8 @@ MATMUL_TILE_GRID = [
     (128, 128, 128, 4, 4, 8, True, True), (128, 128, 128, 4, 5, 8, True, True), (256, 128, 128, 8, 3, 8, True, True),
     (128, 256, 128, 8, 4, 8, True, True), (64, 128, 128, 4, 4, 8, False), (64, 32, 128, 4, 4, 8, False),
     (64, 64, 128, 4, 4, 8, False, False, 4), (64, 128, 128, 4, 4, 8, False, False, 8), (64, 32, 128, 4, 4, 8, False, False, 4),
+    # FP8 promotion through tl.dot's max_num_imprecise_acc (not yet timed)
+    (128, 128, 128, 8, 4, 8, True, False, 1, True), (128, 256, 128, 8, 3, 8, True, False, 1, True),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
 
@@ -138,7 +140,9 @@ def run_tiles(shapes, device: str) -> List[dict]:
             if scales == "row":
                 a_s, b_s = a_s.reshape(m, 1), b_s.reshape(n, 1)
             for cfg in (MatmulConfig(*t) for t in MATMUL_TILE_GRID):
-                if (scales == "block" and 128 % cfg.block_n) or (dtype == torch.int8 and cfg.warp_specialize):
+                refused = (dtype == torch.int8 and (cfg.warp_specialize or cfg.promote_in_dot)) or \
+                    (scales == "block" and (128 % cfg.block_n or cfg.promote_in_dot))
+                if refused:
                     continue
                 fn = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales, config=cfg)
                 rows.append(_time_row(f"qflash {kind}", fn, ref, m, n, k, device, config=cfg.__dict__))

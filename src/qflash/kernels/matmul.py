@@ -56,7 +56,7 @@ def _scaled_matmul_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr, PROMOTE_IN_DOT: tl.constexpr,
 ):
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
     pid = tl.program_id(0)
@@ -102,13 +102,16 @@ def _scaled_matmul_kernel(
         if IS_INT8:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
-            part = tl.dot(a, b, out_dtype=tl.float32)  # one K block, promoted to the fp32 total below
-            if SCALES == SCALES_BLOCK:
-                kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
-                a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
-                b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
-                part = part * (a_s[:, None] * b_s)
-            acc += part
+            if PROMOTE_IN_DOT:  # the same promotion, every BLOCK_K products, left to the compiler
+                acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+            else:
+                part = tl.dot(a, b, out_dtype=tl.float32)  # one K block, promoted to the fp32 total below
+                if SCALES == SCALES_BLOCK:
+                    kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
+                    a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
+                    b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
+                    part = part * (a_s[:, None] * b_s)
+                acc += part
 
     if SPLIT_K == 1:
         _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
@@ -146,6 +149,9 @@ class MatmulConfig:
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
     warp_specialize: bool = False
     split_k: int = 1  # K cut into this many runs, summed by a second kernel (small M x N)
+    # FP8 tensor/row scales: promote through tl.dot's max_num_imprecise_acc (the compiler adds each
+    # K block's partial sum into the float32 total) instead of the explicit `acc += part`.
+    promote_in_dot: bool = False
 
 
 def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torch.device) -> MatmulConfig:
@@ -177,6 +183,8 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
     if scales == "block" and (cfg.block_k != QBLOCK or QBLOCK % cfg.block_n):
         raise ValueError(f"block scales need block_k == {QBLOCK} and block_n dividing {QBLOCK}, got {cfg}")
+    if cfg.promote_in_dot and (is_int8 or scales == "block"):
+        raise ValueError(f"promote_in_dot is for FP8 with tensor or row scales, got {cfg}")
     if cfg.warp_specialize and (is_int8 or cfg.num_warps < 8):
         # Measured on the H200 with Triton 3.6: warp-specialized tiles of 4 warps leave rows 64-127
         # of tiles unwritten (INT8 and FP8), so they are refused; 8-warp FP8 tiles pass the tests.
@@ -199,7 +207,8 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
         SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # INT8: no multiply-add fusion in the epilogue, so that the float32 rounding steps are
         # exactly the reference's (int32 * a_scale * b_scale + bias, each rounded).
         enable_fp_fusion=not is_int8,
