@@ -124,7 +124,7 @@ TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 
 def run_tiles(shapes, device: str) -> List[dict]:
     """Every MATMUL_TILE_GRID config on each kind of scaling, kernel only, quantized inputs."""
     import qflash
-    from qflash.kernels.matmul import MatmulConfig, scaled_matmul
+    from qflash.kernels.matmul import MatmulConfig, config_problem, scaled_matmul
 
     f8 = torch.float8_e4m3fn
     kinds = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (f8, "tensor", None, None),
@@ -140,9 +140,7 @@ def run_tiles(shapes, device: str) -> List[dict]:
             if scales == "row":
                 a_s, b_s = a_s.reshape(m, 1), b_s.reshape(n, 1)
             for cfg in (MatmulConfig(*t) for t in MATMUL_TILE_GRID):
-                refused = (dtype == torch.int8 and (cfg.warp_specialize or cfg.promote_in_dot)) or \
-                    (scales == "block" and (128 % cfg.block_n or cfg.promote_in_dot))
-                if refused:
+                if config_problem(cfg, scales, dtype == torch.int8):  # the launcher would refuse it
                     continue
                 fn = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales, config=cfg)
                 rows.append(_time_row(f"qflash {kind}", fn, ref, m, n, k, device, config=cfg.__dict__))

@@ -15,6 +15,7 @@ product of the dequantized operands (the price of the kernel).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -75,21 +76,28 @@ def accuracy_rows(m: int, n: int, k: int, device: str, seed: int = 0) -> List[di
     return rows
 
 
+def _bandwidth_row(fn, x: torch.Tensor, *, graph: bool, **labels) -> dict:
+    """Time one quantize call: bytes read + written over the time, eager and (``graph``) from a CUDA graph."""
+    nbytes = x.numel() * (x.element_size() + 1)
+    ms = time_ms(fn)["ms"]
+    row = dict(labels, ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9)
+    if graph:
+        row["ms_graph"] = graph_ms(fn)
+        if row["ms_graph"]:
+            row["gbps_graph"] = nbytes / (row["ms_graph"] * 1e-3) / 1e9
+    return row
+
+
 def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
-    """Quantize throughput, bytes read + written over time, per scheme (CUDA)."""
+    """Quantize throughput per scheme (CUDA), eager and replayed from a CUDA graph."""
     import qflash
 
     rows = []
     for m, k in shapes:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         for name, (qdtype, ga, ba, _, _, _) in SCHEMES.items():
-            fn = lambda: qflash.quantize(x, qdtype, ga, ba)  # noqa: E731
-            res = time_ms(fn)
-            nbytes = x.numel() * (x.element_size() + 1)
-            rows.append(dict(shape=f"{m}x{k}", scheme=name, ms=res["ms"], gbps=nbytes / (res["ms"] * 1e-3) / 1e9,
-                             ms_graph=graph_ms(fn)))
-            if rows[-1]["ms_graph"]:
-                rows[-1]["gbps_graph"] = nbytes / (rows[-1]["ms_graph"] * 1e-3) / 1e9
+            rows.append(_bandwidth_row(lambda: qflash.quantize(x, qdtype, ga, ba), x, graph=True,
+                                       shape=f"{m}x{k}", scheme=name))
     return rows
 
 
@@ -99,7 +107,7 @@ TILE_SCHEMES = ["int8 per-row x per-column", "fp8 per-row x per-column", "fp8 bl
 
 
 def tile_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
-    """Bandwidth of each program size on the one-load paths (activation quantization)."""
+    """Bandwidth of each program size on the one-load paths (activation quantization), eager."""
     from qflash.kernels.quantize import quantize as launch
 
     rows = []
@@ -108,10 +116,9 @@ def tile_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
         for name in TILE_SCHEMES:
             qdtype, ga, ba = SCHEMES[name][:3]
             for elems, warps in QUANTIZE_TILE_GRID:
-                res = time_ms(lambda: launch(x, qdtype, ga, ba, tile_elems=elems, num_warps=warps))
-                nbytes = x.numel() * (x.element_size() + 1)
-                rows.append(dict(shape=f"{m}x{k}", scheme=name, tile_elems=elems, num_warps=warps, ms=res["ms"],
-                                 gbps=nbytes / (res["ms"] * 1e-3) / 1e9))
+                fn = partial(launch, x, qdtype, ga, ba, tile_elems=elems, num_warps=warps)
+                rows.append(_bandwidth_row(fn, x, graph=False, shape=f"{m}x{k}", scheme=name, tile_elems=elems,
+                                           num_warps=warps))
     return rows
 
 

@@ -170,6 +170,19 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
     return MatmulConfig(128, 128, 128, 8, 4, use_tma=hopper)
 
 
+def config_problem(cfg: MatmulConfig, scales: str, int8: bool) -> Optional[str]:
+    """Why ``cfg`` cannot run this kind of product (None if it can); the launcher raises it."""
+    if scales == "block" and (cfg.block_k != QBLOCK or QBLOCK % cfg.block_n):
+        return f"block scales need block_k == {QBLOCK} and block_n dividing {QBLOCK}"
+    if cfg.promote_in_dot and (int8 or scales == "block"):
+        return "promote_in_dot is for FP8 with tensor or row scales"
+    if cfg.warp_specialize and (int8 or cfg.num_warps < 8):
+        # Measured on the H200 with Triton 3.6: warp-specialized tiles of 4 warps leave rows 64-127
+        # of tiles unwritten (INT8 and FP8), so they are refused; 8-warp FP8 tiles pass the tests.
+        return "warp_specialize needs FP8 and num_warps >= 8 (Triton 3.6 computes the others wrong)"
+    return None
+
+
 def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str,
                   config: Optional[MatmulConfig] = None) -> torch.Tensor:
@@ -181,15 +194,9 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         return c
     is_int8 = a_q.dtype == torch.int8
     cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
-    if scales == "block" and (cfg.block_k != QBLOCK or QBLOCK % cfg.block_n):
-        raise ValueError(f"block scales need block_k == {QBLOCK} and block_n dividing {QBLOCK}, got {cfg}")
-    if cfg.promote_in_dot and (is_int8 or scales == "block"):
-        raise ValueError(f"promote_in_dot is for FP8 with tensor or row scales, got {cfg}")
-    if cfg.warp_specialize and (is_int8 or cfg.num_warps < 8):
-        # Measured on the H200 with Triton 3.6: warp-specialized tiles of 4 warps leave rows 64-127
-        # of tiles unwritten (INT8 and FP8), so they are refused; 8-warp FP8 tiles pass the tests.
-        raise ValueError(f"warp_specialize needs FP8 and num_warps >= 8 (Triton 3.6 computes the others "
-                         f"wrong), got {cfg}")
+    problem = config_problem(cfg, scales, is_int8)
+    if problem:
+        raise ValueError(f"{problem}, got {cfg}")
     use_tma = cfg.use_tma and tma_compatible(a_q, b_q)
     if use_tma:
         ensure_descriptor_allocator(a_q.device)
