@@ -30,7 +30,7 @@ from qflash.testing import new_output
 MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
 # Elements a program holds at once, and its warps, on the one-load paths: the best of 9 sizes on
 # the H200 (benchmarks/results/quantize_tiles_*): 0.95x copy bandwidth for fp8 rows, 0.87x for
-# 1 x 128 blocks (16384 x 8192), against 0.91x / 0.83x for 8192 elements and 8 warps.
+# 1 x 128 blocks (16384 x 8192), against 0.91x / 0.86x for 8192 elements and 8 warps.
 TILE_ELEMS = 4096
 TILE_WARPS = 4
 
