@@ -4,7 +4,7 @@
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
-#   (default: tests bench demo check)
+#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
 # triton, pytest and rich). Each stage has its own time limit, so one that hangs
@@ -23,7 +23,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
-    tests)  timeout 540 python3 -m pytest tests -m gpu -v -p no:cacheprovider -rf --durations=30 -n 8 ${TESTS_K:+-k "$TESTS_K"} \
+    tests)  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -p no:cacheprovider -rf --durations=30 -n 8 ${TESTS_K:+-k "$TESTS_K"} \
               2>&1 | grep -v "Warning\|warner" | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;

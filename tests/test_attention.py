@@ -399,16 +399,19 @@ def test_gpu_torch_compile_and_cuda_graph():
 
 
 # ----------------------------------------------------------------------------------------------
-# Both load paths: pointers (any strides) and tensor descriptors (Hopper's copy engine).
+# Both load paths (pointers with any strides, tensor descriptors for Hopper's copy engine),
+# each with and without the software-pipelined softmax of the interior key blocks.
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
+@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["pointers", "descriptors", "pointers-overlap", "descriptors-overlap"])
 def load_path(request, monkeypatch):
     from qflash.kernels import attention as kernels
 
     base = kernels.default_config
+    use_tma, overlap = request.param
 
     def config(*args, **kwargs):
-        return dataclasses.replace(base(*args, **kwargs), use_tma=request.param)
+        return dataclasses.replace(base(*args, **kwargs), use_tma=use_tma, overlap=overlap)
 
     monkeypatch.setattr(kernels, "default_config", config)
     return request.param
@@ -417,6 +420,9 @@ def load_path(request, monkeypatch):
 @pytest.mark.parametrize("sq,sk,d,kw", [
     (113, 203, 80, {"causal": True}),
     (239, 1, 64, {}),
+    (1, 97, 32, {}),
+    (97, 300, 64, {"softcap": 3.0}),
+    (70, 130, 48, {"window_size": (40, -1)}),
     (50, 70, 32, {"window_size": (7, 3), "softcap": 2.0}),
 ])
 def test_load_paths(load_path, sq, sk, d, kw):
@@ -434,3 +440,24 @@ def test_load_paths_varlen_and_sdpa(load_path):
     assert_flash_rule(out, ref, pt)
     query = torch.randn(2, 3, 29, 32, device=DEVICE).half()
     _check_sdpa(query, query.flip(2), query.flip(1), attn_mask=torch.rand(29, 29, device=DEVICE) > 0.3)
+
+
+def _gpu_fwd_tiles():
+    """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 checks every candidate."""
+    from qflash.bench.attention import TILE_GRID
+
+    return [pytest.param(d, t, marks=gpu) for bucket, grid in TILE_GRID.items() for t in grid
+            for d in (bucket, bucket - 16)]
+
+
+@pytest.mark.parametrize("d,tile", _gpu_fwd_tiles(), ids=str)
+@pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window_size": (300, 2)}], ids=["causal", "full", "window"])
+def test_every_forward_tile(d, tile, kw, monkeypatch):
+    """Each searched tile shape, in both dtypes the H200 benchmarks, on ragged lengths."""
+    from qflash.kernels import attention as kernels
+
+    cfg = kernels.AttnFwdConfig(*tile)
+    monkeypatch.setattr(kernels, "default_config", lambda *args, **kwargs: cfg)
+    for dtype in (torch.bfloat16, torch.float16):
+        check_flash(*_qkv(2, 1023, 1500, 4, 2, d, dtype=dtype), **kw)
+        check_flash(*_qkv(1, 1500, 777, 2, 1, d, dtype=dtype), **kw)

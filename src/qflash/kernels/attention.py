@@ -184,33 +184,42 @@ def _scores_log2(
 
 
 @triton.jit
-def _attn_fwd_tile(
-    acc, m_i, l_i, q,
-    k_desc, v_desc, k_ptrs, v_ptrs, bias_base,
-    stride_ks, stride_vs, stride_bm, stride_bn,
-    start_n, rows, offs_n, offs_d,
+def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
+             TRANSPOSE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """The K or V tile of keys [start_n, start_n + BLOCK_N): [BLOCK_N, BLOCK_D], or
+    [BLOCK_D, BLOCK_N] when TRANSPOSE (K, so that q @ k is the product)."""
+    if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
+        t = desc.load([start_n, 0])
+        if TRANSPOSE:
+            t = t.T
+    else:
+        if TRANSPOSE:
+            col_ok, d_ok = cols[None, :] < seqlen_k, d_ok[:, None]
+        else:
+            col_ok, d_ok = cols[:, None] < seqlen_k, d_ok[None, :]
+        if MASKED:
+            t = tl.load(ptrs + start_n * stride_s, mask=col_ok & d_ok, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            t = tl.load(ptrs + start_n * stride_s, mask=d_ok, other=0.0)
+        else:
+            t = tl.load(ptrs + start_n * stride_s)
+    return t
+
+
+@triton.jit
+def _online_softmax(
+    qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
-    """One K/V tile of the online softmax: returns the updated (acc, m_i, l_i)."""
-    cols = start_n + offs_n  # [BLOCK_N]
-    d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
-    # K is used transposed, [BLOCK_D, BLOCK_N], so that the product is q @ k.
-    if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
-        k = k_desc.load([start_n, 0]).T
-    elif MASKED:
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=(cols[None, :] < seqlen_k) & d_ok[:, None], other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=d_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs + start_n * stride_ks)
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
-
+    """Raw products of one tile -> (p, alpha, m_new, l_new): the probabilities that multiply V
+    (relative to the new running max, after dropout), and the factor that rescales what the
+    accumulator already holds."""
     if not (MASKED or HAS_SOFTCAP or HAS_ALIBI or BIAS_KIND != 0):
         # Plain scores: take the max of the raw products (scale > 0 keeps the argmax), so
         # that scaling and subtracting the max fuse into one FMA per element.
@@ -226,23 +235,86 @@ def _attn_fwd_tile(
         # so exp2(-inf - (-inf)) = NaN never appears.
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_new_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]: rescales what we already hold
+    alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-
-    if USE_TMA:
-        v = v_desc.load([start_n, 0])
-    elif MASKED:
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=d_ok[None, :], other=0.0)
-    else:
-        v = tl.load(v_ptrs + start_n * stride_vs)
     if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
         keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_D]
-    return acc, m_new, l_i
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_stretch(
+    acc, m_i, l_i, q, start, end,
+    k_desc, v_desc, k_ptrs, v_ptrs, bias_base,
+    stride_ks, stride_vs, stride_bm, stride_bn,
+    rows, offs_n, offs_d,
+    seqlen_q, seqlen_k, shift, window_left, window_right,
+    qk_scale, softcap_log2, slope_log2,
+    dropout_p, dropout_seed, rng_row0, rng_cols,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    OVERLAP: tl.constexpr,
+):
+    """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
+
+    OVERLAP software-pipelines the loop by one tile: iteration j issues q @ k_j, then
+    p_{j-1} @ v_{j-1}, and computes the softmax of tile j while the tensor cores still run
+    the second product (FlashAttention-3's intra-warpgroup overlap). Without it the softmax
+    waits for q @ k_j and the tensor cores wait for the softmax.
+    """
+    d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
+    if OVERLAP:
+        if start < end:
+            cols = start + offs_n  # [BLOCK_N]
+            k = _load_kv(k_desc, k_ptrs, stride_ks, start, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+                         MASKED, USE_TMA)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
+            p, alpha, m_i, l_i = _online_softmax(
+                qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
+            for start_n in range(start + BLOCK_N, end, BLOCK_N):
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                cols = start_n + offs_n
+                k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+                             MASKED, USE_TMA)
+                qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+                # The previous tile's P @ V: rescale first (its alpha), then leave the product
+                # in flight while the softmax of this tile runs.
+                v = _load_kv(v_desc, v_ptrs, stride_vs, start_n - BLOCK_N, cols - BLOCK_N, d_ok, seqlen_k, False,
+                             BLOCK_D, HEAD_DIM, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+                p, alpha, m_i, l_i = _online_softmax(
+                    qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                    rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                    HAS_DROPOUT)
+            last = start + ((end - start - 1) // BLOCK_N) * BLOCK_N  # first key of the last tile
+            v = _load_kv(v_desc, v_ptrs, stride_vs, last, last + offs_n, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                         MASKED, USE_TMA)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            if not MASKED:
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+            cols = start_n + offs_n  # [BLOCK_N]
+            k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+                         MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
+            p, alpha, m_i, l_i = _online_softmax(
+                qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
+            acc = acc * alpha[:, None]  # rescale what we already hold
+            v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                         MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -264,7 +336,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -342,15 +414,12 @@ def _attn_fwd_kernel(
     # edge / sequence end (masked); static_range makes MASKED a compile-time constant in each.
     for part in tl.static_range(3):
         start, end = _stretch(part, lo, full_lo, full_hi, hi)
-        for start_n in range(start, end, BLOCK_N):
-            if part == 1:
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, m_i, l_i = _attn_fwd_tile(
-                acc, m_i, l_i, q, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs, stride_bm,
-                stride_bn, start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
-                qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA)
+        acc, m_i, l_i = _attn_fwd_stretch(
+            acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
+            stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            HEAD_DIM, BLOCK_D, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+            HAS_DROPOUT, DOT_PRECISION, USE_TMA, OVERLAP and part == 1)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -380,6 +449,7 @@ class AttnFwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
+    overlap: bool = False  # softmax of one tile beside the tensor cores' P @ V of the previous
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
@@ -540,6 +610,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         BLOCK_N=cfg.block_n,
         HEAVY_FIRST=opts.window_right >= 0,
         USE_TMA=use_tma,
+        OVERLAP=cfg.overlap,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **variant,
