@@ -256,64 +256,24 @@ def _attn_fwd_stretch(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    OVERLAP: tl.constexpr,
 ):
-    """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
-
-    OVERLAP software-pipelines the loop by one tile: iteration j issues q @ k_j, then
-    p_{j-1} @ v_{j-1}, and computes the softmax of tile j while the tensor cores still run
-    the second product (FlashAttention-3's intra-warpgroup overlap). Without it the softmax
-    waits for q @ k_j and the tensor cores wait for the softmax.
-    """
+    """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
-    if OVERLAP:
-        if start < end:
-            cols = start + offs_n  # [BLOCK_N]
-            k = _load_kv(k_desc, k_ptrs, stride_ks, start, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
-                         MASKED, USE_TMA)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
-            p, alpha, m_i, l_i = _online_softmax(
-                qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
-                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
-            for start_n in range(start + BLOCK_N, end, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                cols = start_n + offs_n
-                k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
-                             MASKED, USE_TMA)
-                qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
-                # The previous tile's P @ V: rescale first (its alpha), then leave the product
-                # in flight while the softmax of this tile runs.
-                v = _load_kv(v_desc, v_ptrs, stride_vs, start_n - BLOCK_N, cols - BLOCK_N, d_ok, seqlen_k, False,
-                             BLOCK_D, HEAD_DIM, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
-                p, alpha, m_i, l_i = _online_softmax(
-                    qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
-                    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                    rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-                    HAS_DROPOUT)
-            last = start + ((end - start - 1) // BLOCK_N) * BLOCK_N  # first key of the last tile
-            v = _load_kv(v_desc, v_ptrs, stride_vs, last, last + offs_n, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
-                         MASKED, USE_TMA)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            if not MASKED:
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-            cols = start_n + offs_n  # [BLOCK_N]
-            k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
-                         MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
-            p, alpha, m_i, l_i = _online_softmax(
-                qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
-                window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
-            acc = acc * alpha[:, None]  # rescale what we already hold
-            v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
-                         MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+    for start_n in range(start, end, BLOCK_N):
+        if not MASKED:
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n  # [BLOCK_N]
+        k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+                     MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
+        p, alpha, m_i, l_i = _online_softmax(
+            qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+            window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+            rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
+        acc = acc * alpha[:, None]  # rescale what we already hold
+        v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                     MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
     return acc, m_i, l_i
 
 
@@ -336,7 +296,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, OVERLAP: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -419,7 +379,7 @@ def _attn_fwd_kernel(
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
             HEAD_DIM, BLOCK_D, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-            HAS_DROPOUT, DOT_PRECISION, USE_TMA, OVERLAP and part == 1)
+            HAS_DROPOUT, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -449,7 +409,6 @@ class AttnFwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
-    overlap: bool = False  # softmax of one tile beside the tensor cores' P @ V of the previous
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
@@ -610,7 +569,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         BLOCK_N=cfg.block_n,
         HEAVY_FIRST=opts.window_right >= 0,
         USE_TMA=use_tma,
-        OVERLAP=cfg.overlap,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **variant,
