@@ -4,7 +4,8 @@
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
-#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them)
+#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
+#   MM_SHAPES="M,N,K;..." narrows the matmul stages)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
 # triton, pytest and rich). Each stage has its own time limit, so one that hangs
@@ -32,11 +33,11 @@ for stage in "${stages[@]}"; do
               --out "$OUT/attention_fwd.json" 2>&1 | tail -n 70 ;;
     bwdtiles) timeout 420 python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
               --head-dims "${HEAD_DIMS:-64,128,256}" --out "$OUT/attention_bwd_tiles.json" 2>&1 | tail -n 40 ;;
-    mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
+    mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
     bwd)    timeout 100 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
-    matmul) timeout 480 python3 -m qflash.cli bench matmul --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
+    matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
     quant)  timeout 120 python3 -m qflash.cli bench quantize --out "$OUT/quantize.json" 2>&1 | tail -n 25 ;;
     qtiles) timeout 150 python3 -m qflash.cli bench quantize --tiles --out "$OUT/quantize_tiles.json" 2>&1 | tail -n 60 ;;

@@ -52,12 +52,12 @@ def test_float8_rounding_ties_and_subnormals(qdtype):
         assert torch.equal(x_q.cpu().view(torch.uint8), x.cpu().to(qdtype).view(torch.uint8))
 
 
-def test_int8_rounds_half_away_from_zero():
-    """Scale 1 (absmax 127): halves go away from zero, and 0.49999997 (whose + 0.5 rounds
-    to 1.0 in float32) stays 0."""
+def test_int8_rounds_half_to_even():
+    """Scale 1 (absmax 127): ties go to the even neighbour, as torch.round, and 0.49999997
+    (whose + 0.5 rounds to 1.0 in float32) stays 0."""
     below_half = 0.5 - 2.0**-25
-    vals = [127.0, below_half, 0.5, 1.5, 2.5, -0.5, -below_half, -2.5, 126.49999, 3.0000002]
-    want = [127, 0, 1, 2, 3, -1, 0, -3, 126, 3]
+    vals = [127.0, below_half, 0.5, 1.5, 2.5, -0.5, -below_half, -2.5, -3.5, 126.49999, 126.5, 3.0000002]
+    want = [127, 0, 0, 2, 2, 0, 0, -2, -4, 126, 126, 3]
     x = torch.tensor([vals], device=DEVICE)
     x_q, scale = qflash.quantize(x, torch.int8, "row")
     assert float(scale) == 1.0 and x_q.tolist() == [want]
@@ -151,3 +151,13 @@ def test_gpu_matches_reference_bitwise(qdtype, granularity, block):
     assert torch.equal(scale, ref_scale), f"{int((scale != ref_scale).sum())} scales differ"
     bad = (x_q.view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()
     assert len(bad) == 0, (len(bad), x[tuple(bad[:4].T)], x_q[tuple(bad[:4].T)], ref_q[tuple(bad[:4].T)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_gpu_ties_saturation_and_special_values(qdtype):
+    """The cases above through the GPU's conversions (int8: the inline-PTX cvt), which the
+    interpreter cannot run."""
+    if qdtype == torch.int8:
+        test_int8_rounds_half_to_even()
+    test_saturation_zero_groups_and_nonfinite(qdtype)

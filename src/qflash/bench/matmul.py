@@ -215,7 +215,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("matmul", __doc__, quick="tiny shapes")
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
+    parser.add_argument("--shapes", default=None, help="M,N,K[;M,N,K...] instead of the default shapes")
     args = parser.parse_args(argv)
+    chosen = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")] if args.shapes else None
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
     from rich.console import Console
@@ -225,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiles:
         if not cuda:
             parser.error("--tiles measures a CUDA GPU; none is visible")
-        result["tiles"] = run_tiles(TILE_SHAPES, device)
+        result["tiles"] = run_tiles(chosen or TILE_SHAPES, device)
         console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "rel_err", "error"],
                                  "qflash tile search, kernel only"))
     elif args.mlp:
@@ -237,7 +239,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  "transformer MLP block (up d -> hidden, GELU, down), end to end; "
                                  "sqnr_db against the bf16 block"))
     else:
-        if cuda and not args.quick:
+        if chosen:
+            shapes = chosen
+        elif cuda and not args.quick:
             shapes = [(8192, 8192, 8192)] + [(m, n, k) for n, k in LLM_NK for m in LLM_M]
             result["ceilings"] = measure_ceilings()
         else:

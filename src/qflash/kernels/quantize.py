@@ -10,9 +10,11 @@ kernel writes one partial maximum per tile and PyTorch reduces those few values.
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
 per group), each element x_q = saturate(round(x * inv)): a multiply, not a division,
-per element. On the GPU the float8 cast is the hardware's round-to-nearest-even
-conversion; Triton's interpreter converts differently, so there (EMULATE_FP8_CAST) the
-values are first rounded to the format's grid in float32 by integer arithmetic.
+per element. On the GPU the casts are the hardware's round-to-nearest-even conversions
+(int8 through one saturating ``cvt`` per value, in inline PTX); Triton's interpreter
+converts differently and runs no PTX, so there (EMULATE_CASTS) the values are first
+rounded in float32: int8 by adding and subtracting 1.5 * 2^23, float8 to the format's
+grid by integer arithmetic.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ GROUP_TILED = tl.constexpr(1)  # GROUP_M x GROUP_N groups tile each program's ti
 GROUP_ROW_SWEEP = tl.constexpr(2)  # rows longer than a tile
 GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns (strided: always swept)
 SIGN_BIT = tl.constexpr(-(2**31))  # float32's sign bit, as an int32
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: float32's spacing is 1 from 2^23 to 2^24
 _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
@@ -73,13 +76,29 @@ def _scale_of(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _round_half_away(y):
-    """Round to the nearest integer, halves away from zero, exactly: floor(|y| + 0.5) would
-    round 0.49999997 up (the sum rounds to 1.0), while |y| - floor(|y|) is exact."""
-    a = tl.abs(y)
-    whole = tl.floor(a)
-    r = tl.where(a - whole >= 0.5, whole + 1.0, whole)
-    return tl.where(y < 0, -r, r)
+def _round_half_even(y):
+    """Round to the nearest integer, ties to even (as torch.round), for |y| < 2^22: after
+    adding 1.5 * 2^23 no fraction bits are left, and float32 addition rounds ties to even;
+    subtracting it again is exact. Two adds, where floor-based rounding takes eight."""
+    return (y + ROUND_MAGIC) - ROUND_MAGIC
+
+
+@triton.jit
+def _to_int8_rne(y):
+    """float32 -> int8 in one conversion instruction per value: round to nearest even,
+    saturate to [-128, 127], NaN -> 0; four values packed into one register."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a, b, c, d;
+        cvt.rni.sat.s8.f32 a, $1;
+        cvt.rni.sat.s8.f32 b, $2;
+        cvt.rni.sat.s8.f32 c, $3;
+        cvt.rni.sat.s8.f32 d, $4;
+        prmt.b32 a, a, b, 0x3340;
+        prmt.b32 c, c, d, 0x3340;
+        prmt.b32 $0, a, c, 0x5410;
+        }""",
+        "=r,r,r,r,r", [y], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -106,17 +125,23 @@ def _round_to_float8(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr,
-                    EMULATE_FP8_CAST: tl.constexpr):
+                    EMULATE_CASTS: tl.constexpr):
     """Store saturate(round(x * inv)) for a float32 tile x, inv = QMAX / absmax of its group."""
     y = x * inv
-    # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
-    y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
-    if OUT == tl.int8:  # NaN (a non-finite group) -> 0
-        q = tl.where(y == y, _round_half_away(y), 0.0).to(tl.int8)
-    elif EMULATE_FP8_CAST:  # e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 and 2^-14
-        q = (_round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)).to(OUT)
+    if OUT == tl.int8 and not EMULATE_CASTS:
+        # No clamp needed: |x| <= absmax, so |x * inv| <= 127 * (1 + 2^-23) rounds to <= 127,
+        # and a non-finite group (inv = NaN) converts to 0.
+        q = _to_int8_rne(y)
+    elif OUT == tl.int8:
+        y = tl.where(y == y, y, 0.0)  # NaN (a non-finite group) -> 0
+        q = _round_half_even(tl.minimum(tl.maximum(y, -QMAX), QMAX)).to(tl.int8)
     else:
-        q = y.to(OUT, fp_downcast_rounding="rtne")
+        # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
+        y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
+        if EMULATE_CASTS:  # e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 and 2^-14
+            q = (_round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)).to(OUT)
+        else:
+            q = y.to(OUT, fp_downcast_rounding="rtne")
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(Xq + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qn, q, mask=ok)
 
@@ -125,7 +150,7 @@ def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl
 def _quantize_kernel(
     X, Xq, Scale, Amax, M, N,
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
-    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_FP8_CAST: tl.constexpr,
+    QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_CASTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -155,7 +180,7 @@ def _quantize_kernel(
             inv = tl.reshape(tl.broadcast_to(inv[:, None, :], [GROUPS_M, GROUP_M, GROUPS_N]), [BLOCK_M, GROUPS_N])
         if GROUPS_N > 1:
             inv = tl.reshape(tl.broadcast_to(inv[:, :, None], [BLOCK_M, GROUPS_N, GROUP_N]), [BLOCK_M, BLOCK_N])
-        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_FP8_CAST)
+        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_CASTS)
     elif GROUP == GROUP_ROW_SWEEP:  # this program: BLOCK_M whole rows, swept twice
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n in range(0, N, BLOCK_N):
@@ -166,7 +191,7 @@ def _quantize_kernel(
         for n in range(0, N, BLOCK_N):
             x = _load_tile(X, rows, n + offs_n, M, N, stride_xm, stride_xn)
             _quantize_store(Xq, rows, n + offs_n, x, inv[:, None], M, N, stride_qm, stride_qn, QMAX, OUT,
-                            EMULATE_FP8_CAST)
+                            EMULATE_CASTS)
     elif GROUP == GROUP_COLUMN_SWEEP:  # this program: BLOCK_N whole columns, swept twice
         amax = tl.zeros([BLOCK_N], dtype=tl.float32)
         for m in range(0, M, BLOCK_M):
@@ -177,13 +202,13 @@ def _quantize_kernel(
         for m in range(0, M, BLOCK_M):
             x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
             _quantize_store(Xq, m + offs_m, cols, x, inv[None, :], M, N, stride_qm, stride_qn, QMAX, OUT,
-                            EMULATE_FP8_CAST)
+                            EMULATE_CASTS)
     else:  # one scale, from the absmax of the whole tensor (found beforehand)
         scale, inv = _scale_of(tl.load(Amax), QMAX)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(Scale, scale)
         x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
-        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_FP8_CAST)
+        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_CASTS)
 
 
 @triton.jit
@@ -241,7 +266,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     _quantize_kernel[grid](
         x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
-        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_FP8_CAST=x.device.type != "cuda",
+        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale

@@ -8,8 +8,8 @@ Symmetric, with one float32 scale per group; the groups:
     "block"    one per (bm x bn) block        (ceil(M / bm), ceil(N / bn)),
                e.g. (1, 128) for activations and (128, 128) for weights (DeepSeek-V3)
 
-Rounding: int8 rounds half away from zero and saturates at +-127; float8 rounds to
-nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
+Rounding: int8 rounds to nearest, ties to even (as torch.round), and saturates at +-127;
+float8 rounds to nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
 An all-zero group gets scale 1. A group holding NaN or inf gets scale NaN (its int8
 values are 0, its float8 values NaN), so the problem survives dequantization.
 """

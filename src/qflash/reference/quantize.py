@@ -5,7 +5,8 @@ scale ``absmax(group) / QMAX`` with QMAX = 127 (int8), 448 (float8_e4m3fn) or
 57344 (float8_e5m2). ``x_q = saturate(round(x * (QMAX / absmax)))`` (a multiply per
 element by the group's inverse scale, as fast kernels do) and ``x ~ x_q * scale``.
 
-- int8 rounds half away from zero, then saturates to [-127, 127] (symmetric: -128 unused).
+- int8 rounds to nearest, ties to even (as torch.round and the hardware conversion), within
+  [-127, 127] (symmetric: -128 unused).
 - float8 rounds to nearest even (the hardware conversion) after saturating to +-QMAX,
   so values past the format's range never become inf or NaN.
 - An all-zero group gets scale 1 (its values quantize to 0, exactly).
@@ -72,11 +73,7 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
     y = (x * expand_scale(inv, x.shape, granularity, block_size)).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
-        # Half away from zero, exactly: floor(|y| + 0.5) would round 0.49999997 up, since
-        # the sum rounds to 1.0 in float32; |y| - floor(|y|) is exact.
-        a = y.abs()
-        whole = torch.floor(a)
-        q = (torch.sign(y) * (whole + (a - whole >= 0.5).to(a.dtype))).to(torch.int8)
+        q = torch.round(y).to(torch.int8)  # ties to even
     else:
         q = y.to(dtype)
     return q, scale.to(torch.float32)
