@@ -166,13 +166,10 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
         # INT8 keeps one accumulator for the whole K loop; with M <= 128 there is one row of tiles,
         # where FP8 ran 419 TFLOP/s this way and 176 warp-specialized (128 x 28672 x 4096).
         return MatmulConfig(128, 128, 128, 8, 3)
-    if m >= 4096 and scales != "block":
-        # Large FP8 tensor/row products: 128 x 256 tiles whose float32 promotion the compiler
-        # overlaps with the next K block (max_num_imprecise_acc); 8192^3 ran 1028 / 921 TFLOP/s
-        # (tensor / row) this way against 883 / 891 below (matmul_tiles_*_s4.json).
-        return MatmulConfig(128, 256, 128, 8, 3, use_tma=hopper, promote_in_dot=True)
     # FP8, every kind of scale: two warpgroups on 128 x 128 tiles fed by tensor descriptors. (The
-    # warp-specialized 4-warp tiles timed 1.05-1.15x faster but computed wrong results: below.)
+    # warp-specialized 4-warp tiles timed 1.05-1.15x faster but computed wrong results: below.
+    # 128 x 256 tiles with promote_in_dot timed 1028 TFLOP/s at 8192^3 in the tile search, but
+    # 926 as the default in the full benchmark, against 912 for these: not worth the switch.)
     return MatmulConfig(128, 128, 128, 8, 4, use_tma=hopper)
 
 
