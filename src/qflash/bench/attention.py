@@ -248,17 +248,13 @@ def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], pr
     return rows
 
 
-# (block_m, block_n, num_warps, num_stages, use_tma, lazy_rescale) searched on the H200, per
-# head-dim bucket: the winners of the earlier rounds (benchmarks/results/attention_tiles_*.json)
-# with and without the lazy rescale, and their runner-ups; the winners are
-# qflash.kernels.attention.default_config.
+# (block_m, block_n, num_warps, num_stages, use_tma) searched on the H200, per head-dim bucket:
+# the winners of the earlier rounds (benchmarks/results/attention_tiles_*.json) and their
+# runner-ups; the winners are qflash.kernels.attention.default_config.
 TILE_GRID = {
-    64: [(128, 64, 4, 3, False, False), (128, 64, 4, 3, False, True), (128, 64, 4, 3, True, True),
-         (128, 128, 8, 3, False, True)],
-    128: [(128, 64, 4, 2, True, False), (128, 64, 4, 2, True, True), (128, 64, 4, 3, False, True),
-          (128, 128, 8, 3, True, True), (128, 64, 4, 1, True, True)],
-    256: [(128, 64, 8, 2, True, False), (128, 64, 8, 2, True, True), (128, 64, 8, 2, False, True),
-          (128, 32, 8, 3, True, True)],
+    64: [(128, 64, 4, 3, False), (128, 64, 4, 3, True), (128, 128, 4, 3, True), (128, 128, 8, 3, False)],
+    128: [(128, 64, 4, 2, True), (128, 64, 4, 3, False), (128, 128, 8, 3, True), (128, 64, 4, 1, True)],
+    256: [(128, 64, 8, 2, True), (128, 64, 8, 2, False), (128, 32, 8, 3, True), (64, 32, 4, 2, True)],
 }
 
 
@@ -277,8 +273,8 @@ def tile_configs(head_dim: int):
     from qflash.kernels.attention import AttnFwdConfig
 
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-    for bm, bn, w, s, tma, lazy in TILE_GRID[bucket]:
-        yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=tma, lazy_rescale=lazy)
+    for bm, bn, w, s, tma in TILE_GRID[bucket]:
+        yield AttnFwdConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, use_tma=tma)
 
 
 def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None) -> List[dict]:

@@ -40,7 +40,6 @@ from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
-RESCALE_THRESHOLD = tl.constexpr(8.0)  # log2 units: how far a row max may grow before acc is rescaled
 
 # Bias kinds (constexpr BIAS_KIND): what the optional bias/mask tensor means.
 BIAS_NONE, BIAS_BOOL, BIAS_ADD = 0, 1, 2
@@ -216,7 +215,7 @@ def _online_softmax(
     dropout_p, dropout_seed, rng_row0, rng_cols,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Raw products of one tile -> (p, acc, m, l): the probabilities that multiply V (after
     dropout), and the running state moved to the max that p is taken against."""
@@ -224,21 +223,10 @@ def _online_softmax(
         # Plain scores: take the max of the raw products (scale > 0 keeps the argmax), so
         # that scaling and subtracting the max fuse into one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
-        if LAZY_RESCALE:
-            # Rescaling the accumulator is a fifth of the loop's instructions. Keep the old
-            # max (and skip it) until some row's max has grown by more than the threshold:
-            # meanwhile p <= 2^RESCALE_THRESHOLD, and acc / l is the same quotient whichever
-            # max both were taken against. After the first tiles this branch is rarely taken.
-            if tl.max(m_new - m_i, 0) > RESCALE_THRESHOLD:
-                alpha = tl.math.exp2(m_i - m_new)  # [BLOCK_M]
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.math.exp2(m_i - m_new)  # [BLOCK_M]: rescales what we already hold
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        alpha = tl.math.exp2(m_i - m_new)  # [BLOCK_M]: rescales what we already hold
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
         p = tl.math.exp2(qk * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
     else:
         s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
@@ -273,7 +261,6 @@ def _attn_fwd_stretch(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
@@ -287,8 +274,7 @@ def _attn_fwd_stretch(
         p, acc, m_i, l_i = _online_softmax(
             qk, acc, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
             window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-            rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-            LAZY_RESCALE)
+            rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
         v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                      MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
@@ -314,7 +300,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -397,7 +383,7 @@ def _attn_fwd_kernel(
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
             HEAD_DIM, BLOCK_D, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-            HAS_DROPOUT, DOT_PRECISION, USE_TMA, LAZY_RESCALE)
+            HAS_DROPOUT, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     empty = l_i == 0.0
@@ -427,7 +413,6 @@ class AttnFwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
-    lazy_rescale: bool = False  # rescale the accumulator only when a row max grows by 2^8
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
@@ -588,7 +573,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         BLOCK_N=cfg.block_n,
         HEAVY_FIRST=opts.window_right >= 0,
         USE_TMA=use_tma,
-        LAZY_RESCALE=cfg.lazy_rescale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **variant,
