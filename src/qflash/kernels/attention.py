@@ -194,14 +194,14 @@ def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
         if TRANSPOSE:
             t = t.T
     else:
-        if TRANSPOSE:
-            col_ok, d_ok = cols[None, :] < seqlen_k, d_ok[:, None]
-        else:
-            col_ok, d_ok = cols[:, None] < seqlen_k, d_ok[None, :]
+        if TRANSPOSE:  # keys along columns
+            key_ok, dim_ok = cols[None, :] < seqlen_k, d_ok[:, None]
+        else:  # keys along rows
+            key_ok, dim_ok = cols[:, None] < seqlen_k, d_ok[None, :]
         if MASKED:
-            t = tl.load(ptrs + start_n * stride_s, mask=col_ok & d_ok, other=0.0)
+            t = tl.load(ptrs + start_n * stride_s, mask=key_ok & dim_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
-            t = tl.load(ptrs + start_n * stride_s, mask=d_ok, other=0.0)
+            t = tl.load(ptrs + start_n * stride_s, mask=dim_ok, other=0.0)
         else:
             t = tl.load(ptrs + start_n * stride_s)
     return t
