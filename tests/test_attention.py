@@ -425,6 +425,7 @@ def load_path(request, monkeypatch):
 ])
 def test_load_paths(load_path, sq, sk, d, kw):
     q, k, v = _qkv(2, sq, sk, 4, 2, d)
+    kw = dict(kw)  # the parametrized dict is shared by every load path: pop from a copy
     if kw.pop("growing", False):
         # Scores that grow along the keys: the running max moves at many tiles, so every
         # rescale of the accumulator counts.

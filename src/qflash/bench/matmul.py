@@ -107,7 +107,8 @@ def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict
     return rows
 
 
-# (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma[, warp_specialize[, split_k]]) tried by --tiles on the H200;
+# (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma[, warp_specialize[, split_k[,
+# promote_in_dot]]]) tried by --tiles on the H200;
 # benchmarks/results/matmul_tiles_*.json hold the rounds, the winners are
 # qflash.kernels.matmul.default_config.
 MATMUL_TILE_GRID = [
@@ -115,7 +116,7 @@ MATMUL_TILE_GRID = [
     (128, 128, 128, 4, 4, 8, True, True), (128, 128, 128, 4, 5, 8, True, True), (256, 128, 128, 8, 3, 8, True, True),
     (128, 256, 128, 8, 4, 8, True, True), (64, 128, 128, 4, 4, 8, False), (64, 32, 128, 4, 4, 8, False),
     (64, 64, 128, 4, 4, 8, False, False, 4), (64, 128, 128, 4, 4, 8, False, False, 8), (64, 32, 128, 4, 4, 8, False, False, 4),
-    # FP8 promotion through tl.dot's max_num_imprecise_acc (not yet timed)
+    # FP8 promotion through tl.dot's max_num_imprecise_acc (exact; not faster in the full benchmark)
     (128, 128, 128, 8, 4, 8, True, False, 1, True), (128, 256, 128, 8, 3, 8, True, False, 1, True),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]

@@ -209,7 +209,7 @@ def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
 
 @triton.jit
 def _online_softmax(
-    qk, acc, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn,
+    qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
@@ -217,17 +217,15 @@ def _online_softmax(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
 ):
-    """Raw products of one tile -> (p, acc, m, l): the probabilities that multiply V (after
-    dropout), and the running state moved to the max that p is taken against."""
+    """Raw products of one tile -> (p, alpha, m_new, l_new): the probabilities that multiply V
+    (relative to the new running max, after dropout), and the factor that rescales what the
+    accumulator already holds."""
     if not (MASKED or HAS_SOFTCAP or HAS_ALIBI or BIAS_KIND != 0):
         # Plain scores: take the max of the raw products (scale > 0 keeps the argmax), so
         # that scaling and subtracting the max fuse into one FMA per element.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
-        alpha = tl.math.exp2(m_i - m_new)  # [BLOCK_M]: rescales what we already hold
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_new
-        p = tl.math.exp2(qk * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
+        m_new_safe = m_new
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     else:
         s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
                          window_left, window_right, qk_scale, softcap_log2, slope_log2,
@@ -236,16 +234,13 @@ def _online_softmax(
         # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
         # so exp2(-inf - (-inf)) = NaN never appears.
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_new
         p = tl.math.exp2(s - m_new_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i += tl.sum(p, 1)
+    alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
         keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-    return p, acc, m_i, l_i
+    return p, alpha, m_new, l_i
 
 
 @triton.jit
@@ -271,10 +266,11 @@ def _attn_fwd_stretch(
         k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
                      MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
-        p, acc, m_i, l_i = _online_softmax(
-            qk, acc, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+        p, alpha, m_i, l_i = _online_softmax(
+            qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
             window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
             rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
+        acc = acc * alpha[:, None]  # rescale what we already hold
         v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                      MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
