@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [bwd] [train] [matmul]
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
-#   MM_SHAPES="M,N,K;..." narrows the matmul stages)
+#   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS, BWD_VARY and TAG narrow and
+#   name the backward tile search)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
 # triton, pytest and rich). Each stage has its own time limit, so one that hangs
@@ -31,11 +32,14 @@ for stage in "${stages[@]}"; do
     bench)  timeout 240 python3 -m qflash.cli bench attention \
               --providers qflash,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_math,naive --ceilings --memory \
               --out "$OUT/attention_fwd.json" 2>&1 | tail -n 70 ;;
-    bwdtiles) timeout 420 python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
-              --head-dims "${HEAD_DIMS:-64,128,256}" --out "$OUT/attention_bwd_tiles.json" 2>&1 | tail -n 40 ;;
+    bwdtiles) timeout "${BWDTILES_TIMEOUT:-420}" python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
+              --head-dims "${HEAD_DIMS:-64,128,256}" --vary "${BWD_VARY:-dq,dkdv,atomic}" \
+              --out "$OUT/attention_bwd_tiles${TAG:-}.json" 2>&1 | tail -n 40 ;;
     mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
-    bwd)    timeout 100 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
+    bwd)    timeout 200 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
+    short)  timeout 200 python3 -m qflash.cli bench attention --providers qflash,sdpa_cudnn,sdpa_flash --graph \
+              --seqlens 512,1024,2048 --out "$OUT/attention_fwd_short.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
     matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
@@ -47,6 +51,6 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from qflash.bench.harness import (
     environment,
     finish,
     fmt,
+    graph_ms,
     measure_ceilings,
     plot_lines,
     plot_roofline,
@@ -182,7 +183,8 @@ def _slice_grad_error(grads, q, k, v, dout, causal: bool) -> float:
     return max(float((g[:1, :, :2].float() - r).abs().max()) for g, r in zip(grads, ref))
 
 
-def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100, backward: bool = False) -> Dict[str, object]:
+def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100, backward: bool = False,
+              graph: bool = False) -> Dict[str, object]:
     """Check a provider on the benchmark inputs, then time it. Failures become an error column."""
     try:
         fn = make(q, k, v, causal)
@@ -194,6 +196,8 @@ def bench_one(make, q, k, v, causal: bool, *, rep_ms: int = 100, backward: bool 
         del res
         tol = TOLERANCE * (4 if backward else 1)  # gradients are larger and rounder in bf16
         timing = time_ms(fn, rep_ms=rep_ms, device=q.device.type)
+        if graph:  # the kernels alone: replayed from a CUDA graph, no Python between launches
+            timing["graph_ms"] = graph_ms(fn)
         return {**timing, "max_err": err, "check": "ok" if err <= tol else "MISMATCH", "error": None}
     except ModuleNotFoundError as exc:
         return {"ms": None, "max_err": None, "check": None, "error": f"not installed: {exc.name}"}
@@ -223,13 +227,14 @@ def _row(name, batch, heads, seqlen, d, causal, dtype, res, backward=False):
     return dict(provider=name, batch=batch, heads=heads, seqlen=seqlen, head_dim=d, causal=causal,
                 dtype=str(dtype).replace("torch.", ""),
                 tflops=flops / (ms * 1e-3) / 1e12 if ms else None,
+                tflops_graph=flops / (res["graph_ms"] * 1e-3) / 1e12 if res.get("graph_ms") else None,
                 tflops_exact=flops_exact / (ms * 1e-3) / 1e12 if ms else None,
                 gbps=nbytes / (ms * 1e-3) / 1e9 if ms else None,
                 intensity=flops / nbytes, **res)
 
 
 def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], progress=None,
-              backward: bool = False) -> List[dict]:
+              backward: bool = False, graph: bool = False) -> List[dict]:
     for (batch, heads, seqlen, d), causal in itertools.product(list(shapes), causals):
         g = torch.Generator(device=device).manual_seed(seqlen * 7 + d)
         q, k, v = (torch.randn(batch, seqlen, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
@@ -238,7 +243,7 @@ def run_sweep(providers, shapes, causals, dtype, device, *, rows: List[dict], pr
                 res = {"ms": None, "max_err": None, "check": None, "error": "skipped: N x N scores over 48 GB"}
             else:
                 make = backward_of(PROVIDERS[name]) if backward else PROVIDERS[name]
-                res = bench_one(make, q, k, v, causal, backward=backward)
+                res = bench_one(make, q, k, v, causal, backward=backward, graph=graph and name != "flex")
             rows.append(_row(name, batch, heads, seqlen, d, causal, dtype, res, backward))
             if progress:
                 progress(rows[-1])
@@ -296,13 +301,19 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
 # dK/dV tiles of 32 query rows with 3 stages are left out: on the H200 (Triton 3.6) they gave
 # dK errors of 0.04-0.3 where every other shape is within the flash-attn rule
 # (benchmarks/results/gpu_tests_h200_2026-11-29_s3a.log).
+# "atomic": dK/dV tiles of the default path, whose dK/dV kernel also adds dS @ K into dQ.
+# D = 256 candidates all have 64-row products (Hopper's wgmma needs 64 rows a warpgroup; the
+# 32-row tiles of the first defaults compiled to mma.sync), chosen from offline ptxas reports.
 BWD_TILE_GRID = {
     64: {"dq": [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
+         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+         "atomic": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]},
     128: {"dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
-          "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)]},
-    256: {"dq": [(32, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (32, 128, 8, 1), (128, 32, 8, 1)],
-          "dkdv": [(32, 64, 8, 1), (32, 64, 4, 1), (32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1)]},
+          "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)],
+          "atomic": [(128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2)]},
+    256: {"dq": [(32, 64, 8, 1), (64, 64, 8, 2)],
+          "dkdv": [(32, 64, 8, 1), (128, 64, 8, 1)],
+          "atomic": [(64, 64, 8, 1), (128, 64, 8, 1)]},
 }
 
 
@@ -325,9 +336,11 @@ def _qflash_bwd_provider(configs):
     return make
 
 
-def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None) -> List[dict]:
-    """Each dQ candidate next to the default dK/dV config, and each dK/dV candidate next to the
-    default dQ config: the time differences belong to the kernel that changed."""
+def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None,
+                  vary: Sequence[str] = ("dq", "dkdv", "atomic")) -> List[dict]:
+    """Deterministic path: each dQ candidate next to the default dK/dV config, and each dK/dV
+    candidate next to the default dQ config, so the time differences belong to the kernel that
+    changed. Atomic-dQ path (the default): each dK/dV candidate alone."""
     from qflash.kernels.attention import AttnBwdConfig, default_bwd_configs
 
     for d in head_dims:
@@ -335,13 +348,15 @@ def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progr
         dq_default, dkdv_default = default_bwd_configs(d, dtype, torch.device("cuda"))
         grid = BWD_TILE_GRID[64 if d <= 64 else 128 if d <= 128 else 256]
         pairs = [("dq", (AttnBwdConfig(*t), dkdv_default)) for t in grid["dq"]] + \
-                [("dkdv", (dq_default, AttnBwdConfig(*t))) for t in grid["dkdv"]]
+                [("dkdv", (dq_default, AttnBwdConfig(*t))) for t in grid["dkdv"]] + \
+                [("atomic", (None, AttnBwdConfig(*t))) for t in grid["atomic"]]
+        pairs = [(kind, configs) for kind, configs in pairs if kind in vary]
         for causal in causals:
             for vary, configs in pairs:
                 for seqlen, (q, k, v) in inputs.items():
                     res = bench_one(_qflash_bwd_provider(configs), q, k, v, causal, rep_ms=60, backward=True)
                     row = _row("qflash", q.shape[0], q.shape[2], seqlen, d, causal, dtype, res, backward=True)
-                    rows.append(dict(row, vary=vary, dq_config=configs[0].__dict__,
+                    rows.append(dict(row, vary=vary, dq_config=configs[0] and configs[0].__dict__,
                                      dkdv_config=configs[1].__dict__))
                     if progress:
                         progress(rows[-1])
@@ -388,6 +403,9 @@ def ratio_table(rows: List[dict], numerator="qflash", denominators=("sdpa_cudnn"
         for den in denominators:
             o = index.get((den, s, d, c))
             row[f"x_{den}"] = r["tflops"] / o["tflops"] if o and o.get("tflops") else None
+            if r.get("tflops_graph"):  # the same ratio with both sides replayed from CUDA graphs
+                row[f"x_{den}_graph"] = (r["tflops_graph"] / o["tflops_graph"]
+                                         if o and o.get("tflops_graph") else None)
         out.append(row)
     return out
 
@@ -419,6 +437,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
+    parser.add_argument("--vary", default="dq,dkdv,atomic",
+                        help="with --tiles --backward: which kernels' candidates to time (dq, dkdv, atomic)")
+    parser.add_argument("--graph", action="store_true",
+                        help="forward: also time each call replayed from a CUDA graph (no Python launch cost)")
     parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (GPU)")
     parser.add_argument("--ceilings", action="store_true", help="also measure copy and matmul ceilings (GPU)")
     args = parser.parse_args(argv)
@@ -462,13 +484,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["tiles"] = []
             total = len(head_dims) * len(causals) * len(seqlens) * 10
             task = bar.add_task("tile search", total=total)
-            search = run_bwd_tiles if args.backward else run_tiles
-            search(seqlens, head_dims, causals, dtype, rows=result["tiles"],
-                   progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
+            progress = lambda r: (bar.advance(task), stem and save_json(args.out, result))  # noqa: E731
+            if args.backward:
+                run_bwd_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"], progress=progress,
+                              vary=args.vary.split(","))
+            else:
+                run_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"], progress=progress)
         else:
             result["rows"] = []
             task = bar.add_task(f"attention {result['pass']}", total=len(shapes) * len(causals) * len(providers))
             run_sweep(providers, shapes, causals, dtype, device, rows=result["rows"], backward=args.backward,
+                      graph=args.graph and cuda and not args.backward,
                       progress=lambda r: (bar.advance(task), stem and save_json(args.out, result)))
     if args.ceilings:
         result["ceilings"] = measure_ceilings()
@@ -494,8 +520,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  r.get("check") != "ok"], cols, title if not cuda or args.quick
                                  else "providers that did not run or did not match"))
         if result["ratios"] and cuda:
+            graphs = ["x_sdpa_cudnn_graph", "x_sdpa_flash_graph"] if any(r.get("tflops_graph") for r in rows) else []
             console.print(rich_table(result["ratios"], ["seqlen", "head_dim", "causal", "qflash_tflops",
-                                                        "x_sdpa_cudnn", "x_sdpa_flash"], "qflash over peers, same run"))
+                                                        "x_sdpa_cudnn", "x_sdpa_flash", *graphs],
+                                     "qflash over peers, same run"))
     if result.get("ceilings"):
         console.print("ceilings: " + ", ".join(f"{k} {fmt(v)}" for k, v in result["ceilings"].items()))
     if result.get("memory"):

@@ -3,6 +3,8 @@ and scratch memory."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -16,6 +18,19 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), without ``triton.next_power_of_2``'s wrapper."""
     return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def has_tma(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (Hopper's copy engine); cached, since
+    the query costs microseconds on every launch."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

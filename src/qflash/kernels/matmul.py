@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import cdiv, ensure_descriptor_allocator, tma_compatible
+from qflash.kernels.common import cdiv, ensure_descriptor_allocator, has_tma, tma_compatible
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -159,7 +159,7 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
     """Tiles searched on the H200 (benchmarks/results/matmul_tiles_*); small ones for the interpreter."""
     if device.type != "cuda":
         return MatmulConfig(32, 32, QBLOCK if scales == "block" else 32, 4, 1)
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    hopper = has_tma(device)
     if m <= 64:  # decode-sized M: narrow tiles give more programs to stream B with
         return MatmulConfig(64, 32, 128, 4, 4)
     if int8 or m <= 128:

@@ -1,9 +1,10 @@
 """Public attention ops: flash-attn 2's functions and ``F.scaled_dot_product_attention``.
 
 Every entry point validates its arguments, normalizes them to one form and calls
-the custom op ``qflash::attention_forward``, which wraps the Triton launcher. The
-custom op (with a fake implementation for shapes) is what lets
-``torch.compile(fullgraph=True)`` and CUDA graphs take these functions whole.
+the Triton launcher: eagerly through a ``torch.autograd.Function``, and under
+``torch.compile`` through the custom op ``qflash::attention_forward`` (with a fake
+implementation for shapes), which lets ``torch.compile(fullgraph=True)`` take these
+functions whole. CUDA graphs capture either path.
 
 Two causal alignments exist and both are supported::
 
@@ -53,11 +54,15 @@ def set_debug(enabled: bool = True) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The custom ops: the only places that call the launchers. Autograd is registered on the
-# forward op: it saves what the backward launcher needs and calls it, nothing else.
+# Launch paths. The launchers are reached two ways that share one forward, one setup_context and
+# one backward function:
+#   eager:          _Attention (torch.autograd.Function) -> launchers, a few microseconds of Python;
+#   torch.compile:  the custom ops qflash::attention_forward / _backward, with fake
+#                   implementations for shapes and autograd registered on the forward op.
+# The custom ops' dispatch costs tens of microseconds a call, as much as a short kernel runs, so
+# eager calls skip it; under torch.compile the ops are what the graph records.
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("qflash::attention_forward", mutates_args=())
-def _attention_forward_op(
+def _attention_forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -74,28 +79,16 @@ def _attention_forward_op(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
+    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     return attention_forward(q, k, v, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
 
 
-@_attention_forward_op.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
-    return out, lse
-
-
-@torch.library.custom_op("qflash::attention_backward", mutates_args=())
-def _attention_backward_op(
+def _attention_backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,12 +108,32 @@ def _attention_backward_op(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
+    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_backward
 
     return attention_backward(dout, q, k, v, out, lse, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+
+
+_attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
+    _attention_forward_impl)
+_attention_backward_op = torch.library.custom_op("qflash::attention_backward", mutates_args=())(
+    _attention_backward_impl)
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+      deterministic):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
+    return out, lse
 
 
 @_attention_backward_op.register_fake
@@ -132,11 +145,12 @@ def _(dout, q, k, v, out, lse, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
+     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic)
 
 
 def _backward(ctx, dout, dlse):
@@ -145,14 +159,36 @@ def _backward(ctx, dout, dlse):
     if dout.dtype != out.dtype or dout.shape != out.shape:
         raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
-    dq, dk, dv = torch.ops.qflash.attention_backward(
-        _unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k,
-        *ctx.rest,
-    )
-    return (dq, dk, dv) + (None,) * 13
+    backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
+    dq, dk, dv = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
+                          cu_seqlens_q, cu_seqlens_k, *ctx.rest)
+    return (dq, dk, dv) + (None,) * 14
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The eager path: the same forward, context and backward as the custom op's autograd."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        # ctx in forward, not a separate setup_context: that form binds every call's arguments
+        # through inspect.signature, ~50 microseconds.
+        output = _attention_forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) through the custom op under torch.compile, through ``_Attention`` otherwise."""
+    if torch.compiler.is_compiling():
+        return torch.ops.qflash.attention_forward(*args)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:3]):
+        return _Attention.apply(*args)
+    return _attention_forward_impl(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +263,12 @@ def _dropout(dropout_p) -> Tuple[float, int]:
     return p, seed
 
 
+def _deterministic(deterministic) -> bool:
+    """The backward pass avoids atomics when asked, here or through
+    ``torch.use_deterministic_algorithms(True)``."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
 def _check_softcap(softcap) -> float:
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
@@ -289,8 +331,9 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: accepted for compatibility: forward and backward are always deterministic
-            (the backward uses no atomics).
+        deterministic: make the backward pass bitwise reproducible: dQ gets its own kernel
+            instead of float32 atomic adds (about a third more work). Also on under
+            ``torch.use_deterministic_algorithms(True)``. The forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
@@ -304,11 +347,11 @@ def flash_attn_func(
     if k.shape[0] != batch:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
     left, right = _window(window_size, causal)
-    out, lse = torch.ops.qflash.attention_forward(
+    out, lse = _attention(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
-        *_dropout(dropout_p),
+        *_dropout(dropout_p), _deterministic(deterministic),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -404,11 +447,11 @@ def flash_attn_varlen_func(
             if longest > given:
                 raise ValueError(f"{name}={given} but the longest sequence has {longest} rows")
     left, right = _window(window_size, causal)
-    out, lse = torch.ops.qflash.attention_forward(
+    out, lse = _attention(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, *_dropout(dropout_p),
+        max_seqlen_k, *_dropout(dropout_p), _deterministic(deterministic),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -496,9 +539,9 @@ def sdpa(
                 f"(batch, heads, seqlen_q, seqlen_k) = {(batch, heads, seqlen_q, seqlen_k)}"
             ) from None
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
-    out, _ = torch.ops.qflash.attention_forward(
+    out, _ = _attention(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k, *_dropout(dropout_p),
+        seqlen_k, *_dropout(dropout_p), _deterministic(False),
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out
