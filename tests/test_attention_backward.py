@@ -140,18 +140,17 @@ def test_deterministic_run_to_run():
 
 
 @pytest.mark.parametrize("how", ["argument", "torch_flag", "default"])
-def test_deterministic_switch_picks_the_dq_path(how, monkeypatch):
-    """deterministic=True (or torch.use_deterministic_algorithms) runs the separate dQ kernel;
-    the default adds dQ with atomics. Both paths meet the gradient rule (test_shapes and the
-    tile tests cover each); here: the switch reaches the launcher."""
+def test_deterministic_switch_reaches_the_launcher(how, monkeypatch):
+    """deterministic=True, or torch.use_deterministic_algorithms, asks the backward launcher for
+    the separate dQ kernel (no atomics)."""
     import qflash.kernels.attention as kernels
 
     seen = []
     real = kernels.default_bwd_configs
 
-    def spy(*args, atomic_dq=False):
-        seen.append(atomic_dq)
-        return real(*args, atomic_dq=atomic_dq)
+    def spy(*args, deterministic=False):
+        seen.append(deterministic)
+        return real(*args, deterministic=deterministic)
 
     monkeypatch.setattr(kernels, "default_bwd_configs", spy)
     q, k, v = _leaves((1, 20, 2, 32), (1, 30, 2, 32), (1, 30, 2, 32), dtype=torch.float16)
@@ -159,14 +158,29 @@ def test_deterministic_switch_picks_the_dq_path(how, monkeypatch):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     out = qflash.flash_attn_func(q, k, v, causal=True, deterministic=how == "argument")
     out.sum().backward()
-    assert seen == [how == "default"]
+    assert seen == [how != "default"]
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_never_takes_atomics():
+    from qflash.kernels.attention import default_bwd_configs
+
+    for device in ("cpu", "cuda"):
+        for d in (32, 64, 128, 256):
+            dq_cfg, _ = default_bwd_configs(d, torch.bfloat16, torch.device(device), deterministic=True)
+            assert dq_cfg is not None
+        dq_cfg, _ = default_bwd_configs(256, torch.bfloat16, torch.device(device))
+        assert dq_cfg is None  # measured faster there
+
+
+@pytest.mark.parametrize("path", ["atomic", "separate"])
 @pytest.mark.parametrize("sq,sk,hkv", [(113, 203, 1), (64, 64, 2), (1, 77, 2)])
-def test_both_dq_paths(sq, sk, hkv, deterministic):
-    check_flash_grads(2, sq, sk, 2, hkv, 40, causal=True, deterministic=deterministic)
-    check_flash_grads(1, sq, sk, 2, hkv, 64, window_size=(20, 3), deterministic=deterministic)
+def test_both_dq_paths(sq, sk, hkv, path, monkeypatch):
+    import qflash.kernels.attention as kernels
+
+    configs = (None if path == "atomic" else kernels.AttnBwdConfig(32, 16, 4, 1), kernels.AttnBwdConfig(16, 32, 4, 1))
+    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args, **kwargs: configs)
+    check_flash_grads(2, sq, sk, 2, hkv, 40, causal=True)
+    check_flash_grads(1, sq, sk, 2, hkv, 64, window_size=(20, 3))
 
 
 def test_gradcheck_float64():

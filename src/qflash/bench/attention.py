@@ -301,19 +301,20 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
 # dK/dV tiles of 32 query rows with 3 stages are left out: on the H200 (Triton 3.6) they gave
 # dK errors of 0.04-0.3 where every other shape is within the flash-attn rule
 # (benchmarks/results/gpu_tests_h200_2026-11-29_s3a.log).
-# "atomic": dK/dV tiles of the default path, whose dK/dV kernel also adds dS @ K into dQ.
+# "atomic": dK/dV tiles of the path whose dK/dV kernel also adds dS @ K into dQ; a fifth
+# item False adds with per-element atomics instead of bulk (TMA) reductions.
 # D = 256 candidates all have 64-row products (Hopper's wgmma needs 64 rows a warpgroup; the
 # 32-row tiles of the first defaults compiled to mma.sync), chosen from offline ptxas reports.
 BWD_TILE_GRID = {
     64: {"dq": [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
          "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-         "atomic": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]},
+         "atomic": [(64, 64, 4, 2), (64, 64, 4, 2, False), (64, 64, 4, 3, False)]},
     128: {"dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
           "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)],
-          "atomic": [(128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2)]},
+          "atomic": [(64, 64, 4, 1), (64, 64, 4, 1, False), (64, 64, 4, 2, False)]},
     256: {"dq": [(32, 64, 8, 1), (64, 64, 8, 2)],
           "dkdv": [(32, 64, 8, 1), (128, 64, 8, 1)],
-          "atomic": [(64, 64, 8, 1), (128, 64, 8, 1)]},
+          "atomic": [(128, 64, 8, 1), (128, 64, 8, 1, False), (64, 64, 8, 1, False)]},
 }
 
 

@@ -24,11 +24,14 @@ of storing them (FlashAttention-2): a preprocess pass computes
 blocks (and, for GQA, every query head of its group) to accumulate dK and dV. dQ
 comes one of two ways:
 
-    fast (default)   the dK/dV kernel also forms each tile's dS @ K and adds it to a
-                     float32 dQ buffer with atomic adds (5 matmuls a tile pair, as in
-                     FlashAttention-2); the order of the adds varies from run to run;
-    deterministic    a second kernel holds a Q block and sweeps the key blocks for dQ
-                     (7 matmuls a tile pair, no atomics): bitwise identical gradients.
+    atomic     the dK/dV kernel also forms each tile's dS @ K and adds it to a float32
+               dQ buffer with atomic adds (5 matmuls a tile pair, as in FlashAttention-2);
+               the order of the adds varies from run to run;
+    separate   a second kernel holds a Q block and sweeps the key blocks for dQ (7 matmuls
+               a tile pair, no atomics): bitwise identical gradients.
+
+``default_bwd_configs`` picks the one that measured faster for the head dim (atomic only
+for D > 128 so far), and the separate kernel whenever determinism is asked for.
 """
 
 from __future__ import annotations
@@ -898,19 +901,23 @@ class AttnBwdConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    use_tma: bool = True  # atomic-dQ path: bulk (TMA) reductions into dQ when the layout allows
 
 
-def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device, atomic_dq: bool = False):
-    """(dQ config, dK/dV config) of the deterministic path, or (None, dK/dV config) of the
-    atomic-dQ path. D <= 128 searched on the H200 (benchmarks/results/attention_bwd_tiles_*);
-    D = 256 and float32/64 are sized to fit shared memory and registers."""
+def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device, deterministic: bool = False):
+    """(dQ config, dK/dV config) of the separate-dQ path, or (None, dK/dV config) of the
+    atomic-dQ path, whichever measured faster on the H200 for this head dim
+    (benchmarks/results/attention_bwd_tiles_*): atomics for D > 128 in 16-bit types, where the
+    separate dQ kernel's extra two matmuls cost most; the separate kernel below that, and always
+    when ``deterministic``. The CPU (interpreter) takes the same path with small tiles."""
+    block_d = _block_d(head_dim)
+    atomic = not deterministic and dtype in (torch.float16, torch.bfloat16) and block_d > 128
     if device.type != "cuda":
-        if atomic_dq:
+        if atomic:
             return None, AttnBwdConfig(16, 32, 4, 1)
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
-    block_d = _block_d(head_dim)
-    if atomic_dq:
-        return None, _ATOMIC_DKDV_CONFIGS[64 if block_d <= 64 else 128 if block_d <= 128 else 256]
+    if atomic:  # 128 query rows: every product is wgmma-sized; the fewest spills offline
+        return None, AttnBwdConfig(128, 64, 8, 1)
     if dtype == torch.float64 and block_d > 64:  # 8-byte tiles: shared memory (232 KB) sets the size
         if block_d > 128:
             return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
@@ -918,21 +925,12 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device,
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
     if block_d > 128:
-        # Chosen offline from ptxas register reports (not yet timed): (64, 32, 4 warps) / (32, 64, 4)
-        # spilled 464 / 3964 bytes per thread at D = 256; these spill 0 / 24.
-        return AttnBwdConfig(32, 64, 8, 1), AttnBwdConfig(32, 64, 8, 1)
+        # 64-row products for Hopper's wgmma (the 32-row tiles before compiled to mma.sync):
+        # dQ 104-116 -> 137-156 TFLOP/s, dK/dV -> 142-161 each on its own (attention_bwd_tiles_*_s5).
+        return AttnBwdConfig(64, 64, 8, 2), AttnBwdConfig(128, 64, 8, 1)
     if block_d <= 64:  # square 64 x 64 tiles, 3 stages: dK/dV +49% over (64, 128, 8 warps) at 8k
         return AttnBwdConfig(64, 64, 4, 3), AttnBwdConfig(64, 64, 4, 3)
     return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
-
-
-# dK/dV tiles of the atomic-dQ path (16-bit inputs), per head-dim bucket: the fewest spilled
-# registers in offline ptxas reports (not yet timed).
-_ATOMIC_DKDV_CONFIGS = {
-    64: AttnBwdConfig(64, 64, 4, 2),
-    128: AttnBwdConfig(128, 64, 8, 1),
-    256: AttnBwdConfig(64, 64, 8, 1),
-}
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -941,9 +939,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over
-    the query heads of each GQA group. float16 / bfloat16 inputs take the atomic-dQ path
-    unless ``opts.deterministic``; ``configs`` = (dQ config or None, dK/dV config) picks
-    the path explicitly (None: atomic dQ).
+    the query heads of each GQA group. ``configs`` = (dQ config or None, dK/dV config) picks
+    the path (None: atomic dQ); by default ``default_bwd_configs`` does, never atomics when
+    ``opts.deterministic``.
     """
     varlen = opts.varlen
     if varlen:
@@ -954,10 +952,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
     heads_kv = k.shape[-2]
-    if configs is None:
-        atomic_dq = not opts.deterministic and q.dtype in (torch.float16, torch.bfloat16)
-        configs = default_bwd_configs(head_dim, q.dtype, q.device, atomic_dq=atomic_dq)
-    dq_cfg, dkdv_cfg = configs
+    dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device, deterministic=opts.deterministic)
     atomic_dq = dq_cfg is None
     acc = _acc_dtype(q.dtype)
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
@@ -991,7 +986,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
         )
     # Bulk (TMA) reductions into dQ need Hopper, 16-byte aligned rows and a real GPU.
-    dq_tma = atomic_dq and has_tma(q.device) and tma_compatible(dq)
+    dq_tma = atomic_dq and dkdv_cfg.use_tma and has_tma(q.device) and tma_compatible(dq)
     if dq_tma:
         ensure_descriptor_allocator(q.device)
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)

@@ -45,15 +45,14 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_ALLOCATOR_SET = [False]
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_descriptor_allocator(device: torch.device) -> None:
     """Descriptors built inside a kernel live in a global-memory scratch buffer that triton
-    asks the host to allocate (the interpreter needs none)."""
-    if device.type == "cuda" and not _ALLOCATOR_SET[0]:
-        def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET[0] = True
+    asks the host to allocate (the interpreter needs none). Triton keeps the allocator in a
+    context variable, which every thread sees anew (autograd runs the backward pass on a
+    thread of its own), so it is set on each call: a context-variable write, ~100 ns."""
+    if device.type == "cuda":
+        triton.set_allocator(_scratch)
