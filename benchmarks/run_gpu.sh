@@ -33,7 +33,7 @@ for stage in "${stages[@]}"; do
               --providers qflash,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_math,naive --ceilings --memory \
               --out "$OUT/attention_fwd.json" 2>&1 | tail -n 70 ;;
     bwdtiles) timeout "${BWDTILES_TIMEOUT:-420}" python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
-              --head-dims "${HEAD_DIMS:-64,128,256}" --vary "${BWD_VARY:-dq,dkdv,atomic}" \
+              --head-dims "${HEAD_DIMS:-64,128,256}" --vary "${BWD_VARY:-dq,dkdv}" \
               --out "$OUT/attention_bwd_tiles${TAG:-}.json" 2>&1 | tail -n 40 ;;
     mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
     bwd)    timeout 200 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \

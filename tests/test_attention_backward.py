@@ -50,9 +50,9 @@ def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
         assert_flash_rule(g, r, p, factor=GRADIENT_FACTOR, floor=floor, what=f"d{name}")
 
 
-def check_flash_grads(b, sq, sk, h, hkv, d, dtype=torch.float16, scale=1.0, deterministic=False, **kw):
+def check_flash_grads(b, sq, sk, h, hkv, d, dtype=torch.float16, scale=1.0, **kw):
     inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype, scale=scale)
-    check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, deterministic=deterministic, **kw),
+    check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, **kw),
                 lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, reorder_ops=not upcast, **kw)[0],
                 inputs)
 
@@ -139,50 +139,6 @@ def test_deterministic_run_to_run():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("how", ["argument", "torch_flag", "default"])
-def test_deterministic_switch_reaches_the_launcher(how, monkeypatch):
-    """deterministic=True, or torch.use_deterministic_algorithms, asks the backward launcher for
-    the separate dQ kernel (no atomics)."""
-    import qflash.kernels.attention as kernels
-
-    seen = []
-    real = kernels.default_bwd_configs
-
-    def spy(*args, deterministic=False):
-        seen.append(deterministic)
-        return real(*args, deterministic=deterministic)
-
-    monkeypatch.setattr(kernels, "default_bwd_configs", spy)
-    q, k, v = _leaves((1, 20, 2, 32), (1, 30, 2, 32), (1, 30, 2, 32), dtype=torch.float16)
-    if how == "torch_flag":
-        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    out = qflash.flash_attn_func(q, k, v, causal=True, deterministic=how == "argument")
-    out.sum().backward()
-    assert seen == [how != "default"]
-
-
-def test_deterministic_never_takes_atomics():
-    from qflash.kernels.attention import default_bwd_configs
-
-    for device in ("cpu", "cuda"):
-        for d in (32, 64, 128, 256):
-            dq_cfg, _ = default_bwd_configs(d, torch.bfloat16, torch.device(device), deterministic=True)
-            assert dq_cfg is not None
-        dq_cfg, _ = default_bwd_configs(256, torch.bfloat16, torch.device(device))
-        assert dq_cfg is None  # measured faster there
-
-
-@pytest.mark.parametrize("path", ["atomic", "separate"])
-@pytest.mark.parametrize("sq,sk,hkv", [(113, 203, 1), (64, 64, 2), (1, 77, 2)])
-def test_both_dq_paths(sq, sk, hkv, path, monkeypatch):
-    import qflash.kernels.attention as kernels
-
-    configs = (None if path == "atomic" else kernels.AttnBwdConfig(32, 16, 4, 1), kernels.AttnBwdConfig(16, 32, 4, 1))
-    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args, **kwargs: configs)
-    check_flash_grads(2, sq, sk, 2, hkv, 40, causal=True)
-    check_flash_grads(1, sq, sk, 2, hkv, 64, window_size=(20, 3))
-
-
 def test_gradcheck_float64():
     q, k, v = _leaves((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v))
@@ -223,18 +179,15 @@ def test_bad_dout_and_mask_gradient():
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------
-# (dQ tile, dK/dV tile) of the deterministic path; (None, dK/dV tile) of the atomic-dQ path.
-CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1)),
-                 (None, (64, 16, 4, 1)), (None, (16, 64, 4, 1))]
+CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1))]
 
 
 def _gpu_bwd_tiles():
     """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 runs every candidate."""
     from qflash.bench.attention import BWD_TILE_GRID
 
-    pairs = [(d, (dq, dkdv)) for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
-    pairs += [(d, (None, dkdv)) for d, grid in BWD_TILE_GRID.items() for dkdv in grid["atomic"]]
-    return [pytest.param(d, tiles, marks=gpu) for d, tiles in pairs]
+    return [pytest.param(d, (dq, dkdv), marks=gpu)
+            for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
 
 
 @pytest.mark.parametrize("d,tiles", [(40, t) for t in CPU_BWD_TILES] + _gpu_bwd_tiles(), ids=str)
@@ -243,8 +196,8 @@ def test_every_tile_shape_splits_masked_blocks_right(d, tiles, window, monkeypat
     """Tiles with block_m != block_n move the masked / unmasked boundaries; gradients must not."""
     import qflash.kernels.attention as kernels
 
-    configs = tuple(t and kernels.AttnBwdConfig(*t) for t in tiles)
-    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args, **kwargs: configs)
+    configs = tuple(kernels.AttnBwdConfig(*t) for t in tiles)
+    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args: configs)
     sq, sk = (113, 203) if DEVICE == "cpu" else (1023, 1500)
     check_flash_grads(2, sq, sk, 2, 1, d, window_size=window)
     check_flash_grads(1, sk, sq, 2, 2, d, window_size=window)
@@ -260,24 +213,13 @@ def test_gpu_sweep(dtype, d, causal, sq, sk):
 
 
 @gpu
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
-@pytest.mark.parametrize("sq,sk", [(113, 203), (1023, 1023), (4224, 4224)])
-def test_gpu_sweep_deterministic(d, sq, sk):
-    check_flash_grads(2, sq, sk, 4, 2, d, dtype=torch.bfloat16, causal=True, deterministic=True)
-
-
-@gpu
-def test_gpu_deterministic_and_mask_at_64_past_128(monkeypatch):
+def test_gpu_deterministic_and_mask_at_64_past_128():
     # seqlen % 128 == 64 with a mask: where cuDNN has returned NaN gradients.
     inputs = _leaves((2, 8, 1088, 128), (2, 8, 1088, 128), (2, 8, 1088, 128), dtype=torch.bfloat16)
     mask = torch.rand(1088, 1088, device="cuda") > 0.1
     check_grads(lambda q, k, v: qflash.sdpa(q, k, v, attn_mask=mask),
                 lambda q, k, v, upcast: sdpa_ref(q, k, v, attn_mask=mask, upcast=upcast), inputs)
     dout = torch.randn(2, 8, 1088, 128, device="cuda").bfloat16()
-    # sdpa has no deterministic argument: PyTorch's switch asks for the deterministic path.
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    check_grads(lambda q, k, v: qflash.sdpa(q, k, v, attn_mask=mask),
-                lambda q, k, v, upcast: sdpa_ref(q, k, v, attn_mask=mask, upcast=upcast), inputs)
     runs = [_grads(lambda *a: qflash.sdpa(*a, attn_mask=mask), inputs, dout) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):

@@ -301,20 +301,15 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
 # dK/dV tiles of 32 query rows with 3 stages are left out: on the H200 (Triton 3.6) they gave
 # dK errors of 0.04-0.3 where every other shape is within the flash-attn rule
 # (benchmarks/results/gpu_tests_h200_2026-11-29_s3a.log).
-# "atomic": dK/dV tiles of the path whose dK/dV kernel also adds dS @ K into dQ; a fifth
-# item False adds with per-element atomics instead of bulk (TMA) reductions.
-# D = 256 candidates all have 64-row products (Hopper's wgmma needs 64 rows a warpgroup; the
-# 32-row tiles of the first defaults compiled to mma.sync), chosen from offline ptxas reports.
+# D = 256: products of 64 rows a warpgroup (Hopper's wgmma needs them; the 32-row tiles of the
+# first defaults, kept as runner-ups, compile to mma.sync), chosen from offline ptxas reports.
 BWD_TILE_GRID = {
     64: {"dq": [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-         "atomic": [(64, 64, 4, 2), (64, 64, 4, 2, False), (64, 64, 4, 3, False)]},
+         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
     128: {"dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
-          "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)],
-          "atomic": [(64, 64, 4, 1), (64, 64, 4, 1, False), (64, 64, 4, 2, False)]},
-    256: {"dq": [(32, 64, 8, 1), (64, 64, 8, 2)],
-          "dkdv": [(32, 64, 8, 1), (128, 64, 8, 1)],
-          "atomic": [(128, 64, 8, 1), (128, 64, 8, 1, False), (64, 64, 8, 1, False)]},
+          "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)]},
+    256: {"dq": [(64, 64, 8, 2), (32, 64, 8, 1)],
+          "dkdv": [(128, 64, 8, 1), (32, 64, 8, 1)]},
 }
 
 
@@ -338,10 +333,9 @@ def _qflash_bwd_provider(configs):
 
 
 def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=None,
-                  vary: Sequence[str] = ("dq", "dkdv", "atomic")) -> List[dict]:
-    """Deterministic path: each dQ candidate next to the default dK/dV config, and each dK/dV
-    candidate next to the default dQ config, so the time differences belong to the kernel that
-    changed. Atomic-dQ path (the default): each dK/dV candidate alone."""
+                  vary: Sequence[str] = ("dq", "dkdv")) -> List[dict]:
+    """Each dQ candidate next to the default dK/dV config, and each dK/dV candidate next to the
+    default dQ config: the time differences belong to the kernel that changed."""
     from qflash.kernels.attention import AttnBwdConfig, default_bwd_configs
 
     for d in head_dims:
@@ -349,15 +343,14 @@ def run_bwd_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progr
         dq_default, dkdv_default = default_bwd_configs(d, dtype, torch.device("cuda"))
         grid = BWD_TILE_GRID[64 if d <= 64 else 128 if d <= 128 else 256]
         pairs = [("dq", (AttnBwdConfig(*t), dkdv_default)) for t in grid["dq"]] + \
-                [("dkdv", (dq_default, AttnBwdConfig(*t))) for t in grid["dkdv"]] + \
-                [("atomic", (None, AttnBwdConfig(*t))) for t in grid["atomic"]]
+                [("dkdv", (dq_default, AttnBwdConfig(*t))) for t in grid["dkdv"]]
         pairs = [(kind, configs) for kind, configs in pairs if kind in vary]
         for causal in causals:
             for vary, configs in pairs:
                 for seqlen, (q, k, v) in inputs.items():
                     res = bench_one(_qflash_bwd_provider(configs), q, k, v, causal, rep_ms=60, backward=True)
                     row = _row("qflash", q.shape[0], q.shape[2], seqlen, d, causal, dtype, res, backward=True)
-                    rows.append(dict(row, vary=vary, dq_config=configs[0] and configs[0].__dict__,
+                    rows.append(dict(row, vary=vary, dq_config=configs[0].__dict__,
                                      dkdv_config=configs[1].__dict__))
                     if progress:
                         progress(rows[-1])
@@ -438,8 +431,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
-    parser.add_argument("--vary", default="dq,dkdv,atomic",
-                        help="with --tiles --backward: which kernels' candidates to time (dq, dkdv, atomic)")
+    parser.add_argument("--vary", default="dq,dkdv",
+                        help="with --tiles --backward: which kernel's candidates to time (dq, dkdv)")
     parser.add_argument("--graph", action="store_true",
                         help="forward: also time each call replayed from a CUDA graph (no Python launch cost)")
     parser.add_argument("--memory", action="store_true", help="also measure extra peak memory (GPU)")

@@ -21,17 +21,9 @@ and blocks outside [lo, hi) are never loaded.
 The backward pass recomputes the probabilities from the saved log-sum-exp instead
 of storing them (FlashAttention-2): a preprocess pass computes
 ``delta = rowsum(dO * O)``, one kernel holds a K/V block and sweeps the query
-blocks (and, for GQA, every query head of its group) to accumulate dK and dV. dQ
-comes one of two ways:
-
-    atomic     the dK/dV kernel also forms each tile's dS @ K and adds it to a float32
-               dQ buffer with atomic adds (5 matmuls a tile pair, as in FlashAttention-2);
-               the order of the adds varies from run to run;
-    separate   a second kernel holds a Q block and sweeps the key blocks for dQ (7 matmuls
-               a tile pair, no atomics): bitwise identical gradients.
-
-``default_bwd_configs`` picks the one that measured faster for the head dim (atomic only
-for D > 128 so far), and the separate kernel whenever determinism is asked for.
+blocks (and, for GQA, every query head of its group) to accumulate dK and dV, and
+another holds a Q block and sweeps the key blocks for dQ. No atomics: the
+gradients are bitwise identical from run to run.
 """
 
 from __future__ import annotations
@@ -471,8 +463,7 @@ class AttnOptions:
     ``window_right = 0`` is causal (``bottom_right`` aligns it to the last key); ``bias`` is a
     bool (True = attend) or additive float tensor already expanded to (B, H, Sq, Sk); varlen
     calls pass int32 ``cu_seqlens_*`` and the longest lengths; ``dropout_p > 0`` drops with a
-    mask drawn from ``dropout_seed``; ``deterministic`` makes the backward pass compute dQ in
-    its own kernel instead of with atomic adds.
+    mask drawn from ``dropout_seed``.
     """
     softmax_scale: float
     window_left: int = -1
@@ -487,7 +478,6 @@ class AttnOptions:
     max_seqlen_k: Optional[int] = None
     dropout_p: float = 0.0
     dropout_seed: int = 0
-    deterministic: bool = False  # backward: dQ without atomics, bitwise reproducible
 
     @property
     def varlen(self) -> bool:
@@ -591,18 +581,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, dOut, Delta, DQacc, cu_seqlens_q,
+    Out, dOut, Delta, cu_seqlens_q,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls,
-    stride_ab, stride_as, stride_ah,
     seqlen_q, num_heads, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, ZERO_DQ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
 ):
-    """delta = rowsum(dO * O): the softmax backward's correction term, one value per query row.
-    With ZERO_DQ it also clears the same rows of the float32 dQ buffer that the atomic adds
-    accumulate into (cheaper than a separate memset launch)."""
+    """delta = rowsum(dO * O): the softmax backward's correction term, one value per query row."""
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
     bh = pid // num_m_blocks
@@ -618,9 +605,6 @@ def _attn_bwd_preprocess_kernel(
     do = tl.load(dOut + b64 * stride_dob + h * stride_doh + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(ACC) * do.to(ACC), axis=1)  # [BLOCK_M]
     tl.store(Delta + b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls, delta, mask=rows < seqlen_q)
-    if ZERO_DQ:
-        tl.store(DQacc + b64 * stride_ab + h * stride_ah + r64 * stride_as + offs_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=ok)
 
 
 @triton.jit
@@ -681,16 +665,13 @@ def _attn_bwd_dq_tile(
 @triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
-    dq_desc, dq_base, stride_as,
     bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-    window_left, window_right, qk_scale, softcap_log2, slope_log2, softmax_scale,
-    dropout_p, dropout_seed, rng_row0, rng_cols,
+    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q; with ATOMIC_DQ also
-    this tile's share of dQ, dS @ K, added to the float32 dQ buffer."""
+    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
     rows = start_m + offs_m  # [BLOCK_M]
     row_ok = rows < seqlen_q
     ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -707,14 +688,7 @@ def _attn_bwd_dkdv_tile(
                            MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
                            DOT_PRECISION)
     dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
-    ds = (ds * softmax_scale).to(q.dtype)  # dL/dS: the scale is applied once, here, for dK and dQ alike
-    dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
-    if ATOMIC_DQ:
-        dq = tl.dot(ds, k, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_M, BLOCK_D]
-        if DQ_TMA:  # one bulk reduction by the copy engine; it drops rows past seqlen_q
-            dq_desc.atomic_add([start_m, 0], dq)
-        else:
-            tl.atomic_add(dq_base + r64 * stride_as + offs_d[None, :], dq, mask=ok, sem="relaxed")
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
@@ -801,14 +775,13 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, dK, dV, DQacc, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, dOut, dK, dV, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_ab, stride_as, stride_ah,
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
@@ -819,12 +792,10 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
-    happens in registers (deterministic). With ATOMIC_DQ each tile also adds its dS @ K to
-    the float32 dQ buffer DQacc (atomics: the summation order varies from run to run)."""
+    happens in registers (no atomics, deterministic)."""
     pid = tl.program_id(0)
     # Float arguments arrive in float64 (a plain Python float would be rounded to float32,
     # which float64 inputs would notice); compute in the accumulator's precision.
@@ -867,12 +838,6 @@ def _attn_bwd_dkdv_kernel(
         else:
             slope_log2 = 0.0
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
-        dq_base = DQacc + b64 * stride_ab + h * stride_ah + q_start * stride_as
-        if DQ_TMA:  # this (batch, head)'s rows of the dQ buffer, for bulk reductions
-            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_as, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
-        else:
-            dq_desc = dq_base
         # Three stretches of query blocks: the diagonal / right window edge (masked), the
         # interior (no mask), the left window edge (masked). static_range unrolls them, so
         # MASKED is a compile-time constant in each.
@@ -883,12 +848,12 @@ def _attn_bwd_dkdv_kernel(
                     start_m = tl.multiple_of(start_m, BLOCK_M)
                 dk, dv = _attn_bwd_dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
-                    dq_desc, dq_base, stride_as,
                     bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-                    window_left, window_right, qk_scale, softcap_log2, slope_log2, softmax_scale,
-                    dropout_p, dropout_seed, rng_row0, rng_cols,
+                    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
+                    rng_row0, rng_cols,
                     HEAD_DIM, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                    DOT_PRECISION, ATOMIC_DQ, DQ_TMA)
+                    DOT_PRECISION)
+    dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
     tl.store(dV + b64 * stride_dvb + h_kv * stride_dvh + c64 * stride_dvs + offs_d[None, :],
@@ -901,23 +866,14 @@ class AttnBwdConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    use_tma: bool = True  # atomic-dQ path: bulk (TMA) reductions into dQ when the layout allows
 
 
-def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device, deterministic: bool = False):
-    """(dQ config, dK/dV config) of the separate-dQ path, or (None, dK/dV config) of the
-    atomic-dQ path, whichever measured faster on the H200 for this head dim
-    (benchmarks/results/attention_bwd_tiles_*): atomics for D > 128 in 16-bit types, where the
-    separate dQ kernel's extra two matmuls cost most; the separate kernel below that, and always
-    when ``deterministic``. The CPU (interpreter) takes the same path with small tiles."""
-    block_d = _block_d(head_dim)
-    atomic = not deterministic and dtype in (torch.float16, torch.bfloat16) and block_d > 128
+def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
+    """(dQ config, dK/dV config), searched on the H200 for 16-bit types
+    (benchmarks/results/attention_bwd_tiles_*); float32/64 are sized to fit shared memory."""
     if device.type != "cuda":
-        if atomic:
-            return None, AttnBwdConfig(16, 32, 4, 1)
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
-    if atomic:  # 128 query rows: every product is wgmma-sized; the fewest spills offline
-        return None, AttnBwdConfig(128, 64, 8, 1)
+    block_d = _block_d(head_dim)
     if dtype == torch.float64 and block_d > 64:  # 8-byte tiles: shared memory (232 KB) sets the size
         if block_d > 128:
             return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
@@ -925,8 +881,8 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device,
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
     if block_d > 128:
-        # 64-row products for Hopper's wgmma (the 32-row tiles before compiled to mma.sync):
-        # dQ 104-116 -> 137-156 TFLOP/s, dK/dV -> 142-161 each on its own (attention_bwd_tiles_*_s5).
+        # Products of 64 rows a warpgroup, which Hopper's wgmma needs (the 32-row tiles used
+        # before compiled to mma.sync): 104-116 -> 167-239 TFLOP/s (attention_bwd_tiles_*_s5).
         return AttnBwdConfig(64, 64, 8, 2), AttnBwdConfig(128, 64, 8, 1)
     if block_d <= 64:  # square 64 x 64 tiles, 3 stages: dK/dV +49% over (64, 128, 8 warps) at 8k
         return AttnBwdConfig(64, 64, 4, 3), AttnBwdConfig(64, 64, 4, 3)
@@ -938,10 +894,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
-    the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over
-    the query heads of each GQA group. ``configs`` = (dQ config or None, dK/dV config) picks
-    the path (None: atomic dQ); by default ``default_bwd_configs`` does, never atomics when
-    ``opts.deterministic``.
+    the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the query heads of each GQA group.
     """
     varlen = opts.varlen
     if varlen:
@@ -952,16 +905,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
     heads_kv = k.shape[-2]
-    dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device, deterministic=opts.deterministic)
-    atomic_dq = dq_cfg is None
+    dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device)
     acc = _acc_dtype(q.dtype)
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse, dtype=acc)
-    # The atomic path sums dQ in float32 (zeroed by the preprocess kernel), cast at the end.
-    dq = new_output(q.shape, dtype=torch.float32 if atomic_dq else q.dtype, device=q.device)
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq.to(q.dtype).zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
     block_d = _block_d(head_dim)
     shared = dict(softmax_scale=opts.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, **variant)
@@ -972,33 +923,26 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     num_m = cdiv(max(seqlen_q, 1), 64)
     _attn_bwd_preprocess_kernel[(num_m * batch * num_heads,)](
-        out, dout, delta, dq, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
-        *_bshd_strides(dq, varlen),
+        out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"], ZERO_DQ=atomic_dq,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
-    if not atomic_dq:
-        num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
-        _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
-            q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
-            num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
-        )
-    # Bulk (TMA) reductions into dQ need Hopper, 16-byte aligned rows and a real GPU.
-    dq_tma = atomic_dq and dkdv_cfg.use_tma and has_tma(q.device) and tma_compatible(dq)
-    if dq_tma:
-        ensure_descriptor_allocator(q.device)
+    num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
+        q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
+        num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
+    )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
-        q, k, v, dout, dk, dv, dq, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
-        *_bshd_strides(dv, varlen), *_bshd_strides(dq, varlen), *tail,
+        q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
+        *_bshd_strides(dv, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma,
-        **shared,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
     )
-    return (dq.to(q.dtype) if atomic_dq else dq), dk, dv
+    return dq, dk, dv
 
 
 @triton.jit

@@ -79,13 +79,12 @@ def _attention_forward_impl(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
-    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     return attention_forward(q, k, v, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
 
 
 def _attention_backward_impl(
@@ -108,13 +107,12 @@ def _attention_backward_impl(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
-    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_backward
 
     return attention_backward(dout, q, k, v, out, lse, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
 
 
 _attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
@@ -125,8 +123,7 @@ _attention_backward_op = torch.library.custom_op("qflash::attention_backward", m
 
 @_attention_forward_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-      deterministic):
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
@@ -145,12 +142,11 @@ def _(dout, q, k, v, out, lse, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-     deterministic) = inputs
+     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic)
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
 
 
 def _backward(ctx, dout, dlse):
@@ -162,7 +158,7 @@ def _backward(ctx, dout, dlse):
     backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
     dq, dk, dv = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                           cu_seqlens_q, cu_seqlens_k, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 14
+    return (dq, dk, dv) + (None,) * 13
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -263,12 +259,6 @@ def _dropout(dropout_p) -> Tuple[float, int]:
     return p, seed
 
 
-def _deterministic(deterministic) -> bool:
-    """The backward pass avoids atomics when asked, here or through
-    ``torch.use_deterministic_algorithms(True)``."""
-    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-
-
 def _check_softcap(softcap) -> float:
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
@@ -331,9 +321,8 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: make the backward pass bitwise reproducible: dQ gets its own kernel
-            instead of float32 atomic adds (about a third more work). Also on under
-            ``torch.use_deterministic_algorithms(True)``. The forward is always deterministic.
+        deterministic: accepted for compatibility: forward and backward are always deterministic
+            (the backward uses no atomics; an atomic-dQ variant measured slower on the H200).
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
@@ -351,7 +340,7 @@ def flash_attn_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
-        *_dropout(dropout_p), _deterministic(deterministic),
+        *_dropout(dropout_p)
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -451,7 +440,7 @@ def flash_attn_varlen_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, *_dropout(dropout_p), _deterministic(deterministic),
+        max_seqlen_k, *_dropout(dropout_p)
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -541,7 +530,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k, *_dropout(dropout_p), _deterministic(False),
+        seqlen_k, *_dropout(dropout_p)
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out
