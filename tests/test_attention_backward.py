@@ -4,6 +4,8 @@ Runs the real Triton kernels in the interpreter on a CPU (fp16, fp32, fp64) and 
 ``gpu``-marked sweep on the H200 (fp16, bf16).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -174,6 +176,31 @@ def test_bad_dout_and_mask_gradient():
     mask = torch.randn(8, 8, device=DEVICE).half().requires_grad_()
     with pytest.raises(NotImplementedError, match="attn_mask"):
         qflash.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+
+
+@pytest.mark.parametrize("which", ["dq", "dkdv", "both"])
+def test_descriptor_loads(which, monkeypatch):
+    """Streamed tiles through tensor descriptors (Hopper's copy engine; the interpreter runs them
+    too): ragged lengths, a head dim that is not a power of two, GQA, windows and varlen."""
+    import qflash.kernels.attention as kernels
+
+    base = kernels.default_bwd_configs
+
+    def configs(*args, **kwargs):
+        dq_cfg, dkdv_cfg = base(*args, **kwargs)
+        return (dataclasses.replace(dq_cfg, use_tma=which in ("dq", "both")),
+                dataclasses.replace(dkdv_cfg, use_tma=which in ("dkdv", "both")))
+
+    monkeypatch.setattr(kernels, "default_bwd_configs", configs)
+    check_flash_grads(2, 113, 203, 4, 2, 40, causal=True)
+    check_flash_grads(1, 70, 33, 2, 1, 64, window_size=(9, 2))
+    lens_q, lens_k = [1, 37, 0, 20], [5, 29, 9, 20]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    inputs = _leaves((sum(lens_q), 2, 32), (sum(lens_k), 1, 32), (sum(lens_k), 1, 32), dtype=torch.float16)
+    check_grads(lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 37, 29, causal=True),
+                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
+                                                             reorder_ops=not upcast)[0], inputs)
 
 
 # ----------------------------------------------------------------------------------------------

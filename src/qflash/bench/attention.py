@@ -296,20 +296,20 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
     return rows
 
 
-# Backward tiles, (block_m, block_n, num_warps, num_stages): the dQ kernel keeps block_m query
-# rows and streams keys, the dK/dV kernel keeps block_n keys and streams query rows.
-# dK/dV tiles of 32 query rows with 3 stages are left out: on the H200 (Triton 3.6) they gave
-# dK errors of 0.04-0.3 where every other shape is within the flash-attn rule
-# (benchmarks/results/gpu_tests_h200_2026-11-29_s3a.log).
-# D = 256: products of 64 rows a warpgroup (Hopper's wgmma needs them; the 32-row tiles of the
-# first defaults, kept as runner-ups, compile to mma.sync), chosen from offline ptxas reports.
+# Backward tiles, (block_m, block_n, num_warps, num_stages[, use_tma]): the dQ kernel keeps
+# block_m query rows and streams K/V, the dK/dV kernel keeps block_n keys and streams Q/dO;
+# use_tma loads the streamed tiles through tensor descriptors. The earlier rounds' grids
+# (attention_bwd_tiles_*.json) chose the pointer defaults; here each default runs beside its
+# descriptor twin. Left out for good: dK/dV tiles of 32 query rows with 3 stages (dK errors of
+# 0.04-0.3 on the H200, gpu_tests_h200_2026-11-29_s3a.log) and, at D = 256, 32-row tiles
+# (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup).
 BWD_TILE_GRID = {
-    64: {"dq": [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-         "dkdv": [(64, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]},
-    128: {"dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
-          "dkdv": [(64, 64, 4, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2)]},
-    256: {"dq": [(64, 64, 8, 2), (32, 64, 8, 1)],
-          "dkdv": [(128, 64, 8, 1), (32, 64, 8, 1)]},
+    64: {"dq": [(64, 64, 4, 3, True), (64, 64, 4, 3), (128, 64, 8, 2, True)],
+         "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True)]},
+    128: {"dq": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 2, True)],
+          "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True)]},
+    256: {"dq": [(64, 64, 8, 2, True), (64, 64, 8, 2)],
+          "dkdv": [(128, 64, 8, 1, True), (128, 64, 8, 1)]},
 }
 
 

@@ -188,7 +188,9 @@ def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
              TRANSPOSE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, USE_TMA: tl.constexpr):
     """The K or V tile of keys [start_n, start_n + BLOCK_N): [BLOCK_N, BLOCK_D], or
-    [BLOCK_D, BLOCK_N] when TRANSPOSE (K, so that q @ k is the product)."""
+    [BLOCK_D, BLOCK_N] when TRANSPOSE (K, so that q @ k is the product). ``ptrs`` point at
+    the tile of the first block; ``cols`` are the tile's key indices. The backward pass loads
+    its streamed Q / dO tiles (rows instead of keys) the same way."""
     if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
         t = desc.load([start_n, 0])
         if TRANSPOSE:
@@ -198,12 +200,13 @@ def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
             key_ok, dim_ok = cols[None, :] < seqlen_k, d_ok[:, None]
         else:  # keys along rows
             key_ok, dim_ok = cols[:, None] < seqlen_k, d_ok[None, :]
+        ptrs += tl.cast(start_n, tl.int64) * stride_s  # int64: one sequence may pass 2^31 elements
         if MASKED:
-            t = tl.load(ptrs + start_n * stride_s, mask=key_ok & dim_ok, other=0.0)
+            t = tl.load(ptrs, mask=key_ok & dim_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
-            t = tl.load(ptrs + start_n * stride_s, mask=dim_ok, other=0.0)
+            t = tl.load(ptrs, mask=dim_ok, other=0.0)
         else:
-            t = tl.load(ptrs + start_n * stride_s)
+            t = tl.load(ptrs)
     return t
 
 
@@ -642,18 +645,20 @@ def _attn_bwd_p_ds(
 
 @triton.jit
 def _attn_bwd_dq_tile(
-    dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+    dq, q, do, lse_log2, delta, k_desc, v_desc, k_ptrs, v_ptrs, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
     start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One K/V tile of the dQ sum: dq += dS @ K."""
     cols = start_n + offs_n  # [BLOCK_N]
-    kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+    d_ok = offs_d < HEAD_DIM
+    k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                 MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+    v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                 MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
     p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
                            seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
                            slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
@@ -664,20 +669,23 @@ def _attn_bwd_dq_tile(
 
 @triton.jit
 def _attn_bwd_dkdv_tile(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
+    dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
     bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
     window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
     rows = start_m + offs_m  # [BLOCK_M]
     row_ok = rows < seqlen_q
-    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    r64 = rows[:, None].to(tl.int64)
-    q = tl.load(q_base + r64 * stride_qs + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
-    do = tl.load(do_base + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_D]
+    d_ok = offs_d < HEAD_DIM
+    # Row blocks, even the unmasked ones, may run past seqlen_q: pointer loads always take the
+    # bound mask (descriptors zero-fill by themselves).
+    q = _load_kv(q_desc, q_ptrs, stride_qs, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
+                 True, USE_TMA)  # [BLOCK_M, BLOCK_D]
+    do = _load_kv(do_desc, do_ptrs, stride_dos, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
+                  True, USE_TMA)  # [BLOCK_M, BLOCK_D]
     # Rows past the end get lse = +inf: p = 0, so they add nothing.
     lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
     lse_log2 = lse * tl.full([], RCP_LN2, lse.dtype)  # [BLOCK_M]; the constant as precise as lse
@@ -710,6 +718,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -745,6 +754,16 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)  # [BLOCK_M]
     k_base = K + b64 * stride_kb + h_kv * stride_kh + k_start * stride_ks
     v_base = V + b64 * stride_vb + h_kv * stride_vh + k_start * stride_vs
+    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    if USE_TMA:  # bounds of this sequence: the copy engine zero-fills partial tiles
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_base
+        v_desc = v_base
     bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
     if HAS_ALIBI:
         slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
@@ -763,11 +782,11 @@ def _attn_bwd_dq_kernel(
             if part == 1:
                 start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _attn_bwd_dq_tile(
-                dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
-                start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale,
-                softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                HEAD_DIM, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                DOT_PRECISION)
+                dq, q, do, lse_log2, delta, k_desc, v_desc, k_ptrs, v_ptrs, stride_ks, stride_vs, bias_base,
+                stride_bm, stride_bn, start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left,
+                window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                DOT_PRECISION, USE_TMA)
     dq *= softmax_scale
     tl.store(dQ + b64 * stride_dqb + h * stride_dqh + r64 * stride_dqs + offs_d[None, :],
              dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -792,6 +811,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -831,6 +851,16 @@ def _attn_bwd_dkdv_kernel(
         h = h_kv * kv_group + g
         q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs
         do_base = dOut + b64 * stride_dob + h * stride_doh + q_start * stride_dos
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
+        do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
+        if USE_TMA:  # bounds of this sequence: the copy engine zero-fills rows past seqlen_q
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_dos, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            q_desc = q_base
+            do_desc = do_base
         l_base = b64 * stride_lb + h * stride_lh + q_start * stride_ls
         bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
         if HAS_ALIBI:
@@ -847,12 +877,12 @@ def _attn_bwd_dkdv_kernel(
                 if part == 1:
                     start_m = tl.multiple_of(start_m, BLOCK_M)
                 dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + l_base, Delta + l_base, stride_qs, stride_dos, stride_ls,
-                    bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
-                    window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
-                    rng_row0, rng_cols,
-                    HEAD_DIM, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                    DOT_PRECISION)
+                    dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
+                    stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
+                    seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
+                    dropout_p, dropout_seed, rng_row0, rng_cols,
+                    HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                    HAS_DROPOUT, DOT_PRECISION, USE_TMA)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -866,6 +896,7 @@ class AttnBwdConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -880,13 +911,16 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
+    # Tensor descriptors for the streamed tiles (Hopper): their address arithmetic leaves the
+    # registers, and ptxas's spills drop (dK/dV at D = 128: 716 -> 180 bytes a thread).
+    tma = has_tma(device)
     if block_d > 128:
         # Products of 64 rows a warpgroup, which Hopper's wgmma needs (the 32-row tiles used
         # before compiled to mma.sync): 104-116 -> 167-239 TFLOP/s (attention_bwd_tiles_*_s5).
-        return AttnBwdConfig(64, 64, 8, 2), AttnBwdConfig(128, 64, 8, 1)
+        return AttnBwdConfig(64, 64, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma)
     if block_d <= 64:  # square 64 x 64 tiles, 3 stages: dK/dV +49% over (64, 128, 8 warps) at 8k
-        return AttnBwdConfig(64, 64, 4, 3), AttnBwdConfig(64, 64, 4, 3)
-    return AttnBwdConfig(64, 64, 4, 2), AttnBwdConfig(64, 64, 4, 2)
+        return AttnBwdConfig(64, 64, 4, 3, tma), AttnBwdConfig(64, 64, 4, 3, tma)
+    return AttnBwdConfig(64, 64, 4, 2, tma), AttnBwdConfig(64, 64, 4, 2, tma)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -927,12 +961,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
+    tma_ok = tma_compatible(q, k, v, dout)
+    if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
+        ensure_descriptor_allocator(q.device)
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok, **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
@@ -940,7 +977,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         *_bshd_strides(dv, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
+        **shared,
     )
     return dq, dk, dv
 
