@@ -847,7 +847,10 @@ def _attn_bwd_dkdv_kernel(
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for g in range(kv_group):
+    # num_stages=1: the pipeliner must leave this loop alone. When the query loops below fold
+    # away (seqlen_q specialized to 1), it becomes the innermost loop, and the pipeliner cannot
+    # predicate the descriptor creation inside it.
+    for g in tl.range(kv_group, num_stages=1):
         h = h_kv * kv_group + g
         q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qs
         do_base = dOut + b64 * stride_dob + h * stride_doh + q_start * stride_dos
