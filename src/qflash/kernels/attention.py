@@ -718,7 +718,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -727,15 +727,8 @@ def _attn_bwd_dq_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    if HEAVY_FIRST:
-        # Causal-like masks: the last row blocks see the most keys; launch them first, across
-        # every head, so the last wave is made of cheap blocks (as the forward does).
-        num_bh = tl.num_programs(0) // num_m_blocks
-        m_block = num_m_blocks - 1 - pid // num_bh
-        bh = pid % num_bh
-    else:
-        m_block = pid % num_m_blocks
-        bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
     h_kv = h // kv_group
@@ -818,7 +811,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -829,14 +822,8 @@ def _attn_bwd_dkdv_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    if HEAVY_FIRST:
-        # Causal-like masks: the first key blocks are seen by the most rows; launch them first.
-        num_bh = tl.num_programs(0) // num_n_blocks
-        n_block = pid // num_bh
-        bh = pid % num_bh
-    else:
-        n_block = pid % num_n_blocks
-        bh = pid // num_n_blocks
+    n_block = pid % num_n_blocks
+    bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
     q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
@@ -985,8 +972,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-        HEAVY_FIRST=opts.window_right >= 0, **shared,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok, **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
@@ -995,7 +981,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        HEAVY_FIRST=opts.window_right >= 0, **shared,
+        **shared,
     )
     return dq, dk, dv
 
