@@ -184,6 +184,20 @@ def _scores_log2(
 
 
 @triton.jit
+def _tile_source(base, num_rows, stride_s, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """What ``_load_kv`` reads [BLOCK_R, BLOCK_D] tiles of a (rows, HEAD_DIM) plane through: a
+    tensor descriptor bounded by this sequence's ``num_rows`` (the copy engine zero-fills past
+    them and clips partial stores), or, without descriptors, the plane's base pointer."""
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[num_rows, HEAD_DIM], strides=[stride_s, 1],
+                                        block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
 def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
              TRANSPOSE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, USE_TMA: tl.constexpr):
@@ -339,19 +353,10 @@ def _attn_fwd_kernel(
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-    if USE_TMA:
-        # Tensor descriptors of this (batch, head): the bounds are the sequence's own,
-        # so the copy engine pads partial tiles with zeros and clips partial stores.
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        q_desc = q_base
-        k_desc = k_base
-        v_desc = v_base
+    # Tensor descriptors of this (batch, head) when USE_TMA, else the base pointers.
+    q_desc = _tile_source(q_base, seqlen_q, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+    k_desc = _tile_source(k_base, seqlen_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    v_desc = _tile_source(v_base, seqlen_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh  # this (batch, head)'s mask plane
     if HAS_ALIBI:
         slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
@@ -392,8 +397,7 @@ def _attn_fwd_kernel(
     row_ok = rows < seqlen_q
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
     if USE_TMA:
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
+        o_desc = _tile_source(o_base, seqlen_q, stride_os, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
     else:
         o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :]
@@ -756,14 +760,8 @@ def _attn_bwd_dq_kernel(
     v_base = V + b64 * stride_vb + h_kv * stride_vh + k_start * stride_vs
     k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-    if USE_TMA:  # bounds of this sequence: the copy engine zero-fills partial tiles
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_desc = k_base
-        v_desc = v_base
+    k_desc = _tile_source(k_base, seqlen_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    v_desc = _tile_source(v_base, seqlen_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
     if HAS_ALIBI:
         slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
@@ -856,14 +854,8 @@ def _attn_bwd_dkdv_kernel(
         do_base = dOut + b64 * stride_dob + h * stride_doh + q_start * stride_dos
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
         do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
-        if USE_TMA:  # bounds of this sequence: the copy engine zero-fills rows past seqlen_q
-            q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D])
-            do_desc = tl.make_tensor_descriptor(do_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_dos, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
-        else:
-            q_desc = q_base
-            do_desc = do_base
+        q_desc = _tile_source(q_base, seqlen_q, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+        do_desc = _tile_source(do_base, seqlen_q, stride_dos, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         l_base = b64 * stride_lb + h * stride_lh + q_start * stride_ls
         bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
         if HAS_ALIBI:
