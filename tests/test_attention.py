@@ -445,6 +445,19 @@ def test_load_paths_varlen_and_sdpa(load_path):
     _check_sdpa(query, query.flip(2), query.flip(1), attn_mask=torch.rand(29, 29, device=DEVICE) > 0.3)
 
 
+def test_default_config_buckets(monkeypatch):
+    """The tuned table (searched on the H200) as the launcher asks for it: head-dim buckets,
+    and for D = 256 a length bucket, where short sequences load through pointers."""
+    from qflash.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "has_tma", lambda device: True)  # an H200, without one
+    cuda = torch.device("cuda")
+    cfg = lambda d, sk: kernels.default_config(d, torch.bfloat16, cuda, seqlen_k=sk)  # noqa: E731
+    assert not cfg(64, 4096).use_tma and cfg(128, 512).use_tma and cfg(128, 4096).use_tma
+    assert not cfg(256, 512).use_tma and not cfg(200, 1).use_tma
+    assert cfg(256, 513).use_tma and cfg(256, 16384).use_tma and cfg(256, None).use_tma
+
+
 def _gpu_fwd_tiles():
     """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 checks every candidate."""
     from qflash.bench.attention import TILE_GRID

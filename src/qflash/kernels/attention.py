@@ -418,8 +418,17 @@ class AttnFwdConfig:
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
 
 
-def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False) -> AttnFwdConfig:
-    """Tile shapes searched on the H200 (benchmarks/results/); small and quick to interpret on CPU."""
+# Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
+# is not paid back (512 tokens, two tile searches: 331 / 340 vs 314 / 311 TFLOP/s non-causal, 203
+# vs 182 / 183 causal); from 4k on they win (510 vs 480, 540 vs 493).
+SHORT_KEYS = 512
+
+
+def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False,
+                   seqlen_k: Optional[int] = None) -> AttnFwdConfig:
+    """Tile shapes searched on the H200 (benchmarks/results/), by head-dim bucket and, for D = 256,
+    by length bucket (``seqlen_k``: keys per sequence, the longest for varlen); small and quick to
+    interpret on CPU."""
     if device.type != "cuda":
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     hopper = has_tma(device)
@@ -430,7 +439,8 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, caus
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
-    return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper)
+    short = seqlen_k is not None and seqlen_k <= SHORT_KEYS
+    return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
 
 
 _TL_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -549,7 +559,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
         lse_shape = (batch, num_heads, seqlen_q)
-    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0)
+    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
+                                   seqlen_k=opts.max_seqlen_k if varlen else seqlen_k)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
     use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
