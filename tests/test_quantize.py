@@ -98,12 +98,65 @@ def test_saturation_zero_groups_and_nonfinite(qdtype):
     x_q, scale = qflash.quantize(x.half(), qdtype, "row")
     assert scale[1].item() == 1.0 and bool((x_q[1].float() == 0).all())
     assert math.isnan(scale[2].item()) and math.isnan(scale[3].item())
+    if qdtype == torch.int8:  # the values of a non-finite group: 0 (int8) or NaN (float8)
+        assert bool((x_q[2:4] == 0).all())
+    else:
+        assert bool(x_q[2:4].float().isnan().all())
     assert math.isfinite(scale[0].item())
     assert float(x_q[0].float().abs().max()) == qmax  # the row's absmax lands exactly on QMAX
     # A scale smaller than the data needs (a block whose max is one huge value) still saturates.
     y = torch.full((16, 16), 1000.0, device=DEVICE)
     y_q, _ = qflash.quantize(y, qdtype, "tensor")
     assert torch.isfinite(y_q.float()).all() and float(y_q.float().max()) == qmax
+
+
+def _static_case(device):
+    """Values that a static scale leaves in range, saturates on both sides (int8 must give -127,
+    never -128), exact ties of the rounding, and non-finite ones."""
+    x = torch.randn(37, 300, device=device) * 2
+    x[0, :6] = torch.tensor([1e6, -1e6, math.inf, -math.inf, math.nan, -0.0])
+    x[1, :4] = torch.tensor([0.25, 0.75, -0.25, -127.75]) * 0.02  # ties at scale 0.01 / 0.02
+    return x
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("static", [0.01, 0.02, 0.3])
+def test_static_scale_matches_reference_bitwise(qdtype, static):
+    x = _static_case(DEVICE)
+    s = torch.tensor(static, device=DEVICE)
+    before = s.clone()
+    for inp in (x, x.half(), x.bfloat16()[:, ::3]):  # dtypes and a strided view
+        with poisoned():
+            x_q, scale = qflash.quantize(inp, qdtype, "tensor", scale=s)
+        ref_q, ref_scale = quantize_ref(inp, qdtype, "tensor", scale=s)
+        assert scale.shape == () and scale.dtype == torch.float32 and float(scale) == float(ref_scale)
+        assert _same(x_q, ref_q)
+    if qdtype == torch.int8:
+        assert int(x_q.min()) == -127 and int(x_q.max()) == 127
+    assert torch.equal(s, before)  # the caller's scale is not touched
+
+
+def test_static_scale_bad_inputs():
+    x = torch.randn(8, 8, device=DEVICE)
+    one = torch.tensor(0.1, device=DEVICE)
+    cases = [
+        (lambda: qflash.quantize(x, torch.int8, "row", scale=one), ValueError, "per tensor"),
+        (lambda: qflash.quantize(x, torch.int8, "tensor", scale=0.1), TypeError, "one-element"),
+        (lambda: qflash.quantize(x, torch.int8, "tensor", scale=torch.ones(2, device=DEVICE)), TypeError,
+         "one-element"),
+        (lambda: qflash.quantize(x, torch.int8, "tensor", scale=torch.ones(1, dtype=torch.int32, device=DEVICE)),
+         TypeError, "floating-point"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+    qflash.set_debug(True)
+    try:
+        for bad in (0.0, -1.0, math.inf, math.nan):
+            with pytest.raises(ValueError, match="positive and finite"):
+                qflash.quantize(x, torch.int8, "tensor", scale=torch.tensor(bad, device=DEVICE))
+    finally:
+        qflash.set_debug(False)
 
 
 def test_dequantize_round_trip_and_sqnr():
@@ -151,6 +204,21 @@ def test_gpu_matches_reference_bitwise(qdtype, granularity, block):
     assert torch.equal(scale, ref_scale), f"{int((scale != ref_scale).sum())} scales differ"
     bad = (x_q.view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()
     assert len(bad) == 0, (len(bad), x[tuple(bad[:4].T)], x_q[tuple(bad[:4].T)], ref_q[tuple(bad[:4].T)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_gpu_static_scale_matches_reference_bitwise(qdtype):
+    """The one-pass static path through the GPU's conversions, with saturation on both sides."""
+    x = _static_case("cuda")
+    big = (torch.randn(4097, 1500, device="cuda") * 5).bfloat16()
+    for inp, s in ((x, 0.01), (x.bfloat16(), 0.02), (big, 0.03), (big[:, ::2], 0.5)):
+        s = torch.tensor(s, device="cuda")
+        x_q, scale = qflash.quantize(inp, qdtype, "tensor", scale=s)
+        ref_q, ref_scale = quantize_ref(inp, qdtype, "tensor", scale=s)
+        assert torch.equal(scale, ref_scale)
+        bad = (x_q.view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()
+        assert len(bad) == 0, (len(bad), inp[tuple(bad[:4].T)], x_q[tuple(bad[:4].T)], ref_q[tuple(bad[:4].T)])
 
 
 @pytest.mark.gpu

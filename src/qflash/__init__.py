@@ -18,7 +18,7 @@ _LAZY = {
     "flash_attn_varlen_kvpacked_func": "qflash.ops.attention",
     "flash_attn_varlen_qkvpacked_func": "qflash.ops.attention",
     "sdpa": "qflash.ops.attention",
-    "set_debug": "qflash.ops.attention",
+    "set_debug": "qflash.ops.common",
     "quantize": "qflash.ops.quantize",
     "dequantize": "qflash.ops.quantize",
     "int8_matmul": "qflash.ops.matmul",

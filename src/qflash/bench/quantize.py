@@ -31,6 +31,7 @@ from qflash.bench.harness import (
     run_as_script,
     time_ms,
 )
+from qflash.reference.quantize import QMAX
 
 # name: (dtype, A granularity, A block, B granularity, B block, matmul)
 SCHEMES = {
@@ -98,6 +99,10 @@ def bandwidth_rows(shapes, dtype=torch.bfloat16) -> List[dict]:
         for name, (qdtype, ga, ba, _, _, _) in SCHEMES.items():
             rows.append(_bandwidth_row(lambda: qflash.quantize(x, qdtype, ga, ba), x, graph=True,
                                        shape=f"{m}x{k}", scheme=name))
+            if ga == "tensor":  # the same with a static scale: one read instead of two
+                s = x.abs().amax().float() / QMAX[qdtype]
+                rows.append(_bandwidth_row(lambda: qflash.quantize(x, qdtype, ga, scale=s), x, graph=True,
+                                           shape=f"{m}x{k}", scheme=f"{name}, static scale"))
     return rows
 
 

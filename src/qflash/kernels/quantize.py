@@ -5,7 +5,8 @@ in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get
 scale from that tile and are quantized from the same registers: one read, one write.
 Longer rows, and columns, are swept twice (absmax, then quantize; the second read
 mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a small
-kernel writes one partial maximum per tile and PyTorch reduces those few values.
+kernel writes one partial maximum per tile and PyTorch reduces those few values
+(a static per-tensor scale, given by the caller, skips that pass).
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
@@ -125,12 +126,16 @@ def _round_to_float8(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr,
-                    EMULATE_CASTS: tl.constexpr):
-    """Store saturate(round(x * inv)) for a float32 tile x, inv = QMAX / absmax of its group."""
+                    EMULATE_CASTS: tl.constexpr, OWN_ABSMAX: tl.constexpr = True):
+    """Store saturate(round(x * inv)) for a float32 tile x: inv = QMAX / absmax of its group
+    (OWN_ABSMAX), or the reciprocal of a static scale, which any value may exceed."""
     y = x * inv
     if OUT == tl.int8 and not EMULATE_CASTS:
-        # No clamp needed: |x| <= absmax, so |x * inv| <= 127 * (1 + 2^-23) rounds to <= 127,
-        # and a non-finite group (inv = NaN) converts to 0.
+        # With the group's own absmax no clamp is needed: |x * inv| <= 127 * (1 + 2^-23) rounds
+        # to <= 127, and a non-finite group (inv = NaN) converts to 0. A static scale needs the
+        # clamp (the conversion saturates at -128, not -127); NaN passes through it to 0.
+        if not OWN_ABSMAX:
+            y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
         q = _to_int8_rne(y)
     elif OUT == tl.int8:
         y = tl.where(y == y, y, 0.0)  # NaN (a non-finite group) -> 0
@@ -139,7 +144,11 @@ def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl
         # Saturate; comparisons with NaN are false, so NaN passes through unchanged.
         y = tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
         if EMULATE_CASTS:  # e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 and 2^-14
-            q = (_round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)).to(OUT)
+            r = _round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)
+            # The interpreter casts NaN to a finite value: put the formats' NaN back, 0x7F with
+            # the sign bit of the float32 NaN (as PyTorch's conversion keeps it).
+            nan = tl.where(r.to(tl.int32, bitcast=True) < 0, -1, 127).to(tl.int8).to(OUT, bitcast=True)
+            q = tl.where(r == r, r.to(OUT), nan)
         else:
             q = y.to(OUT, fp_downcast_rounding="rtne")
     ok = (rows[:, None] < M) & (cols[None, :] < N)
@@ -152,6 +161,7 @@ def _quantize_kernel(
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_CASTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
+    STATIC_SCALE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -203,12 +213,17 @@ def _quantize_kernel(
             x = _load_tile(X, m + offs_m, cols, M, N, stride_xm, stride_xn)
             _quantize_store(Xq, m + offs_m, cols, x, inv[None, :], M, N, stride_qm, stride_qn, QMAX, OUT,
                             EMULATE_CASTS)
-    else:  # one scale, from the absmax of the whole tensor (found beforehand)
-        scale, inv = _scale_of(tl.load(Amax), QMAX)
+    else:  # one scale for the tensor
+        if STATIC_SCALE:  # the caller's (Amax points at it): one pass, no absmax
+            scale = tl.load(Amax)
+            inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+        else:  # from the absmax of the whole tensor (found beforehand)
+            scale, inv = _scale_of(tl.load(Amax), QMAX)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(Scale, scale)
         x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
-        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_CASTS)
+        _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_CASTS,
+                        not STATIC_SCALE)
 
 
 @triton.jit
@@ -230,19 +245,24 @@ def _tile(m: int, n: int, group_m: int, group_n: int, elems: int) -> Tuple[int, 
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
-             *, tile_elems: int = TILE_ELEMS, num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             *, scale: Optional[torch.Tensor] = None, tile_elems: int = TILE_ELEMS,
+             num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
 
-    ``tile_elems`` and ``num_warps`` size the programs of the one-load paths (the
-    benchmark's tile search varies them; the defaults suit the H200).
+    ``scale``: a validated one-element float32 tensor, the static per-tensor scale (granularity
+    "tensor" only): one pass instead of an absmax pass and a quantize pass. ``tile_elems`` and
+    ``num_warps`` size the programs of the one-load paths (the benchmark's tile search varies
+    them; the defaults suit the H200).
     """
     m, n = x.shape
     qmax = QMAX[dtype]
     x_q = new_output((m, n), dtype=dtype, device=x.device)
     shapes = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}
     scale_shape = shapes.get(granularity) or (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
-    scale = new_output(scale_shape, dtype=torch.float32, device=x.device)
+    static_scale, scale = scale, new_output(scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
+        if static_scale is not None:
+            scale.copy_(static_scale.reshape(1, 1))
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
     if granularity == "row" and n > MAX_TILE_N:
         group, bm, bn, gm, gn = GROUP_ROW_SWEEP, 4, 1024, 1, 1
@@ -250,11 +270,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         group, bm, bn, gm, gn = GROUP_COLUMN_SWEEP, 64, 64, 1, 1
     elif granularity == "tensor":
         bm, bn = _tile(m, n, 1, 1, tile_elems)
-        grid = (cdiv(m, bm), cdiv(n, bn))
-        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
-        _absmax_partials_kernel[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-                                      num_warps=8)
-        amax = partials.amax()  # +inf when any element is NaN or inf
+        if static_scale is None:
+            grid = (cdiv(m, bm), cdiv(n, bn))
+            partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+            _absmax_partials_kernel[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                                          num_warps=8)
+            amax = partials.amax()  # +inf when any element is NaN or inf
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
         gm, gn = (1, next_power_of_2(n)) if granularity == "row" else tuple(block_size)
@@ -263,10 +284,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     warps = TILE_WARPS if group in (GROUP_TILED, GROUP_TENSOR) else 8  # sweeps: 4096-element tiles
     grid = (cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
             cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
+    per_tensor = static_scale if static_scale is not None else amax if group == GROUP_TENSOR else scale
     _quantize_kernel[grid](
-        x, x_q, scale, amax if group == GROUP_TENSOR else scale, m, n,
+        x, x_q, scale, per_tensor, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, num_warps=num_warps or warps,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static_scale is not None,
+        num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale

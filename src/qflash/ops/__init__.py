@@ -8,8 +8,8 @@ from qflash.ops.attention import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
     sdpa,
-    set_debug,
 )
+from qflash.ops.common import set_debug
 
 __all__ = [
     "flash_attn_func",

@@ -25,12 +25,11 @@ kernel from a counter-based generator and regenerates it in the backward pass.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, require_runnable, require_tensor
 
 __all__ = [
     "flash_attn_func",
@@ -40,19 +39,10 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "sdpa",
-    "set_debug",
 ]
 
 MAX_HEADDIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: for gradient checks
-_DEBUG = [os.environ.get("QFLASH_DEBUG", "") not in ("", "0")]
-
-
-def set_debug(enabled: bool = True) -> None:
-    """Also validate tensor *contents* (cu_seqlens), at the cost of a host sync per call."""
-    _DEBUG[0] = bool(enabled)
-
-
 # ----------------------------------------------------------------------------------------------
 # Launch paths. The launchers are reached two ways that share one forward, one setup_context and
 # one backward function:
@@ -381,7 +371,7 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: 
         raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {batch + 1}: they must match")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, expected {device}")
-    if _DEBUG[0]:  # contents: a host sync, so only on request
+    if debug_enabled():  # contents: a host sync, so only on request
         c = cu.cpu().long()
         if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {c.tolist()}")
@@ -429,7 +419,7 @@ def flash_attn_varlen_func(
     max_seqlen_q = int(max_seqlen_q)
     if max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
-    if _DEBUG[0]:
+    if debug_enabled():
         for name, cu, given in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k,
                                                                                int(max_seqlen_k))):
             longest = int((cu[1:] - cu[:-1]).max())

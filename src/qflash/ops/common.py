@@ -7,6 +7,18 @@ import os
 import torch
 
 
+_DEBUG = [os.environ.get("QFLASH_DEBUG", "") not in ("", "0")]
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Also validate tensor *contents* (cu_seqlens, static scales), at the cost of a host sync per call."""
+    _DEBUG[0] = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _DEBUG[0]
+
+
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 

@@ -12,15 +12,20 @@ Rounding: int8 rounds to nearest, ties to even (as torch.round), and saturates a
 float8 rounds to nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
 An all-zero group gets scale 1. A group holding NaN or inf gets scale NaN (its int8
 values are 0, its float8 values NaN), so the problem survives dequantization.
+
+Static per-tensor scales: ``quantize(x, dtype, "tensor", scale=s)`` takes a scale fixed
+beforehand (calibration, a delayed-scaling history) and skips the absmax pass, so the input is
+read once. Values beyond ``QMAX * s`` saturate; NaN values become 0 (int8) or NaN (float8).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, require_runnable, require_tensor
 from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale
 
 __all__ = ["quantize", "dequantize"]
@@ -40,7 +45,8 @@ def _check_block(block_size) -> Tuple[int, int]:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str = "row",
-             block_size: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             block_size: Optional[Sequence[int]] = None, *,
+             scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float tensor in one fused pass per group (absmax, scale, round, cast).
 
     Args:
@@ -48,6 +54,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
         dtype: torch.int8, torch.float8_e4m3fn or torch.float8_e5m2.
         granularity: "tensor", "row", "column" or "block" (see the module docstring).
         block_size: (bm, bn) powers of two, only with granularity "block".
+        scale: a static per-tensor scale (one-element float tensor on x's device), only with
+            granularity "tensor": no absmax is taken, ``x_q = saturate(round(x / scale))``.
+            It must be positive and finite; ``qflash.set_debug(True)`` checks the value (a
+            host sync), otherwise a bad one gives NaN (float8) or 0 (int8) values.
 
     Returns:
         (x_q, scale): x_q (M, N) in ``dtype``; scale float32 shaped as listed above,
@@ -62,10 +72,28 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if (granularity == "block") != (block_size is not None):
         raise ValueError("block_size is required with granularity='block' and only then")
+    if scale is not None:
+        scale = _check_static_scale(scale, granularity, x.device)
     require_runnable("x", x)
     from qflash.kernels.quantize import quantize as launch
 
-    return launch(x, dtype, granularity, _check_block(block_size) if block_size is not None else None)
+    return launch(x, dtype, granularity, _check_block(block_size) if block_size is not None else None, scale=scale)
+
+
+def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
+    if granularity != "tensor":
+        raise ValueError(f"a static scale is per tensor: pass granularity='tensor', got {granularity!r}")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.numel() != 1:
+        raise TypeError(f"scale must be a one-element floating-point tensor, got "
+                        f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}"
+                        f"{' ' + str(scale.dtype) if isinstance(scale, torch.Tensor) else ''}")
+    if scale.device != device:
+        raise ValueError(f"scale is on {scale.device}, expected x's device {device}")
+    if debug_enabled():  # the value: a host sync, so only on request
+        value = float(scale)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"scale must be positive and finite, got {value}")
+    return scale.reshape(1).to(torch.float32)
 
 
 def dequantize(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",

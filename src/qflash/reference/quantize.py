@@ -15,6 +15,10 @@ element by the group's inverse scale, as fast kernels do) and ``x ~ x_q * scale`
 
 Scales are float32, shaped to broadcast against the input after expansion:
 tensor () ; row (M, 1) ; column (1, N) ; block (ceil(M/bm), ceil(N/bn)).
+
+Static per-tensor scale (``scale`` given, e.g. from calibration): no absmax is taken;
+``x_q = saturate(round(x * (1 / scale)))`` with the same rounding and saturation, and the
+given scale is returned. NaN inputs give 0 (int8) or NaN (float8), +-inf saturates.
 """
 
 from __future__ import annotations
@@ -56,10 +60,14 @@ def _group_absmax(x: torch.Tensor, granularity: str, block_size) -> torch.Tensor
 
 
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
-                 block_size: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 block_size: Optional[Sequence[int]] = None,
+                 scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric quantization of a 2-D tensor; returns (x_q, scale) as described above."""
     x = x.detach().to(torch.float32)
     qmax = QMAX[dtype]
+    if scale is not None:  # static, per tensor: one IEEE reciprocal, then the same rounding
+        scale = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        return _round_saturate(x * (torch.ones_like(scale) / scale), dtype, qmax), scale.clone()
     amax = _group_absmax(x, granularity, block_size)
     # Tensor / tensor divisions: IEEE on every device (PyTorch's CUDA division by a Python
     # number multiplies by its reciprocal instead, which can differ in the last bit).
@@ -70,13 +78,16 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
                         block_size) > 0
     scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
     inv = torch.where(bad, torch.full_like(inv, math.nan), inv)
-    y = (x * expand_scale(inv, x.shape, granularity, block_size)).clamp(-qmax, qmax)
+    return _round_saturate(x * expand_scale(inv, x.shape, granularity, block_size), dtype, qmax), \
+        scale.to(torch.float32)
+
+
+def _round_saturate(y: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
+    y = y.clamp(-qmax, qmax)  # NaN stays NaN
     if dtype == torch.int8:
         y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
-        q = torch.round(y).to(torch.int8)  # ties to even
-    else:
-        q = y.to(dtype)
-    return q, scale.to(torch.float32)
+        return torch.round(y).to(torch.int8)  # ties to even
+    return y.to(dtype)
 
 
 def dequantize_ref(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
