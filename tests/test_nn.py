@@ -78,6 +78,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match=r"expected input \(..., 16\)"):
         with torch.no_grad():
             q(torch.randn(4, 15, device=DEVICE))
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        with torch.no_grad():
+            q(torch.randn(4, 16, device=DEVICE, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="inference"):
         q(torch.randn(4, 16, device=DEVICE, requires_grad=True))
     assert qflash.quantize_model is quantize_model and qflash.nn.QuantizedLinear is QuantizedLinear

@@ -16,9 +16,12 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from qflash.ops.common import require_runnable
+
 __all__ = ["QuantizedLinear", "quantize_model"]
 
 MODES = ("int8", "fp8")
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN_LINEARS = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
@@ -70,18 +73,26 @@ class QuantizedLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import qflash
+        from qflash.kernels.matmul import scaled_matmul
+        from qflash.kernels.quantize import quantize as quantize_launch
 
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("QuantizedLinear is for inference: call it under torch.no_grad() or inference_mode()")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected input (..., {self.in_features}), got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input (..., {self.in_features}), got {getattr(x, 'shape', type(x).__name__)}")
+        if x.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"input must be float16, bfloat16 or float32, got {x.dtype}")
+        if x.device != self.weight_q.device:
+            raise ValueError(f"input is on {x.device} but the layer is on {self.weight_q.device}")
+        require_runnable("x", x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        # Straight to the launchers: the public ops would re-validate the layer's own buffers
+        # (checked when made or loaded) on every call, which costs as much as a short kernel.
         qdtype, granularity, block = _activation_recipe(self.mode)
-        x_q, x_scale = qflash.quantize(x2, qdtype, granularity, block)
-        matmul = qflash.int8_matmul if self.mode == "int8" else qflash.fp8_matmul
-        y = matmul(x_q, self.weight_q, x_scale, self.weight_scale, bias=self.bias, out_dtype=x.dtype)
+        x_q, x_scale = quantize_launch(x2, qdtype, granularity, block)
+        scales = "row" if self.mode == "int8" else "block"
+        y = scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, x.dtype, scales)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
