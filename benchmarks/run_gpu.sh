@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [bwd] [train] [matmul]
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
@@ -40,6 +40,10 @@ for stage in "${stages[@]}"; do
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
     short)  timeout 200 python3 -m qflash.cli bench attention --providers qflash,sdpa_cudnn,sdpa_flash --graph \
               --seqlens 512,1024,2048 --out "$OUT/attention_fwd_short.json" 2>&1 | tail -n 30 ;;
+    gluon)  timeout 150 python3 -m pytest tests/test_attention_gluon.py -m gpu -q -p no:cacheprovider -n 8 2>&1 \
+              | tee "$OUT/gpu_tests_gluon.log" | tail -n 15
+            timeout 150 python3 -m qflash.cli bench attention --providers qflash,qflash_gluon,sdpa_cudnn,sdpa_flash \
+              --causal false --head-dims 64,128 --seqlens 1024,4096,16384 --out "$OUT/attention_fwd_gluon.json" 2>&1 | tail -n 20 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
     matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
@@ -51,6 +55,6 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

@@ -93,6 +93,16 @@ def _qflash_provider(config=None):
     return make
 
 
+def _qflash_gluon(q, k, v, causal):
+    """The experimental warp-specialized Gluon kernel (Hopper; no mask yet)."""
+    if causal:
+        raise NotImplementedError("the Gluon kernel has no causal mask yet")
+    from qflash.kernels.attention_gluon import attention_forward_gluon
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: attention_forward_gluon(q, k, v, scale)[0]
+
+
 def _naive(q, k, v, causal):
     """Three steps, the N x N scores in device memory: what FlashAttention avoids."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -134,6 +144,7 @@ def _sage(q, k, v, causal):
 
 PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
+    "qflash_gluon": _qflash_gluon,
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa_provider("EFFICIENT_ATTENTION"),
