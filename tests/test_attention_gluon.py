@@ -32,6 +32,7 @@ def test_refuses_what_it_cannot_take():
         (qkv(dtype=torch.float32), TypeError, "float16 or bfloat16"),
         (qkv(d=80), ValueError, "head dim"),
         (qkv(s=200), ValueError, "multiple of 128"),
+        ([t.expand(65536, -1, -1, -1) for t in qkv(b=1, h=1)], ValueError, "65535"),
         ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError, "contiguous"),
     ]
     for args, exc, match in cases:

@@ -190,6 +190,8 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"head dim must be one of {HEAD_DIMS} here, got {head_dim}")
     if seqlen == 0 or seqlen % BLOCK_M:
         raise ValueError(f"seqlen must be a positive multiple of {BLOCK_M} here, got {seqlen}")
+    if q.shape[0] * q.shape[2] > 65535:  # batch x heads is the grid's second axis
+        raise ValueError(f"batch x heads must be at most 65535 here, got {q.shape[0] * q.shape[2]}")
     if not all(t.is_contiguous() for t in (q, k, v)):
         raise ValueError("q, k, v must be contiguous here")
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
