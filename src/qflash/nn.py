@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 
 from qflash.ops.common import require_runnable
+from qflash.ops.quantize import INPUT_DTYPES
 
 __all__ = ["QuantizedLinear", "quantize_model"]
 
 MODES = ("int8", "fp8")
-_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN_LINEARS = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
@@ -80,7 +80,7 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError("QuantizedLinear is for inference: call it under torch.no_grad() or inference_mode()")
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}), got {getattr(x, 'shape', type(x).__name__)}")
-        if x.dtype not in _INPUT_DTYPES:
+        if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"input must be float16, bfloat16 or float32, got {x.dtype}")
         if x.device != self.weight_q.device:
             raise ValueError(f"input is on {x.device} but the layer is on {self.weight_q.device}")

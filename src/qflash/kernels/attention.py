@@ -186,7 +186,7 @@ def _scores_log2(
 @triton.jit
 def _tile_source(base, num_rows, stride_s, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """What ``_load_kv`` reads [BLOCK_R, BLOCK_D] tiles of a (rows, HEAD_DIM) plane through: a
+    """What ``_load_tile`` reads [BLOCK_R, BLOCK_D] tiles of a (rows, HEAD_DIM) plane through: a
     tensor descriptor bounded by this sequence's ``num_rows`` (the copy engine zero-fills past
     them and clips partial stores), or, without descriptors, the plane's base pointer."""
     if USE_TMA:
@@ -198,25 +198,28 @@ def _tile_source(base, num_rows, stride_s, BLOCK_R: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def _load_kv(desc, ptrs, stride_s, start_n, cols, d_ok, seqlen_k,
-             TRANSPOSE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, USE_TMA: tl.constexpr):
-    """The K or V tile of keys [start_n, start_n + BLOCK_N): [BLOCK_N, BLOCK_D], or
-    [BLOCK_D, BLOCK_N] when TRANSPOSE (K, so that q @ k is the product). ``ptrs`` point at
-    the tile of the first block; ``cols`` are the tile's key indices. The backward pass loads
-    its streamed Q / dO tiles (rows instead of keys) the same way."""
-    if USE_TMA:  # the copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM
-        t = desc.load([start_n, 0])
+def _load_tile(src, ptrs, stride_s, start, idx, d_ok, bound,
+               TRANSPOSE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """The tile of rows [start, start + BLOCK) of a (rows, HEAD_DIM) plane: K or V tiles of keys
+    in the forward and dQ kernels, Q or dO tiles of query rows in the dK/dV kernel.
+
+    ``src`` is what ``_tile_source`` made (a descriptor, or the base pointer), ``ptrs`` point at
+    the first tile, ``idx`` are the tile's row indices and ``bound`` the plane's row count.
+    Returns [BLOCK, BLOCK_D], or [BLOCK_D, BLOCK] when TRANSPOSE (K, so that q @ k is the product).
+    """
+    if USE_TMA:  # the copy engine zero-fills rows past the bound and columns past HEAD_DIM
+        t = src.load([start, 0])
         if TRANSPOSE:
             t = t.T
     else:
-        if TRANSPOSE:  # keys along columns
-            key_ok, dim_ok = cols[None, :] < seqlen_k, d_ok[:, None]
-        else:  # keys along rows
-            key_ok, dim_ok = cols[:, None] < seqlen_k, d_ok[None, :]
-        ptrs += tl.cast(start_n, tl.int64) * stride_s  # int64: one sequence may pass 2^31 elements
+        if TRANSPOSE:  # rows of the plane along the tile's columns
+            row_ok, dim_ok = idx[None, :] < bound, d_ok[:, None]
+        else:
+            row_ok, dim_ok = idx[:, None] < bound, d_ok[None, :]
+        ptrs += tl.cast(start, tl.int64) * stride_s  # int64: one sequence may pass 2^31 elements
         if MASKED:
-            t = tl.load(ptrs, mask=key_ok & dim_ok, other=0.0)
+            t = tl.load(ptrs, mask=row_ok & dim_ok, other=0.0)
         elif BLOCK_D != HEAD_DIM:
             t = tl.load(ptrs, mask=dim_ok, other=0.0)
         else:
@@ -280,7 +283,7 @@ def _attn_fwd_stretch(
         if not MASKED:
             start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n  # [BLOCK_N]
-        k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+        k = _load_tile(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
                      MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _online_softmax(
@@ -288,7 +291,7 @@ def _attn_fwd_stretch(
             window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
             rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
         acc = acc * alpha[:, None]  # rescale what we already hold
-        v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+        v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                      MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
     return acc, m_i, l_i
@@ -670,9 +673,9 @@ def _attn_bwd_dq_tile(
     """One K/V tile of the dQ sum: dq += dS @ K."""
     cols = start_n + offs_n  # [BLOCK_N]
     d_ok = offs_d < HEAD_DIM
-    k = _load_kv(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+    k = _load_tile(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-    v = _load_kv(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+    v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
     p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
                            seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
@@ -697,9 +700,9 @@ def _attn_bwd_dkdv_tile(
     d_ok = offs_d < HEAD_DIM
     # Row blocks, even the unmasked ones, may run past seqlen_q: pointer loads always take the
     # bound mask (descriptors zero-fill by themselves).
-    q = _load_kv(q_desc, q_ptrs, stride_qs, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
+    q = _load_tile(q_desc, q_ptrs, stride_qs, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
                  True, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    do = _load_kv(do_desc, do_ptrs, stride_dos, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
+    do = _load_tile(do_desc, do_ptrs, stride_dos, start_m, rows, d_ok, seqlen_q, False, BLOCK_D, HEAD_DIM,
                   True, USE_TMA)  # [BLOCK_M, BLOCK_D]
     # Rows past the end get lse = +inf: p = 0, so they add nothing.
     lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))

@@ -330,7 +330,7 @@ def flash_attn_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
-        *_dropout(dropout_p)
+        *_dropout(dropout_p),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -430,7 +430,7 @@ def flash_attn_varlen_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, *_dropout(dropout_p)
+        max_seqlen_k, *_dropout(dropout_p),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -520,7 +520,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k, *_dropout(dropout_p)
+        seqlen_k, *_dropout(dropout_p),
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out

@@ -30,7 +30,7 @@ from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale
 
 __all__ = ["quantize", "dequantize"]
 
-_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what quantize (and QuantizedLinear) take
 
 
 def _check_block(block_size) -> Tuple[int, int]:
@@ -64,7 +64,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
         so that ``x ~ x_q * scale`` (broadcast; blocks via ``dequantize``).
     """
     require_tensor("x", x, 2, "(M, N)")
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if dtype not in QMAX:
         raise TypeError(f"dtype must be torch.int8, torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -77,7 +77,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
     require_runnable("x", x)
     from qflash.kernels.quantize import quantize as launch
 
-    return launch(x, dtype, granularity, _check_block(block_size) if block_size is not None else None, scale=scale)
+    return launch(x, dtype, granularity, _check_block(block_size) if block_size is not None else None,
+                  static_scale=scale)
 
 
 def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
