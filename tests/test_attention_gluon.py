@@ -1,12 +1,15 @@
-"""The experimental Gluon forward kernel (Hopper, warp-specialized): it builds for sm_90 on any
-machine, refuses what it does not take, and on the H200 meets the flash-attn rule."""
+"""The Gluon forward kernel (Hopper, warp-specialized): it builds for sm_90 on any machine, says
+which calls it does not take, and on the H200 meets the flash-attn rule against float64, with
+and without the causal mask, for GQA, seqlen_q != seqlen_k and sliced (packed) inputs; the
+public functions send it the calls it takes."""
 
 import math
 
 import pytest
 import torch
 
-from qflash.reference import attention_ref
+import qflash
+from qflash.reference import attention_ref, sdpa_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned
 
 from conftest import DEVICE
@@ -14,47 +17,108 @@ from conftest import DEVICE
 gluon = pytest.importorskip("qflash.kernels.attention_gluon")
 
 
-@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)])
-def test_builds_for_sm90(d, dtype):
+@pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
+                                            (64, torch.float16, True)])
+def test_builds_for_sm90(d, dtype, causal):
     """Compiled offline (no GPU needed): a producer warp and two consumer warpgroups whose
-    registers are rebalanced (setmaxnreg), products on wgmma, tiles through TMA."""
-    ptx = gluon.compile_for_sm90(d, dtype).asm["ptx"]
+    registers are rebalanced (setmaxnreg), products on wgmma, tiles through TMA, and an
+    occupancy of one CTA in the H200's 227 KB of shared memory."""
+    kernel = gluon.compile_for_sm90(d, dtype, causal=causal)
+    ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
 
 
-def test_refuses_what_it_cannot_take():
-    def qkv(b=1, s=128, h=2, d=64, dtype=torch.float16):
-        return [torch.randn(b, s, h, d, device=DEVICE).to(dtype) for _ in range(3)]
+def _qkv(b=1, sq=128, sk=None, h=2, hkv=None, d=64, dtype=torch.float16, device=DEVICE):
+    q = torch.randn(b, sq, h, d, device=device).to(dtype)
+    k, v = (torch.randn(b, sk or sq, hkv or h, d, device=device).to(dtype) for _ in range(2))
+    return q, k, v
 
-    q, k, v = qkv()
+
+def test_names_what_it_does_not_take():
     cases = [
-        ((q, k[:, :, :1], v[:, :, :1]), ValueError, "share one"),
-        (qkv(dtype=torch.float32), TypeError, "float16 or bfloat16"),
-        (qkv(d=80), ValueError, "head dim"),
-        (qkv(s=200), ValueError, "multiple of 128"),
-        ([t.expand(65536, -1, -1, -1) for t in qkv(b=1, h=1)], ValueError, "65535"),
-        ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError, "contiguous"),
+        (_qkv(dtype=torch.float32), "float16 or bfloat16"),
+        (_qkv(d=80), "head dim"),
+        (_qkv(sq=200), "seqlen_q must be a positive multiple of 128"),
+        (_qkv(sk=100), "seqlen_k must be a positive multiple of 128"),
+        (_qkv(h=3, hkv=2), "multiple of heads_kv"),
+        (tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv()), "q needs unit stride"),
     ]
-    for args, exc, match in cases:
-        with pytest.raises(exc, match=match):
-            gluon.attention_forward_gluon(*args, softmax_scale=0.125)
     if DEVICE == "cpu":
-        with pytest.raises(RuntimeError, match="Hopper"):
-            gluon.attention_forward_gluon(q, k, v, softmax_scale=0.125)
+        cases = [(_qkv(), "Hopper")]
+    for args, match in cases:
+        assert match in gluon.why_not(*args)
+        with pytest.raises(ValueError, match=match):
+            gluon.attention_forward_gluon(*args, softmax_scale=0.125)
+
+
+def _reference(q, k, v, causal, bottom_right, dtype):
+    """fp64 reference (out, lse or None) and PyTorch's own result in the input precision."""
+    if bottom_right or not causal:
+        ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal)
+        pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+        return ref, ref_lse, pt
+    gqa = q.shape[2] != k.shape[2]
+    t = [x.transpose(1, 2) for x in (q, k, v)]
+    ref = sdpa_ref(*[x.double() for x in t], is_causal=True, enable_gqa=gqa).transpose(1, 2)
+    pt = sdpa_ref(*t, is_causal=True, enable_gqa=gqa, upcast=False).transpose(1, 2)
+    return ref, None, pt
+
+
+GPU_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, bottom_right)
+    (2, 128, 128, 3, 3, 128, False, True),
+    (1, 1024, 1024, 4, 4, 64, False, True),
+    (2, 4224, 4224, 2, 2, 128, False, True),
+    (2, 1024, 1024, 4, 4, 128, True, True),
+    (1, 4224, 4224, 2, 2, 64, True, True),
+    (2, 384, 1152, 6, 2, 128, True, True),  # Sq < Sk: the last queries see every key
+    (2, 1152, 384, 6, 1, 64, True, True),  # Sq > Sk: the first queries see no key
+    (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last queries see every key
+    (1, 256, 640, 4, 4, 64, True, False),
+    (3, 256, 512, 8, 2, 64, False, True),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("b,s,h", [(2, 128, 3), (1, 1024, 4), (2, 4224, 2)])
-def test_gpu_matches_reference(b, s, h, d, dtype):
-    q, k, v = (torch.randn(b, s, h, d, device="cuda").to(dtype) for _ in range(3))
-    scale = 1 / math.sqrt(d)
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right", GPU_CASES)
+def test_gpu_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype):
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, dtype, "cuda")
     with poisoned():
-        out, lse = gluon.attention_forward_gluon(q, k, v, softmax_scale=scale)
+        out, lse = gluon.attention_forward_gluon(q, k, v, softmax_scale=1 / math.sqrt(d), causal=causal,
+                                                 bottom_right=bottom_right)
     assert_written(out, "out")
-    assert_written(lse, "lse")
-    ref, ref_lse = attention_ref(q.double(), k.double(), v.double())
-    pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    ref, ref_lse, pt = _reference(q, k, v, causal, bottom_right, dtype)
     assert_flash_rule(out, ref, pt)
-    assert (lse.double() - ref_lse).abs().max().item() <= 1e-4 * max(1.0, ref_lse.abs().max().item())
+    if ref_lse is not None:
+        seen = torch.isfinite(ref_lse)  # rows that see no key: lse = +inf in both
+        assert torch.equal(seen.cpu(), torch.isfinite(lse).cpu())
+        err = (lse.double() - ref_lse)[seen].abs().max().item()
+        assert err <= 1e-4 * max(1.0, ref_lse[seen].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_packed_qkv_without_copies():
+    """q, k, v sliced from one (B, S, 3, H, D) tensor: strided views the descriptors read directly."""
+    qkv = torch.randn(2, 512, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    assert gluon.why_not(q, k, v) is None
+    out, _ = gluon.attention_forward_gluon(q, k, v, softmax_scale=128 ** -0.5, causal=True)
+    ref, _, pt = _reference(q, k, v, True, True, q.dtype)
+    assert_flash_rule(out, ref, pt)
+
+
+@pytest.mark.gpu
+def test_gpu_public_functions_use_it(monkeypatch):
+    """flash_attn_func and sdpa take the Gluon kernel where it fits (same bits as calling it), and
+    the tl kernel with QFLASH_GLUON=0 (its error is within the rule too)."""
+    q, k, v = _qkv(2, 512, 512, 4, 2, 128, torch.bfloat16, "cuda")
+    fast, _ = gluon.attention_forward_gluon(q, k, v, softmax_scale=128 ** -0.5, causal=True)
+    assert torch.equal(qflash.flash_attn_func(q, k, v, causal=True), fast)
+    sd = qflash.sdpa(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True)
+    assert torch.equal(sd.transpose(1, 2), fast)
+    monkeypatch.setenv("QFLASH_GLUON", "0")
+    portable = qflash.flash_attn_func(q, k, v, causal=True)
+    assert not torch.equal(portable, fast)
+    ref, _, pt = _reference(q, k, v, True, True, q.dtype)
+    assert_flash_rule(portable, ref, pt)

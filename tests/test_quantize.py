@@ -23,7 +23,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("granularity,block", GROUPS)
 @pytest.mark.parametrize("qdtype", QDTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (70, 300), (129, 33)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 100), (70, 300), (129, 33)])
 def test_matches_reference_bitwise(shape, qdtype, granularity, block):
     x = torch.randn(shape, device=DEVICE) * 3
     with poisoned():

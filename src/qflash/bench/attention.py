@@ -94,13 +94,20 @@ def _qflash_provider(config=None):
 
 
 def _qflash_gluon(q, k, v, causal):
-    """The experimental warp-specialized Gluon kernel (Hopper; no mask yet)."""
-    if causal:
-        raise NotImplementedError("the Gluon kernel has no causal mask yet")
+    """The warp-specialized Gluon kernel alone (Hopper; what qflash uses where it fits)."""
     from qflash.kernels.attention_gluon import attention_forward_gluon
 
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return lambda: attention_forward_gluon(q, k, v, scale)[0]
+    return lambda: attention_forward_gluon(q, k, v, scale, causal=causal)[0]
+
+
+def _qflash_tl(q, k, v, causal):
+    """The portable ``tl`` kernel with its default tiles, also where the Gluon kernel would run."""
+    from qflash.kernels.attention import AttnOptions, attention_forward, default_config
+
+    opts = AttnOptions(1.0 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
+    config = default_config(q.shape[-1], q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
+    return lambda: attention_forward(q, k, v, opts, config=config)[0]
 
 
 def _naive(q, k, v, causal):
@@ -145,6 +152,7 @@ def _sage(q, k, v, causal):
 PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
     "qflash_gluon": _qflash_gluon,
+    "qflash_tl": _qflash_tl,
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa_provider("EFFICIENT_ATTENTION"),

@@ -28,6 +28,7 @@ gradients are bitwise identical from run to run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -543,6 +544,18 @@ def _variant(q, k, opts: AttnOptions):
     return pointers, bias_strides, slope_strides, kwargs
 
 
+def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions) -> bool:
+    """Whether the warp-specialized Gluon kernel (Hopper) takes this call: no mask or a causal one,
+    nothing else on top, and the shapes and strides it needs. ``QFLASH_GLUON=0`` turns it off."""
+    plain = (opts.window_left < 0 and opts.window_right in (-1, 0) and opts.softcap == 0
+             and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0)
+    if not (plain and q.is_cuda and os.environ.get("QFLASH_GLUON", "1") != "0"):
+        return False
+    from qflash.kernels.attention_gluon import why_not
+
+    return why_not(q, k, v) is None
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
                       config: Optional[AttnFwdConfig] = None):
     """Launch the forward kernel. Inputs are already validated by the public op.
@@ -550,8 +563,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     Dense: q (B, Sq, H, D), k/v (B, Sk, Hkv, D), any strides with unit last stride.
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
     Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
-    or (H, total_q) for varlen.
+    or (H, total_q) for varlen. Without an explicit ``config``, calls that the Gluon kernel
+    takes (``attention_gluon.py``: Hopper, causal or no mask, D 64/128, lengths multiple of
+    128) go there.
     """
+    if config is None and _fast_path_fits(q, k, v, opts):
+        from qflash.kernels.attention_gluon import attention_forward_gluon
+
+        return attention_forward_gluon(q, k, v, opts.softmax_scale, causal=opts.window_right == 0,
+                                       bottom_right=opts.bottom_right)
     varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape

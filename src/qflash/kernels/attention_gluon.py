@@ -1,28 +1,37 @@
-"""FlashAttention forward for Hopper in Gluon: warp-specialized, EXPERIMENTAL.
+"""FlashAttention forward for Hopper in Gluon: warp-specialized.
 
-Not used by the public ops yet: it has been built for sm_90 offline (tests/test_attention_gluon.py
-checks that it compiles on any machine) but not yet run on a GPU. The ``tl`` kernel in
-``attention.py`` stays the implementation; this is the schedule that ``tl`` cannot express on
-Hopper in Triton 3.6 (benchmarks/NOTES.md, fourth round):
+The ``tl`` kernel in ``attention.py`` is the portable implementation (every option, the
+interpreter, any GPU). This one is the fast path for the common case on Hopper, with the
+schedule that ``tl`` cannot express in Triton 3.6 (benchmarks/NOTES.md, fourth round):
 
-    one CTA = 128 query rows of one (batch, head), in three partitions
+    one work item = 128 query rows of one (batch, head); one CTA per SM takes items in turn
+    (persistent: the next item's loads overlap this item's last tiles), in three partitions
       consumer 0 (4 warps)   rows  0-63  \\  S = Q K^T and O += P V on the tensor cores (wgmma),
-      consumer 1 (4 warps)   rows 64-127 /  the online softmax in registers, while the other
-                                            warpgroup's products run
-      loader     (1 warp)    Q once, then K and V tiles into a ring of STAGES shared-memory slots
+      consumer 1 (4 warps)   rows 64-127 /  the online softmax in registers
+      loader     (1 warp)    Q once, then K and V tiles into rings of STAGES shared-memory slots
 
-    ring slot s:  loader --k_ready[s] / v_ready[s]--> consumers --kv_empty[s] (both)--> loader
+    ring slot s:  loader --k_ready[s]--> consumers --k_empty[s] (both)--> loader   (same for V)
+
+Each consumer overlaps its own work (FlashAttention-3's intra-warpgroup pipelining): while the
+softmax of key tile j runs on the CUDA cores, the tensor cores compute P_{j-1} V_{j-1}:
+
+    issue S_j = Q K_j^T  |  issue O += P_{j-1} V_{j-1}  |  wait S_j  |  softmax(S_j) -> P_j
+    |  wait O  |  O *= exp(m_old - m_new)
 
 The loader needs few registers (setmaxnreg gives it 24), so each consumer can hold its 64 x D
-float32 accumulator, the 64 x BLOCK_N scores and the bf16 probabilities without spilling.
+float32 accumulator, the 64 x BLOCK_N scores of tile j and the probabilities of tile j - 1
+without spilling.
 
-Scope for now: no mask (not causal, no window), dense contiguous (batch, seqlen, heads, headdim)
-inputs, float16 / bfloat16, head dim 64 or 128, seqlen a multiple of 128, as many K/V heads as
-query heads. The launcher refuses anything else with a clear error.
+Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom-right, 0
+top-left); float16 / bfloat16; head dim 64 or 128; seqlen_q and seqlen_k multiples of 128;
+MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
+has unit column stride (contiguous, or sliced from a packed qkv). ``supports`` says whether a
+call fits; ``attention_forward`` in ``attention.py`` sends it here when it does.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
@@ -42,7 +51,9 @@ from qflash.testing import new_output
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
 SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_M = 2 * SUB_M  # query rows a CTA owns
+BLOCK_N = 128  # keys a tile
 HEAD_DIMS = (64, 128)
+MAX_ITEMS = 2**31 - 1  # work items (batch x heads x query blocks) are counted in int32
 
 
 # Row reductions written out: gl.max / gl.sum are triton.jit functions, which Triton's
@@ -58,35 +69,111 @@ def _add(a, b):
 
 
 @gluon.jit
-def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty,
-                     seqlen, num_heads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the CTA's two Q tiles, then every K/V tile of its (batch, head) through the ring."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    bh = gl.program_id(1)
-    b = bh // num_heads
-    col = (bh % num_heads) * HEAD_DIM  # this head's columns in the (B * S, H * D) view
-    row0 = b * seqlen + gl.program_id(0) * 2 * ROWS
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0, col], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + ROWS, col], q_ready, q_smem.index(1))
-    for j in range(seqlen // BLOCK_N):
-        s = j % STAGES
-        # Wait until both consumers released the slot; on the first lap the wait on the
-        # previous (parity 1) phase of a fresh barrier passes at once.
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        key0 = b * seqlen + j * BLOCK_N
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [key0, col], k_ready.index(s), k_ring.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [key0, col], v_ready.index(s), v_ring.index(s))
+def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CAUSAL: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item w: (batch, head, first query row) of a block of BLOCK_M queries and its key
+    tiles: [0, n_full) need no mask, [n_full, n_tiles) cross the causal diagonal. Items run
+    heads fastest; causal ones heaviest (most keys) first, so the last to start are short."""
+    bh = w % num_bh
+    m_block = w // num_bh
+    n_tiles = seqlen_k // BLOCK_N
+    n_full = n_tiles
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block
+    m0 = m_block * BLOCK_M
+    if CAUSAL:
+        # Row i sees keys j <= i + shift: the block's last row bounds the tiles, its first row
+        # the unmasked ones (clamped at 0 before dividing: a block may see no key at all).
+        n_tiles = gl.minimum((gl.maximum(m0 + BLOCK_M + shift, 0) + BLOCK_N - 1) // BLOCK_N, n_tiles)
+        n_full = gl.minimum(gl.maximum(m0 + 1 + shift, 0) // BLOCK_N, n_tiles)
+    return bh // num_heads, bh % num_heads, m0, n_full, n_tiles
 
 
 @gluon.jit
-def _attn_fwd_consumer(o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_ready, v_ready, kv_empty,
-                       seqlen, num_heads, qk_scale, WHICH: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: the online softmax over every K/V tile for its 64 query rows."""
-    ROWS: gl.constexpr = o_desc.block_type.shape[0]
+def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: for each work item, its two Q tiles, then every K/V tile it needs through the
+    rings, which run on from one item to the next (c counts tiles over all items)."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    c = 0
+    i = 0
+    for w in range(gl.program_id(0), num_bh * num_m_blocks, gl.num_programs(0)):
+        b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                               CAUSAL, 2 * ROWS, BLOCK_N)
+        q_row = b * seqlen_q + m0  # rows and columns of the (batch * seqlen, heads * headdim) views
+        kv_col = (h // kv_group) * HEAD_DIM
+        # A wait on the previous (parity 1) phase of a fresh barrier passes at once: the first
+        # lap of every ring needs no release.
+        mbarrier.wait(q_empty, (i & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
+        for j in range(n_tiles):
+            s = c % STAGES
+            empty_phase = ((c // STAGES) & 1) ^ 1
+            key_row = b * seqlen_k + j * BLOCK_N
+            mbarrier.wait(k_empty.index(s), empty_phase)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [key_row, kv_col], k_ready.index(s), k_ring.index(s))
+            mbarrier.wait(v_empty.index(s), empty_phase)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [key_row, kv_col], v_ready.index(s), v_ring.index(s))
+            c += 1
+        i += 1
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, rows, key0, shift, qk_scale, MASKED: gl.constexpr):
+    """Online softmax of one [ROWS, BLOCK_N] score tile (log2 domain): the probabilities, the
+    factor that rescales what the accumulator holds, and the new running max and sum."""
+    if MASKED:  # causal diagonal: key j is visible to row i when j <= i + shift
+        cols = key0 + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, qk.type.layout))
+        visible = gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1)
+        qk = gl.where(visible, qk, float("-inf"))
+    # scale > 0 keeps the argmax: max of the raw products, then one FMA per element. Every row
+    # of a tile the loader sends sees at least one key of it, so m_new is finite.
+    m_new = gl.maximum(m_i, gl.reduce(qk, 1, _maximum) * qk_scale)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))  # [ROWS, BLOCK_N]
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.reduce(p, 1, _add)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty,
+                   v_empty, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """Key tile j (tile c of the rings): S_j = Q K_j^T overlaps O += P_{j-1} V_{j-1}; then the
+    softmax of S_j. After the item's last S (j == last) its Q tile goes back to the loader."""
+    ROWS: gl.constexpr = q.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    s = c % STAGES
+    prev = (c - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
+    zeros = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+    qk = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # in order: S_j is done, O may run on
+    mbarrier.arrive(k_empty.index(s), count=1)
+    mbarrier.arrive(q_empty, count=1, pred=j == last)
+    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, j * BLOCK_N, shift, qk_scale, MASKED)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    p_op = gl.convert_layout(p.to(v_ring.dtype), p_op.type.layout)
+    return acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: for each work item, the online softmax over its K/V tiles for 64 query rows."""
+    ROWS: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
     # wgmma accumulators: scores [ROWS, BLOCK_N] and output [ROWS, HEAD_DIM], 4 warps down M.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -95,141 +182,203 @@ def _attn_fwd_consumer(o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_r
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
-    acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
-    no_scores = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
     q = q_smem.index(WHICH)
-    mbarrier.wait(q_ready, 0)
-    for j in range(seqlen // BLOCK_N):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), phase)
-        qk = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))  # [ROWS, BLOCK_N]
-        # scale > 0 keeps the argmax: max of the raw products, then one FMA per element
-        m_new = gl.maximum(m_i, gl.reduce(qk, 1, _maximum) * qk_scale)
-        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))  # [ROWS, BLOCK_N]
-        alpha = gl.exp2(m_i - m_new)  # rescales what the accumulator holds
-        l_i = l_i * alpha + gl.reduce(p, 1, _add)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p = gl.convert_layout(p.to(v_ring.dtype), p_layout)
-        mbarrier.wait(v_ready.index(s), phase)
-        acc = warpgroup_mma(p, v_ring.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(s), count=1)  # this warpgroup is done with slot s
+    c = 0
+    i = 0
+    for w in range(gl.program_id(0), num_bh * num_m_blocks, gl.num_programs(0)):
+        b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                               CAUSAL, 2 * ROWS, BLOCK_N)
+        m0 += WHICH * ROWS
+        rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
+        acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
+        mbarrier.wait(q_ready, i & 1)
+        if n_tiles > 0:
+            # Tile 0 has no P V before it to overlap with.
+            s0 = c % STAGES
+            mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
+            qk = warpgroup_mma(q, k_ring.index(s0).permute((1, 0)), gl.zeros((ROWS, BLOCK_N), gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            mbarrier.arrive(q_empty, count=1, pred=n_tiles == 1)
+            if n_full > 0:
+                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, False)
+            else:
+                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, True)
+            p_op = gl.convert_layout(p.to(v_ring.dtype), p_layout)
+            for j in range(1, n_full):
+                acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring, v_ring,
+                                                     q_empty, k_ready, v_ready, k_empty, v_empty, rows, shift,
+                                                     qk_scale, s_layout, STAGES, False)
+            for j in range(gl.maximum(n_full, 1), n_tiles):
+                acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring, v_ring,
+                                                     q_empty, k_ready, v_ready, k_empty, v_empty, rows, shift,
+                                                     qk_scale, s_layout, STAGES, True)
+            # The last tile's P V.
+            c += n_tiles
+            last = (c - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
+            mbarrier.arrive(v_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(q_empty, count=1)
+        i += 1
 
-    # One division at the end; the log-sum-exp in natural log.
-    out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    bh = gl.program_id(1)
-    m0 = gl.program_id(0) * 2 * ROWS + WHICH * ROWS
-    o_smem.index(WHICH).store(out.to(o_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [(bh // num_heads) * seqlen + m0, (bh % num_heads) * HEAD_DIM],
-                                    o_smem.index(WHICH))
-    rows = m0 + gl.arange(0, ROWS, layout=row_s)
-    gl.store(Lse + bh.to(gl.int64) * seqlen + rows, (m_i + gl.log2(l_i)) / RCP_LN2)
-    tma.store_wait(pendings=0)
+        # One division at the end; the log-sum-exp in natural log. Rows that see no key (causal,
+        # seqlen_q > seqlen_k) give 0 and lse = +inf, as the tl kernel does.
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) / RCP_LN2)
+        # Straight from registers (the Q tile, the only staging space, already holds the next
+        # item's queries): row r of head h sits at (b * seqlen_q + r) * heads * D + h * D.
+        o_rows = (b * seqlen_q + m0 + gl.arange(0, ROWS, layout=row_o)).to(gl.int64) * (num_heads * HEAD_DIM)
+        o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty))
+        gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse)
 
 
 @gluon.jit
-def _attn_fwd_consumer_1(o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_ready, v_ready, kv_empty,
-                         seqlen, num_heads, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr):
-    # The second warpgroup as a worker partition of its own (partitions take runtime arguments only).
-    _attn_fwd_consumer(o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_ready, v_ready, kv_empty,
-                       seqlen, num_heads, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES)
+def _attn_fwd_consumer_1(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    # The second warpgroup as a worker partition of its own (a partition's arguments are passed
+    # through as they are, so WHICH is fixed here).
+    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 1, HEAD_DIM, STAGES,
+                       CAUSAL)
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, num_heads, qk_scale,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
+                        num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """Persistent: each CTA takes work items pid, pid + #CTAs, ... (a block of 128 queries of one
+    (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, ROWS, HEAD_DIM], o_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release Q (and every slot below)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=2)
     gl.warp_specialize([
-        (_attn_fwd_consumer, (o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_ready, v_ready, kv_empty,
-                              seqlen, num_heads, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES)),
-        (_attn_fwd_consumer_1, (o_desc, Lse, q_smem, k_ring, v_ring, o_smem, q_ready, k_ready, v_ready, kv_empty,
-                                seqlen, num_heads, qk_scale, HEAD_DIM, BLOCK_N, STAGES)),
-        (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty,
-                            seqlen, num_heads, HEAD_DIM, BLOCK_N, STAGES)),
+        (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                              v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
+                              HEAD_DIM, STAGES, CAUSAL)),
+        (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                HEAD_DIM, STAGES, CAUSAL)),
+        (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
+                            HEAD_DIM, STAGES, CAUSAL)),
     ], [4, 1], [232, 24])
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def tile_config(head_dim: int) -> Tuple[int, int]:
-    """(BLOCK_N, STAGES): two slots of 128 keys fit shared memory at D = 128 (197 KB)."""
-    return (128, 2) if head_dim <= 128 else (64, 2)
+def stages_for(head_dim: int) -> int:
+    """K/V ring depth: three slots of 128 keys at D = 128 and the Q tiles fill 224 KB of the
+    H200's 227 KB of shared memory."""
+    return 3
 
 
-def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise a clear error for anything this kernel does not take (yet)."""
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one (batch, seqlen, heads, headdim) shape here, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must all be float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    seqlen, head_dim = q.shape[1], q.shape[3]
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} here, got {head_dim}")
-    if seqlen == 0 or seqlen % BLOCK_M:
-        raise ValueError(f"seqlen must be a positive multiple of {BLOCK_M} here, got {seqlen}")
-    if q.shape[0] * q.shape[2] > 65535:  # batch x heads is the grid's second axis
-        raise ValueError(f"batch x heads must be at most 65535 here, got {q.shape[0] * q.shape[2]}")
-    if not all(t.is_contiguous() for t in (q, k, v)):
-        raise ValueError("q, k, v must be contiguous here")
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows_view(t: torch.Tensor):
+    """(batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or None if its strides
+    do not allow one (heads must sit side by side; sequences one after another)."""
+    batch, seqlen, heads, head_dim = t.shape
+    if t.stride(3) != 1 or t.stride(2) != head_dim or (batch > 1 and t.stride(0) != seqlen * t.stride(1)):
+        return None
+    return t.as_strided((batch * seqlen, heads * head_dim), (t.stride(1), 1))
+
+
+def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """None if this kernel takes (q, k, v), else what it does not take (a short reason)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        raise RuntimeError(f"the Gluon kernel runs on Hopper (compute capability 9.x), got a tensor on {q.device}")
+        return f"the Gluon kernel runs on Hopper (compute capability 9.x), got a tensor on {q.device}"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        return (f"q must be (batch, seqlen_q, heads, headdim) and k, v (batch, seqlen_k, heads_kv, headdim), "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v must all be float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"head dim must be one of {HEAD_DIMS}, got {q.shape[3]}"
+    if q.shape[2] % k.shape[2]:
+        return f"heads ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})"
+    for name, n in (("seqlen_q", q.shape[1]), ("seqlen_k", k.shape[1])):
+        if n == 0 or n % BLOCK_M:
+            return f"{name} must be a positive multiple of {BLOCK_M}, got {n}"
+    if q.shape[0] * q.shape[2] * (q.shape[1] // BLOCK_M) > MAX_ITEMS:
+        return f"batch x heads x seqlen_q / {BLOCK_M} must be below 2^31"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        view = _rows_view(t)
+        if view is None:
+            return f"{name} needs unit stride over heads x headdim and sequences back to back"
+        if view.data_ptr() % 16 or (view.stride(0) * view.element_size()) % 16:
+            return f"{name} needs a 16-byte aligned base and row stride"
+    return None
 
 
-def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of non-causal attention: q, k, v (B, S, H, D) contiguous; lse (B, H, S) float32."""
+def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                            causal: bool = False, bottom_right: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) with out like q and lse (batch, heads, seqlen_q) float32, natural log.
+
+    q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H % Hkv == 0. ``causal`` lets query row i see
+    keys j <= i + (Sk - Sq) (``bottom_right``, flash-attn's alignment) or j <= i (top-left,
+    PyTorch's). Raises ValueError for what ``why_not`` names.
+    """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    check_supported(q, k, v)
-    batch, seqlen, heads, head_dim = q.shape
-    block_n, stages = tile_config(head_dim)
+    reason = why_not(q, k, v)
+    if reason is not None:
+        raise ValueError(reason)
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
-    lse = new_output((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     dtype = _GL_DTYPES[q.dtype]
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        flat = t.view(batch * seqlen, heads * head_dim)  # one head = a column band of the 2-D view
+        view = _rows_view(t)  # one head = a column band of the 2-D view
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], dtype)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, head_dim], layout)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
 
-    grid = (seqlen // BLOCK_M, batch * heads)
+    num_items = batch * heads * (seqlen_q // BLOCK_M)
+    grid = (min(num_items, _sm_count(q.device)),)
     _attn_fwd_ws_kernel[grid](
-        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), desc(out, SUB_M), lse, seqlen, heads,
-        softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, num_warps=4,
+        desc(q, SUB_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse,
+        seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
+        batch * heads, seqlen_q // BLOCK_M, softmax_scale * RCP_LN2.value,
+        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, num_warps=4,
     )
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16):
+def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, stages = tile_config(head_dim)
     gdt = _GL_DTYPES[dtype]
     name = {gl.float16: "fp16", gl.bfloat16: "bf16"}[gdt]
 
@@ -238,10 +387,12 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16):
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
     fn = _attn_fwd_ws_kernel
-    signature = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "o_desc": desc(SUB_M),
-                 "Lse": "*fp32", "seqlen": "i32", "num_heads": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
+    signature = {"q_desc": desc(SUB_M), "k_desc": desc(BLOCK_N), "v_desc": desc(BLOCK_N), "Out": f"*{name}",
+                 "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
+                 "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32",
+                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
     index = {a: i for i, a in enumerate(fn.arg_names)}
-    constants = {(index["HEAD_DIM"],): head_dim, (index["BLOCK_N"],): block_n, (index["STAGES"],): stages}
+    constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages_for(head_dim),
+                 (index["CAUSAL"],): causal}
     return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))

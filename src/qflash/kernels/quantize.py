@@ -242,10 +242,13 @@ def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.
     tl.store(Partial + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
 
 
-def _tile(m: int, n: int, group_m: int, group_n: int, elems: int) -> Tuple[int, int]:
-    """A tile of about ``elems`` elements made of whole groups (powers of two)."""
+def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) -> Tuple[int, int]:
+    """A tile of about ``elems`` elements made of whole groups (powers of two), and at least four
+    per thread: the int8 conversion packs four values a register (small tensors get masked rows)."""
     block_n = max(group_n, min(next_power_of_2(n), 512, max(1, elems // group_m)))
     block_m = max(group_m, min(next_power_of_2(m), max(1, elems // block_n)))
+    while block_m * block_n < 4 * 32 * warps:
+        block_m *= 2
     return block_m, block_n
 
 
@@ -274,7 +277,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     elif granularity == "column":  # weights, quantized offline: a strided sweep is fine
         group, bm, bn, gm, gn = GROUP_COLUMN_SWEEP, 64, 64, 1, 1
     elif granularity == "tensor":
-        bm, bn = _tile(m, n, 1, 1, tile_elems)
+        bm, bn = _tile(m, n, 1, 1, tile_elems, num_warps or TILE_WARPS)
         per_tensor = static_scale
         if static_scale is None:
             grid = (cdiv(m, bm), cdiv(n, bn))
@@ -285,7 +288,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
         gm, gn = (1, next_power_of_2(n)) if granularity == "row" else tuple(block_size)
-        bm, bn = _tile(m, n, gm, gn, tile_elems)
+        bm, bn = _tile(m, n, gm, gn, tile_elems, num_warps or TILE_WARPS)
         group = GROUP_TILED
     warps = TILE_WARPS if group in (GROUP_TILED, GROUP_TENSOR) else 8  # sweeps: 4096-element tiles
     grid = (cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
