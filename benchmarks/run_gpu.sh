@@ -42,7 +42,7 @@ for stage in "${stages[@]}"; do
               --seqlens 512,1024,2048 --out "$OUT/attention_fwd_short.json" 2>&1 | tail -n 30 ;;
     gluon)  timeout 150 python3 -m pytest tests/test_attention_gluon.py -m gpu -q -p no:cacheprovider -n 8 2>&1 \
               | tee "$OUT/gpu_tests_gluon.log" | tail -n 15
-            timeout 300 python3 -m qflash.cli bench attention --providers qflash,qflash_tl,sdpa_cudnn,sdpa_flash \
+            timeout 360 python3 -m qflash.cli bench attention --providers ${GLUON_PROVIDERS:-qflash,qflash_tl,sdpa_cudnn,sdpa_flash} \
               --head-dims 64,128 --out "$OUT/attention_fwd_gluon.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
     matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;

@@ -122,3 +122,13 @@ def test_gpu_public_functions_use_it(monkeypatch):
     assert not torch.equal(portable, fast)
     ref, _, pt = _reference(q, k, v, True, True, q.dtype)
     assert_flash_rule(portable, ref, pt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_without_pingpong(causal):
+    """The consumers' turn-taking only orders the work: without it the results meet the rule too."""
+    q, k, v = _qkv(2, 640, 640, 4, 2, 64, torch.bfloat16, "cuda")
+    out, _ = gluon.attention_forward_gluon(q, k, v, softmax_scale=0.125, causal=causal, pingpong=False)
+    ref, _, pt = _reference(q, k, v, causal, True, q.dtype)
+    assert_flash_rule(out, ref, pt)

@@ -93,12 +93,17 @@ def _qflash_provider(config=None):
     return make
 
 
-def _qflash_gluon(q, k, v, causal):
-    """The warp-specialized Gluon kernel alone (Hopper; what qflash uses where it fits)."""
-    from qflash.kernels.attention_gluon import attention_forward_gluon
+def _qflash_gluon(pingpong: bool = True):
+    """The warp-specialized Gluon kernel alone (Hopper; what qflash uses where it fits), with
+    or without the ping-pong order between its two consumer warpgroups."""
 
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return lambda: attention_forward_gluon(q, k, v, scale, causal=causal)[0]
+    def make(q, k, v, causal):
+        from qflash.kernels.attention_gluon import attention_forward_gluon
+
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return lambda: attention_forward_gluon(q, k, v, scale, causal=causal, pingpong=pingpong)[0]
+
+    return make
 
 
 def _qflash_tl(q, k, v, causal):
@@ -151,7 +156,8 @@ def _sage(q, k, v, causal):
 
 PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
-    "qflash_gluon": _qflash_gluon,
+    "qflash_gluon": _qflash_gluon(),
+    "qflash_gluon_no_pingpong": _qflash_gluon(pingpong=False),
     "qflash_tl": _qflash_tl,
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),

@@ -69,6 +69,15 @@ def _add(a, b):
 
 
 @gluon.jit
+def _item_of(r):
+    """The work item a CTA takes in round r: rounds alternate direction over the CTAs (zigzag),
+    so that with causal items, sorted heaviest first, each CTA's sum of work comes out even."""
+    P = gl.num_programs(0)
+    c = gl.program_id(0)
+    return r * P + gl.where((r & 1) == 0, c, P - 1 - c)
+
+
+@gluon.jit
 def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CAUSAL: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w: (batch, head, first query row) of a block of BLOCK_M queries and its key
@@ -93,35 +102,41 @@ def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CA
 def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: for each work item, its two Q tiles, then every K/V tile it needs through the
-    rings, which run on from one item to the next (c counts tiles over all items)."""
+    """One warp: for each work item, its two Q tiles (into one of two buffers, so the next
+    item's queries arrive while this one runs), then every K/V tile it needs through the rings,
+    which run on from one item to the next (c counts tiles over all items)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    num_items = num_bh * num_m_blocks
     c = 0
     i = 0
-    for w in range(gl.program_id(0), num_bh * num_m_blocks, gl.num_programs(0)):
-        b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                               CAUSAL, 2 * ROWS, BLOCK_N)
-        q_row = b * seqlen_q + m0  # rows and columns of the (batch * seqlen, heads * headdim) views
-        kv_col = (h // kv_group) * HEAD_DIM
-        # A wait on the previous (parity 1) phase of a fresh barrier passes at once: the first
-        # lap of every ring needs no release.
-        mbarrier.wait(q_empty, (i & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
-        for j in range(n_tiles):
-            s = c % STAGES
-            empty_phase = ((c // STAGES) & 1) ^ 1
-            key_row = b * seqlen_k + j * BLOCK_N
-            mbarrier.wait(k_empty.index(s), empty_phase)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [key_row, kv_col], k_ready.index(s), k_ring.index(s))
-            mbarrier.wait(v_empty.index(s), empty_phase)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [key_row, kv_col], v_ready.index(s), v_ring.index(s))
-            c += 1
-        i += 1
+    for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+        w = _item_of(r)
+        if w < num_items:
+            b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                                   CAUSAL, 2 * ROWS, BLOCK_N)
+            q_row = b * seqlen_q + m0  # rows and columns of the (batch * seqlen, heads * headdim) views
+            kv_col = (h // kv_group) * HEAD_DIM
+            # A wait on the previous (parity 1) phase of a fresh barrier passes at once: the
+            # first lap of every ring needs no release.
+            qb = i % 2
+            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
+            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready.index(qb),
+                                            q_smem.index(2 * qb + 1))
+            for j in range(n_tiles):
+                s = c % STAGES
+                empty_phase = ((c // STAGES) & 1) ^ 1
+                key_row = b * seqlen_k + j * BLOCK_N
+                mbarrier.wait(k_empty.index(s), empty_phase)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [key_row, kv_col], k_ready.index(s), k_ring.index(s))
+                mbarrier.wait(v_empty.index(s), empty_phase)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [key_row, kv_col], v_ready.index(s), v_ring.index(s))
+                c += 1
+            i += 1
 
 
 @gluon.jit
@@ -142,23 +157,41 @@ def _softmax_step(qk, m_i, l_i, rows, key0, shift, qk_scale, MASKED: gl.constexp
 
 
 @gluon.jit
-def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty,
-                   v_empty, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
-                   MASKED: gl.constexpr):
-    """Key tile j (tile c of the rings): S_j = Q K_j^T overlaps O += P_{j-1} V_{j-1}; then the
-    softmax of S_j. After the item's last S (j == last) its Q tile goes back to the loader."""
+def _take_turn(turn, k, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (FlashAttention-3): the two consumers issue their products in turns, so one
+    warpgroup's softmax runs while the other's products keep the tensor cores busy. k counts
+    this warpgroup's issues; consumer 0 goes first."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WHICH), (k + 1 - WHICH) & 1, pred=k + WHICH > 0)
+
+
+@gluon.jit
+def _pass_turn(turn, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+
+
+@gluon.jit
+def _attn_fwd_tile(c, j, k, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k_ready, v_ready, k_empty,
+                   v_empty, turn, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key tile j (tile c of the rings, issue k of this warpgroup): S_j = Q K_j^T overlaps
+    O += P_{j-1} V_{j-1}; then the softmax of S_j. After the item's last S (j == last) its Q
+    tile goes back to the loader (q_free)."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
     s = c % STAGES
     prev = (c - 1) % STAGES
-    mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
     zeros = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+    _take_turn(turn, k, WHICH, PINGPONG)
+    mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
     qk = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+    _pass_turn(turn, WHICH, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # in order: S_j is done, O may run on
     mbarrier.arrive(k_empty.index(s), count=1)
-    mbarrier.arrive(q_empty, count=1, pred=j == last)
+    mbarrier.arrive(q_free, count=1, pred=j == last)
     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, j * BLOCK_N, shift, qk_scale, MASKED)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -168,9 +201,10 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_empty, 
 
 
 @gluon.jit
-def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       PINGPONG: gl.constexpr):
     """One warpgroup: for each work item, the online softmax over its K/V tiles for 64 query rows."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -182,95 +216,113 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q = q_smem.index(WHICH)
-    c = 0
-    i = 0
-    for w in range(gl.program_id(0), num_bh * num_m_blocks, gl.num_programs(0)):
-        b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                               CAUSAL, 2 * ROWS, BLOCK_N)
-        m0 += WHICH * ROWS
-        rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
-        acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
-        mbarrier.wait(q_ready, i & 1)
-        if n_tiles > 0:
-            # Tile 0 has no P V before it to overlap with.
-            s0 = c % STAGES
-            mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
-            qk = warpgroup_mma(q, k_ring.index(s0).permute((1, 0)), gl.zeros((ROWS, BLOCK_N), gl.float32, s_layout),
-                               use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            mbarrier.arrive(q_empty, count=1, pred=n_tiles == 1)
-            if n_full > 0:
-                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, False)
+    num_items = num_bh * num_m_blocks
+    c = 0  # K/V tiles consumed
+    k = 0  # product issues (ping-pong turns)
+    i = 0  # work items done
+    for r in range(gl.cdiv(num_items, gl.num_programs(0))):
+        w = _item_of(r)
+        if w < num_items:
+            b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                                   CAUSAL, 2 * ROWS, BLOCK_N)
+            m0 += WHICH * ROWS
+            rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
+            l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
+            acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
+            qb = i % 2
+            q = q_smem.index(2 * qb + WHICH)
+            q_free = q_empty.index(qb)
+            mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+            if n_tiles > 0:
+                # Tile 0 has no P V before it to overlap with.
+                s0 = c % STAGES
+                _take_turn(turn, k, WHICH, PINGPONG)
+                mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
+                qk = warpgroup_mma(q, k_ring.index(s0).permute((1, 0)),
+                                   gl.zeros((ROWS, BLOCK_N), gl.float32, s_layout), use_acc=False, is_async=True)
+                _pass_turn(turn, WHICH, PINGPONG)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+                mbarrier.arrive(k_empty.index(s0), count=1)
+                mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
+                if n_full > 0:
+                    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, False)
+                else:
+                    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, True)
+                p_op = gl.convert_layout(p.to(v_ring.dtype), p_layout)
+                for j in range(1, n_full):
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, k + j, n_tiles - 1, acc, p_op, m_i, l_i, q,
+                                                         k_ring, v_ring, q_free, k_ready, v_ready, k_empty, v_empty,
+                                                         turn, rows, shift, qk_scale, s_layout, STAGES, False,
+                                                         WHICH, PINGPONG)
+                for j in range(gl.maximum(n_full, 1), n_tiles):
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, k + j, n_tiles - 1, acc, p_op, m_i, l_i, q,
+                                                         k_ring, v_ring, q_free, k_ready, v_ready, k_empty, v_empty,
+                                                         turn, rows, shift, qk_scale, s_layout, STAGES, True,
+                                                         WHICH, PINGPONG)
+                # The last tile's P V.
+                c += n_tiles
+                k += n_tiles
+                last = (c - 1) % STAGES
+                _take_turn(turn, k, WHICH, PINGPONG)
+                mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+                _pass_turn(turn, WHICH, PINGPONG)
+                k += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
+                mbarrier.arrive(v_empty.index(last), count=1)
             else:
-                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, True)
-            p_op = gl.convert_layout(p.to(v_ring.dtype), p_layout)
-            for j in range(1, n_full):
-                acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring, v_ring,
-                                                     q_empty, k_ready, v_ready, k_empty, v_empty, rows, shift,
-                                                     qk_scale, s_layout, STAGES, False)
-            for j in range(gl.maximum(n_full, 1), n_tiles):
-                acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring, v_ring,
-                                                     q_empty, k_ready, v_ready, k_empty, v_empty, rows, shift,
-                                                     qk_scale, s_layout, STAGES, True)
-            # The last tile's P V.
-            c += n_tiles
-            last = (c - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
-            mbarrier.arrive(v_empty.index(last), count=1)
-        else:
-            mbarrier.arrive(q_empty, count=1)
-        i += 1
+                mbarrier.arrive(q_free, count=1)
+            i += 1
 
-        # One division at the end; the log-sum-exp in natural log. Rows that see no key (causal,
-        # seqlen_q > seqlen_k) give 0 and lse = +inf, as the tl kernel does.
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) / RCP_LN2)
-        # Straight from registers (the Q tile, the only staging space, already holds the next
-        # item's queries): row r of head h sits at (b * seqlen_q + r) * heads * D + h * D.
-        o_rows = (b * seqlen_q + m0 + gl.arange(0, ROWS, layout=row_o)).to(gl.int64) * (num_heads * HEAD_DIM)
-        o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty))
-        gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse)
+            # One division at the end; the log-sum-exp in natural log. Rows that see no key
+            # (causal, seqlen_q > seqlen_k) give 0 and lse = +inf, as the tl kernel does.
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) / RCP_LN2)
+            # Straight from registers (shared memory is all rings and Q buffers): row r of head h
+            # sits at (b * seqlen_q + r) * heads * D + h * D.
+            o_rows = (b * seqlen_q + m0 + gl.arange(0, ROWS, layout=row_o)).to(gl.int64) * (num_heads * HEAD_DIM)
+            o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty))
+            gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse)
 
 
 @gluon.jit
 def _attn_fwd_consumer_1(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                         turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         PINGPONG: gl.constexpr):
     # The second warpgroup as a worker partition of its own (a partition's arguments are passed
     # through as they are, so WHICH is fixed here).
-    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 1, HEAD_DIM, STAGES,
-                       CAUSAL)
+                       CAUSAL, PINGPONG)
 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                         num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
-    """Persistent: each CTA takes work items pid, pid + #CTAs, ... (a block of 128 queries of one
+                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Persistent: each CTA takes work items in rounds (a block of 128 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, HEAD_DIM], q_desc.layout)  # 2 buffers x 2 consumers
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release Q (and every slot below)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=2)  # both consumers release Q (and every slot below)
+        mbarrier.init(turn.index(s), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -278,11 +330,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
         mbarrier.init(v_empty.index(s), count=2)
     gl.warp_specialize([
         (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                              v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
-                              HEAD_DIM, STAGES, CAUSAL)),
+                              v_empty, turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
+                              HEAD_DIM, STAGES, CAUSAL, PINGPONG)),
         (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                HEAD_DIM, STAGES, CAUSAL)),
+                                v_empty, turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                HEAD_DIM, STAGES, CAUSAL, PINGPONG)),
         (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                             k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
                             HEAD_DIM, STAGES, CAUSAL)),
@@ -293,9 +345,9 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 def stages_for(head_dim: int) -> int:
-    """K/V ring depth: three slots of 128 keys at D = 128 and the Q tiles fill 224 KB of the
-    H200's 227 KB of shared memory."""
-    return 3
+    """K/V ring depth: at D = 128 two slots of 128 keys and the two Q buffers take 192 KB of the
+    H200's 227 KB of shared memory; at D = 64 three take 128 KB."""
+    return 2 if head_dim > 64 else 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,7 +392,8 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                            causal: bool = False, bottom_right: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool = False, bottom_right: bool = True,
+                            pingpong: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with out like q and lse (batch, heads, seqlen_q) float32, natural log.
 
     q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H % Hkv == 0. ``causal`` lets query row i see
@@ -369,12 +422,13 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         desc(q, SUB_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse,
         seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
         batch * heads, seqlen_q // BLOCK_M, softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, num_warps=4,
+        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, PINGPONG=pingpong, num_warps=4,
     )
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
+def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                     pingpong: bool = True):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -390,9 +444,9 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     signature = {"q_desc": desc(SUB_M), "k_desc": desc(BLOCK_N), "v_desc": desc(BLOCK_N), "Out": f"*{name}",
                  "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
                  "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
+                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "PINGPONG": "constexpr"}
     index = {a: i for i, a in enumerate(fn.arg_names)}
     constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages_for(head_dim),
-                 (index["CAUSAL"],): causal}
+                 (index["CAUSAL"],): causal, (index["PINGPONG"],): pingpong}
     return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
