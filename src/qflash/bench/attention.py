@@ -93,17 +93,12 @@ def _qflash_provider(config=None):
     return make
 
 
-def _qflash_gluon(pingpong: bool = True):
-    """The warp-specialized Gluon kernel alone (Hopper; what qflash uses where it fits), with
-    or without the ping-pong order between its two consumer warpgroups."""
+def _qflash_gluon(q, k, v, causal):
+    """The warp-specialized Gluon kernel alone (Hopper), also where qflash would take the tl one."""
+    from qflash.kernels.attention_gluon import attention_forward_gluon
 
-    def make(q, k, v, causal):
-        from qflash.kernels.attention_gluon import attention_forward_gluon
-
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        return lambda: attention_forward_gluon(q, k, v, scale, causal=causal, pingpong=pingpong)[0]
-
-    return make
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return lambda: attention_forward_gluon(q, k, v, scale, causal=causal)[0]
 
 
 def _qflash_tl(q, k, v, causal):
@@ -156,8 +151,7 @@ def _sage(q, k, v, causal):
 
 PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
-    "qflash_gluon": _qflash_gluon(),
-    "qflash_gluon_no_pingpong": _qflash_gluon(pingpong=False),
+    "qflash_gluon": _qflash_gluon,
     "qflash_tl": _qflash_tl,
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),

@@ -551,9 +551,9 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
              and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0)
     if not (plain and q.is_cuda and os.environ.get("QFLASH_GLUON", "1") != "0"):
         return False
-    from qflash.kernels.attention_gluon import why_not
+    from qflash.kernels.attention_gluon import PREFERRED_HEAD_DIMS, why_not
 
-    return why_not(q, k, v) is None
+    return q.shape[-1] in PREFERRED_HEAD_DIMS and why_not(q, k, v) is None
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
@@ -564,7 +564,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     Varlen: q (total_q, H, D), k/v (total_k, Hkv, D) with int32 cu_seqlens.
     Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
     or (H, total_q) for varlen. Without an explicit ``config``, calls that the Gluon kernel
-    takes (``attention_gluon.py``: Hopper, causal or no mask, D 64/128, lengths multiple of
+    takes (``attention_gluon.py``: Hopper, causal or no mask, D = 128, lengths multiple of
     128) go there.
     """
     if config is None and _fast_path_fits(q, k, v, opts):

@@ -4,7 +4,7 @@ The ``tl`` kernel in ``attention.py`` is the portable implementation (every opti
 interpreter, any GPU). This one is the fast path for the common case on Hopper, with the
 schedule that ``tl`` cannot express in Triton 3.6 (benchmarks/NOTES.md, fourth round):
 
-    one work item = 128 query rows of one (batch, head); one CTA per SM takes items in turn
+    one work item = 128 query rows of one (batch, head); one CTA per SM takes items in rounds
     (persistent: the next item's loads overlap this item's last tiles), in three partitions
       consumer 0 (4 warps)   rows  0-63  \\  S = Q K^T and O += P V on the tensor cores (wgmma),
       consumer 1 (4 warps)   rows 64-127 /  the online softmax in registers
@@ -53,6 +53,10 @@ SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_M = 2 * SUB_M  # query rows a CTA owns
 BLOCK_N = 128  # keys a tile
 HEAD_DIMS = (64, 128)
+# What the public functions send here. At D = 64 the tl kernel (two CTAs an SM) was as fast or
+# faster at almost every length on the H200 (attention_fwd_gluon_v4_*_s6d.json): softmax work
+# per product is twice D = 128's, and two consumer warpgroups cannot hide it.
+PREFERRED_HEAD_DIMS = (128,)
 MAX_ITEMS = 2**31 - 1  # work items (batch x heads x query blocks) are counted in int32
 
 
@@ -157,25 +161,10 @@ def _softmax_step(qk, m_i, l_i, rows, key0, shift, qk_scale, MASKED: gl.constexp
 
 
 @gluon.jit
-def _take_turn(turn, k, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong (FlashAttention-3): the two consumers issue their products in turns, so one
-    warpgroup's softmax runs while the other's products keep the tensor cores busy. k counts
-    this warpgroup's issues; consumer 0 goes first."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WHICH), (k + 1 - WHICH) & 1, pred=k + WHICH > 0)
-
-
-@gluon.jit
-def _pass_turn(turn, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WHICH), count=1)
-
-
-@gluon.jit
-def _attn_fwd_tile(c, j, k, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k_ready, v_ready, k_empty,
-                   v_empty, turn, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
-                   MASKED: gl.constexpr, WHICH: gl.constexpr, PINGPONG: gl.constexpr):
-    """Key tile j (tile c of the rings, issue k of this warpgroup): S_j = Q K_j^T overlaps
+def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k_ready, v_ready, k_empty,
+                   v_empty, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """Key tile j (tile c of the rings): S_j = Q K_j^T overlaps
     O += P_{j-1} V_{j-1}; then the softmax of S_j. After the item's last S (j == last) its Q
     tile goes back to the loader (q_free)."""
     ROWS: gl.constexpr = q.shape[0]
@@ -183,12 +172,10 @@ def _attn_fwd_tile(c, j, k, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free
     s = c % STAGES
     prev = (c - 1) % STAGES
     zeros = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
-    _take_turn(turn, k, WHICH, PINGPONG)
     mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
     qk = warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
-    _pass_turn(turn, WHICH, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # in order: S_j is done, O may run on
     mbarrier.arrive(k_empty.index(s), count=1)
     mbarrier.arrive(q_free, count=1, pred=j == last)
@@ -201,10 +188,9 @@ def _attn_fwd_tile(c, j, k, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free
 
 
 @gluon.jit
-def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: for each work item, the online softmax over its K/V tiles for 64 query rows."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
@@ -218,7 +204,6 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_items = num_bh * num_m_blocks
     c = 0  # K/V tiles consumed
-    k = 0  # product issues (ping-pong turns)
     i = 0  # work items done
     for r in range(gl.cdiv(num_items, gl.num_programs(0))):
         w = _item_of(r)
@@ -237,11 +222,9 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             if n_tiles > 0:
                 # Tile 0 has no P V before it to overlap with.
                 s0 = c % STAGES
-                _take_turn(turn, k, WHICH, PINGPONG)
                 mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
                 qk = warpgroup_mma(q, k_ring.index(s0).permute((1, 0)),
                                    gl.zeros((ROWS, BLOCK_N), gl.float32, s_layout), use_acc=False, is_async=True)
-                _pass_turn(turn, WHICH, PINGPONG)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
@@ -251,24 +234,18 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
                     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, True)
                 p_op = gl.convert_layout(p.to(v_ring.dtype), p_layout)
                 for j in range(1, n_full):
-                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, k + j, n_tiles - 1, acc, p_op, m_i, l_i, q,
-                                                         k_ring, v_ring, q_free, k_ready, v_ready, k_empty, v_empty,
-                                                         turn, rows, shift, qk_scale, s_layout, STAGES, False,
-                                                         WHICH, PINGPONG)
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring,
+                                                         v_ring, q_free, k_ready, v_ready, k_empty, v_empty, rows,
+                                                         shift, qk_scale, s_layout, STAGES, False)
                 for j in range(gl.maximum(n_full, 1), n_tiles):
-                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, k + j, n_tiles - 1, acc, p_op, m_i, l_i, q,
-                                                         k_ring, v_ring, q_free, k_ready, v_ready, k_empty, v_empty,
-                                                         turn, rows, shift, qk_scale, s_layout, STAGES, True,
-                                                         WHICH, PINGPONG)
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring,
+                                                         v_ring, q_free, k_ready, v_ready, k_empty, v_empty, rows,
+                                                         shift, qk_scale, s_layout, STAGES, True)
                 # The last tile's P V.
                 c += n_tiles
-                k += n_tiles
                 last = (c - 1) % STAGES
-                _take_turn(turn, k, WHICH, PINGPONG)
                 mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
-                _pass_turn(turn, WHICH, PINGPONG)
-                k += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
                 mbarrier.arrive(v_empty.index(last), count=1)
             else:
@@ -291,20 +268,19 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
 @gluon.jit
 def _attn_fwd_consumer_1(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     # The second warpgroup as a worker partition of its own (a partition's arguments are passed
     # through as they are, so WHICH is fixed here).
-    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 1, HEAD_DIM, STAGES,
-                       CAUSAL, PINGPONG)
+                       CAUSAL)
 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                         num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                        CAUSAL: gl.constexpr):
     """Persistent: each CTA takes work items in rounds (a block of 128 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -318,11 +294,9 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(2):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # both consumers release Q (and every slot below)
-        mbarrier.init(turn.index(s), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -330,11 +304,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
         mbarrier.init(v_empty.index(s), count=2)
     gl.warp_specialize([
         (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                              v_empty, turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
-                              HEAD_DIM, STAGES, CAUSAL, PINGPONG)),
+                              v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
+                              HEAD_DIM, STAGES, CAUSAL)),
         (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, turn, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                HEAD_DIM, STAGES, CAUSAL, PINGPONG)),
+                                v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                HEAD_DIM, STAGES, CAUSAL)),
         (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                             k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
                             HEAD_DIM, STAGES, CAUSAL)),
@@ -392,8 +366,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                            causal: bool = False, bottom_right: bool = True,
-                            pingpong: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool = False, bottom_right: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with out like q and lse (batch, heads, seqlen_q) float32, natural log.
 
     q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H % Hkv == 0. ``causal`` lets query row i see
@@ -422,13 +395,12 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         desc(q, SUB_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse,
         seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
         batch * heads, seqlen_q // BLOCK_M, softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, PINGPONG=pingpong, num_warps=4,
+        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, num_warps=4,
     )
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     pingpong: bool = True):
+def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -444,9 +416,9 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     signature = {"q_desc": desc(SUB_M), "k_desc": desc(BLOCK_N), "v_desc": desc(BLOCK_N), "Out": f"*{name}",
                  "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
                  "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "PINGPONG": "constexpr"}
+                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
     index = {a: i for i, a in enumerate(fn.arg_names)}
     constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages_for(head_dim),
-                 (index["CAUSAL"],): causal, (index["PINGPONG"],): pingpong}
+                 (index["CAUSAL"],): causal}
     return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
