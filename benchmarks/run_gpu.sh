@@ -5,7 +5,8 @@
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
-#   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS, BWD_VARY and TAG narrow and
+#   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
+#   picks the gluon stage's providers; BWD_VARY and TAG narrow and
 #   name the backward tile search)
 #
 # Runs from a checkout without installing it (the GPU image already has torch,
@@ -42,8 +43,8 @@ for stage in "${stages[@]}"; do
               --seqlens 512,1024,2048 --out "$OUT/attention_fwd_short.json" 2>&1 | tail -n 30 ;;
     gluon)  timeout 150 python3 -m pytest tests/test_attention_gluon.py -m gpu -q -p no:cacheprovider -n 8 2>&1 \
               | tee "$OUT/gpu_tests_gluon.log" | tail -n 15
-            timeout 360 python3 -m qflash.cli bench attention --providers ${GLUON_PROVIDERS:-qflash,qflash_tl,sdpa_cudnn,sdpa_flash} \
-              --head-dims 64,128 --out "$OUT/attention_fwd_gluon.json" 2>&1 | tail -n 30 ;;
+            timeout 360 python3 -m qflash.cli bench attention --providers ${GLUON_PROVIDERS:-qflash_gluon,qflash_tl,sdpa_cudnn,sdpa_flash} \
+              --head-dims ${HEAD_DIMS:-64,128,256} --out "$OUT/attention_fwd_gluon.json" 2>&1 | tail -n 30 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
     matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;

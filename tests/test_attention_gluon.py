@@ -18,7 +18,7 @@ gluon = pytest.importorskip("qflash.kernels.attention_gluon")
 
 
 @pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
-                                            (64, torch.float16, True)])
+                                            (64, torch.float16, True), (256, torch.bfloat16, True)])
 def test_builds_for_sm90(d, dtype, causal):
     """Compiled offline (no GPU needed): a producer warp and two consumer warpgroups whose
     registers are rebalanced (setmaxnreg), products on wgmma, tiles through TMA, and an
@@ -39,6 +39,7 @@ def test_names_what_it_does_not_take():
     cases = [
         (_qkv(dtype=torch.float32), "float16 or bfloat16"),
         (_qkv(d=80), "head dim"),
+        (_qkv(d=96), "head dim"),
         (_qkv(sq=200), "seqlen_q must be a positive multiple of 128"),
         (_qkv(sk=100), "seqlen_k must be a positive multiple of 128"),
         (_qkv(h=3, hkv=2), "multiple of heads_kv"),
@@ -73,9 +74,13 @@ GPU_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, b
     (1, 4224, 4224, 2, 2, 64, True, True),
     (2, 384, 1152, 6, 2, 128, True, True),  # Sq < Sk: the last queries see every key
     (2, 1152, 384, 6, 1, 64, True, True),  # Sq > Sk: the first queries see no key
+    (1, 512, 384, 4, 4, 64, True, True),  # D = 64: a 192-row item whose first 128 rows see no key
     (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last queries see every key
     (1, 256, 640, 4, 4, 64, True, False),
     (3, 256, 512, 8, 2, 64, False, True),
+    (2, 1024, 1024, 4, 4, 256, False, True),  # D = 256: 64-key tiles, one Q buffer
+    (1, 640, 640, 4, 2, 256, True, True),
+    (1, 384, 896, 2, 1, 256, True, False),
 ]
 
 

@@ -19,6 +19,20 @@ def _use_interpreter_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _fast_path_status(cuda: bool) -> str:
+    """Whether flash_attn_func / sdpa can take the Gluon forward kernel here (and for what)."""
+    import torch
+
+    if os.environ.get("QFLASH_GLUON", "1") == "0":
+        return "off (QFLASH_GLUON=0)"
+    if not cuda or torch.cuda.get_device_capability(0)[0] != 9:
+        return "none here (the Gluon forward needs Hopper)"
+    from qflash.kernels.attention_gluon import PREFERRED_HEAD_DIMS
+
+    dims = "/".join(map(str, PREFERRED_HEAD_DIMS))
+    return f"Gluon forward: D = {dims}, causal or no mask, lengths multiple of 128"
+
+
 def cmd_info(args) -> int:
     import platform
 
@@ -51,6 +65,7 @@ def cmd_info(args) -> int:
         t.add_row(f"kernel: {op}", f"forward + backward on {where}")
     for op in ("quantize", "int8_matmul", "fp8_matmul"):
         t.add_row(f"kernel: {op}", f"on {where}")
+    t.add_row("attention fast path", _fast_path_status(cuda and not interp))
     Console().print(t)
     return 0
 

@@ -4,13 +4,15 @@ The ``tl`` kernel in ``attention.py`` is the portable implementation (every opti
 interpreter, any GPU). This one is the fast path for the common case on Hopper, with the
 schedule that ``tl`` cannot express in Triton 3.6 (benchmarks/NOTES.md, fourth round):
 
-    one work item = 128 query rows of one (batch, head); one CTA per SM takes items in rounds
-    (persistent: the next item's loads overlap this item's last tiles), in three partitions
-      consumer 0 (4 warps)   rows  0-63  \\  S = Q K^T and O += P V on the tensor cores (wgmma),
-      consumer 1 (4 warps)   rows 64-127 /  the online softmax in registers
-      loader     (1 warp)    Q once, then K and V tiles into rings of STAGES shared-memory slots
+    one work item = 128 query rows of one (batch, head) (192 at D = 64); one CTA per SM takes
+    items in rounds (persistent: the next item's loads overlap this item's last tiles), in
+    partitions
+      consumer 0 (4 warps)   rows  0-63  \  S = Q K^T and O += P V on the tensor cores (wgmma),
+      consumer 1 (4 warps)   rows 64-127 |  the online softmax in registers
+      [consumer 2 (4 warps)  rows 128-191 / at D = 64, where the softmax costs as much as the products]
+      loader     (1 warp)    Q, then K and V tiles into rings of STAGES shared-memory slots
 
-    ring slot s:  loader --k_ready[s]--> consumers --k_empty[s] (both)--> loader   (same for V)
+    ring slot s:  loader --k_ready[s]--> consumers --k_empty[s] (all)--> loader   (same for V)
 
 Each consumer overlaps its own work (FlashAttention-3's intra-warpgroup pipelining): while the
 softmax of key tile j runs on the CUDA cores, the tensor cores compute P_{j-1} V_{j-1}:
@@ -20,13 +22,14 @@ softmax of key tile j runs on the CUDA cores, the tensor cores compute P_{j-1} V
 
 The loader needs few registers (setmaxnreg gives it 24), so each consumer can hold its 64 x D
 float32 accumulator, the 64 x BLOCK_N scores of tile j and the probabilities of tile j - 1
-without spilling.
+without spilling (232-248 registers with two consumers, 160-168 with three).
 
 Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom-right, 0
-top-left); float16 / bfloat16; head dim 64 or 128; seqlen_q and seqlen_k multiples of 128;
+top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k multiples of 128;
 MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
-has unit column stride (contiguous, or sliced from a packed qkv). ``supports`` says whether a
-call fits; ``attention_forward`` in ``attention.py`` sends it here when it does.
+has unit column stride (contiguous, or sliced from a packed qkv). ``why_not`` says what a call
+does not fit; ``attention_forward`` in ``attention.py`` sends the calls that fit here, for the
+head dims in PREFERRED_HEAD_DIMS (where this kernel was measured faster than the tl one).
 """
 
 from __future__ import annotations
@@ -50,12 +53,11 @@ from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
 SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
-BLOCK_M = 2 * SUB_M  # query rows a CTA owns
-BLOCK_N = 128  # keys a tile
-HEAD_DIMS = (64, 128)
-# What the public functions send here. At D = 64 the tl kernel (two CTAs an SM) was as fast or
-# faster at almost every length on the H200 (attention_fwd_gluon_v4_*_s6d.json): softmax work
-# per product is twice D = 128's, and two consumer warpgroups cannot hide it.
+LENGTH_MULTIPLE = 128  # seqlen_q and seqlen_k: whole 128-key tiles, no tail to mask
+HEAD_DIMS = (64, 128, 256)
+# What the public functions send here: the head dims where this kernel was measured faster than
+# the tl one on the H200. At D = 64 two consumers ran 0.91-1.02x the tl kernel
+# (attention_fwd_gluon_v4_*_s6d.json); the three-consumer build and D = 256 are not measured yet.
 PREFERRED_HEAD_DIMS = (128,)
 MAX_ITEMS = 2**31 - 1  # work items (batch x heads x query blocks) are counted in int32
 
@@ -105,10 +107,11 @@ def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CA
 @gluon.jit
 def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: for each work item, its two Q tiles (into one of two buffers, so the next
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: for each work item, a Q tile for each consumer (with two Q buffers the next
     item's queries arrive while this one runs), then every K/V tile it needs through the rings,
     which run on from one item to the next (c counts tiles over all items)."""
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     num_items = num_bh * num_m_blocks
@@ -118,17 +121,17 @@ def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_
         w = _item_of(r)
         if w < num_items:
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                                   CAUSAL, 2 * ROWS, BLOCK_N)
+                                                   CAUSAL, CONSUMERS * ROWS, BLOCK_N)
             q_row = b * seqlen_q + m0  # rows and columns of the (batch * seqlen, heads * headdim) views
             kv_col = (h // kv_group) * HEAD_DIM
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once: the
             # first lap of every ring needs no release.
-            qb = i % 2
-            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready.index(qb), q_smem.index(2 * qb))
-            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready.index(qb),
-                                            q_smem.index(2 * qb + 1))
+            qb = i % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qb), ((i // Q_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+            for t in gl.static_range(CONSUMERS):  # rows past the sequence are computed, never stored
+                tma.async_copy_global_to_shared(q_desc, [q_row + t * ROWS, h * HEAD_DIM], q_ready.index(qb),
+                                                q_smem.index(CONSUMERS * qb + t))
             for j in range(n_tiles):
                 s = c % STAGES
                 empty_phase = ((c // STAGES) & 1) ^ 1
@@ -151,11 +154,15 @@ def _softmax_step(qk, m_i, l_i, rows, key0, shift, qk_scale, MASKED: gl.constexp
         cols = key0 + gl.arange(0, qk.shape[1], layout=gl.SliceLayout(0, qk.type.layout))
         visible = gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1)
         qk = gl.where(visible, qk, float("-inf"))
-    # scale > 0 keeps the argmax: max of the raw products, then one FMA per element. Every row
-    # of a tile the loader sends sees at least one key of it, so m_new is finite.
+    # scale > 0 keeps the argmax: max of the raw products, then one FMA per element.
     m_new = gl.maximum(m_i, gl.reduce(qk, 1, _maximum) * qk_scale)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))  # [ROWS, BLOCK_N]
-    alpha = gl.exp2(m_i - m_new)
+    m_use = m_new
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps its p and
+        # alpha at 0 rather than NaN (unmasked tiles are visible to every row: m_new is finite).
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))  # [ROWS, BLOCK_N]
+    alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.reduce(p, 1, _add)
     return p, alpha, m_new, l_i
 
@@ -190,10 +197,12 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k
 @gluon.jit
 def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                       CAUSAL: gl.constexpr):
     """One warpgroup: for each work item, the online softmax over its K/V tiles for 64 query rows."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     # wgmma accumulators: scores [ROWS, BLOCK_N] and output [ROWS, HEAD_DIM], 4 warps down M.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -209,16 +218,16 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         w = _item_of(r)
         if w < num_items:
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                                   CAUSAL, 2 * ROWS, BLOCK_N)
+                                                   CAUSAL, CONSUMERS * ROWS, BLOCK_N)
             m0 += WHICH * ROWS
             rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
             l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
             acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
-            qb = i % 2
-            q = q_smem.index(2 * qb + WHICH)
+            qb = i % Q_BUFFERS
+            q = q_smem.index(CONSUMERS * qb + WHICH)
             q_free = q_empty.index(qb)
-            mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+            mbarrier.wait(q_ready.index(qb), (i // Q_BUFFERS) & 1)
             if n_tiles > 0:
                 # Tile 0 has no P V before it to overlap with.
                 s0 = c % STAGES
@@ -259,69 +268,108 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
             lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) / RCP_LN2)
             # Straight from registers (shared memory is all rings and Q buffers): row r of head h
-            # sits at (b * seqlen_q + r) * heads * D + h * D.
-            o_rows = (b * seqlen_q + m0 + gl.arange(0, ROWS, layout=row_o)).to(gl.int64) * (num_heads * HEAD_DIM)
+            # sits at (b * seqlen_q + r) * heads * D + h * D. Rows past the sequence (items of 192
+            # rows) are left alone.
+            r_o = m0 + gl.arange(0, ROWS, layout=row_o)
+            o_rows = (b * seqlen_q + r_o).to(gl.int64) * (num_heads * HEAD_DIM)
             o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty))
-            gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse)
+            o_ok = gl.expand_dims(r_o < seqlen_q, 1) & gl.expand_dims(o_cols >= 0, 0)
+            gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty),
+                     mask=o_ok)
+            gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
 def _attn_fwd_consumer_1(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                          seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                         CAUSAL: gl.constexpr):
     # The second warpgroup as a worker partition of its own (a partition's arguments are passed
     # through as they are, so WHICH is fixed here).
     _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                        seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 1, HEAD_DIM, STAGES,
-                       CAUSAL)
+                       CONSUMERS, CAUSAL)
+
+
+@gluon.jit
+def _attn_fwd_consumer_2(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                         CAUSAL: gl.constexpr):
+    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 2, HEAD_DIM, STAGES,
+                       CONSUMERS, CAUSAL)
 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                         num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
-    """Persistent: each CTA takes work items in rounds (a block of 128 queries of one
+                        Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """Persistent: each CTA takes work items in rounds (a block of CONSUMERS x 64 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, HEAD_DIM], q_desc.layout)  # 2 buffers x 2 consumers
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFFERS, ROWS, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2):
+    for s in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=2)  # both consumers release Q (and every slot below)
+        mbarrier.init(q_empty.index(s), count=CONSUMERS)  # every consumer releases Q (and each slot below)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)
-        mbarrier.init(v_empty.index(s), count=2)
-    gl.warp_specialize([
-        (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                              v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
-                              HEAD_DIM, STAGES, CAUSAL)),
-        (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                HEAD_DIM, STAGES, CAUSAL)),
-        (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
-                            HEAD_DIM, STAGES, CAUSAL)),
-    ], [4, 1], [232, 24])
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
+                                  HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+                                k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
+                                num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+        ], [4, 1], [232, 24])
+    else:  # three consumers share the register file: 160 registers a thread each
+        gl.warp_specialize([
+            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
+                                  HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer_2, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+                                k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
+                                num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+        ], [4, 4, 1], [160, 160, 24])
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def stages_for(head_dim: int) -> int:
-    """K/V ring depth: at D = 128 two slots of 128 keys and the two Q buffers take 192 KB of the
-    H200's 227 KB of shared memory; at D = 64 three take 128 KB."""
-    return 2 if head_dim > 64 else 3
+def tile_config(head_dim: int) -> Tuple[int, int, int, int]:
+    """(consumer warpgroups, keys a tile, K/V ring slots, Q buffers), within the H200's 227 KB of
+    shared memory. D = 64: three consumers (192-row items: the softmax costs as much as the
+    products there, and a third warpgroup keeps the tensor cores busy; FlashAttention-3's
+    choice), 3 slots of 128 keys, two Q buffers, 144 KB. D = 128: two consumers, 2 slots, two
+    Q buffers, 192 KB. D = 256: 2 slots of 64 keys and one Q buffer, 192 KB (next to its 64 x 256
+    float32 accumulator a consumer keeps 64-key score tiles)."""
+    if head_dim <= 64:
+        return 3, 128, 3, 2
+    if head_dim <= 128:
+        return 2, 128, 2, 2
+    return 2, 64, 2, 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,10 +400,10 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if q.shape[2] % k.shape[2]:
         return f"heads ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})"
     for name, n in (("seqlen_q", q.shape[1]), ("seqlen_k", k.shape[1])):
-        if n == 0 or n % BLOCK_M:
-            return f"{name} must be a positive multiple of {BLOCK_M}, got {n}"
-    if q.shape[0] * q.shape[2] * (q.shape[1] // BLOCK_M) > MAX_ITEMS:
-        return f"batch x heads x seqlen_q / {BLOCK_M} must be below 2^31"
+        if n == 0 or n % LENGTH_MULTIPLE:
+            return f"{name} must be a positive multiple of {LENGTH_MULTIPLE}, got {n}"
+    if q.shape[0] * q.shape[2] * (q.shape[1] // SUB_M) > MAX_ITEMS:
+        return f"batch x heads x seqlen_q / {SUB_M} must be below 2^31"
     for name, t in (("q", q), ("k", k), ("v", v)):
         view = _rows_view(t)
         if view is None:
@@ -383,19 +431,20 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     dtype = _GL_DTYPES[q.dtype]
+    consumers, block_n, stages, q_buffers = tile_config(head_dim)
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
         view = _rows_view(t)  # one head = a column band of the 2-D view
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], dtype)
         return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
 
-    num_items = batch * heads * (seqlen_q // BLOCK_M)
-    grid = (min(num_items, _sm_count(q.device)),)
+    num_m_blocks = -(-seqlen_q // (consumers * SUB_M))
+    grid = (min(batch * heads * num_m_blocks, _sm_count(q.device)),)
     _attn_fwd_ws_kernel[grid](
-        desc(q, SUB_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse,
+        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
         seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
-        batch * heads, seqlen_q // BLOCK_M, softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal, num_warps=4,
+        batch * heads, num_m_blocks, softmax_scale * RCP_LN2.value,
+        HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal, num_warps=4,
     )
     return out, lse
 
@@ -413,12 +462,14 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
     fn = _attn_fwd_ws_kernel
-    signature = {"q_desc": desc(SUB_M), "k_desc": desc(BLOCK_N), "v_desc": desc(BLOCK_N), "Out": f"*{name}",
+    consumers, block_n, stages, q_buffers = tile_config(head_dim)
+    signature = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
                  "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
                  "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
+                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "Q_BUFFERS": "constexpr", "CONSUMERS": "constexpr",
+                 "CAUSAL": "constexpr"}
     index = {a: i for i, a in enumerate(fn.arg_names)}
-    constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages_for(head_dim),
-                 (index["CAUSAL"],): causal}
+    constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages, (index["Q_BUFFERS"],): q_buffers,
+                 (index["CONSUMERS"],): consumers, (index["CAUSAL"],): causal}
     return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
