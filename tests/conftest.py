@@ -34,3 +34,21 @@ def device():
 def _seed():
     # Fresh but reproducible inputs per test.
     torch.manual_seed(1234)
+
+
+def ptxas_report(ptx: str) -> str:
+    """What Triton's bundled ptxas says (-v: registers, spills, warnings) assembling ``ptx`` for sm_90a."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stderr

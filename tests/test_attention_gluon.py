@@ -12,7 +12,7 @@ import qflash
 from qflash.reference import attention_ref, sdpa_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned
 
-from conftest import DEVICE
+from conftest import DEVICE, ptxas_report
 
 gluon = pytest.importorskip("qflash.kernels.attention_gluon")
 
@@ -27,6 +27,7 @@ def test_builds_for_sm90(d, dtype, causal):
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
+    assert "serialized" not in ptxas_report(ptx)  # S and P V stay asynchronous
 
 
 def _qkv(b=1, sq=128, sk=None, h=2, hkv=None, d=64, dtype=torch.float16, device=DEVICE):

@@ -52,6 +52,16 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
         out[f"qflash {method}"] = partial(mm, a_q, b_q, a_s, b_s)
         out[f"qflash {method} +q"] = partial(_quantize_then_matmul, mm, quant_a, b_q, b_s)
 
+    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9:  # the Gluon kernel (Hopper, experimental)
+        from qflash.kernels.matmul_gluon import scaled_matmul_gluon
+
+        for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row")):
+            (a_q, a_s), (b_q, b_s) = q[method][0](), q[method][1]
+            a_s = a_s if scales == "tensor" else a_s.reshape(-1, 1)
+            b_s = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+            out[f"qflash gluon {method}"] = partial(scaled_matmul_gluon, a_q, b_q, a_s, b_s, None, torch.bfloat16,
+                                                    scales)
+
     a8, a8_s = q["int8 (row x col)"][0]()
     b8, b8_s = q["int8 (row x col)"][1]
     out["torch._int_mm"] = lambda: torch._int_mm(a8, b8.T)  # int32 out; scales would be a separate pass
@@ -156,6 +166,9 @@ RATIOS = [
     ("fp8 tensor / _scaled_mm", "qflash fp8 (tensor)", "torch._scaled_mm (tensor)"),
     ("fp8 row / _scaled_mm row", "qflash fp8 (row x col)", "torch._scaled_mm (row x col)"),
     ("fp8 block / our tensor", "qflash fp8 (block)", "qflash fp8 (tensor)"),
+    ("gluon int8 / _int_mm", "qflash gluon int8 (row x col)", "torch._int_mm"),
+    ("gluon fp8 tensor / _scaled_mm", "qflash gluon fp8 (tensor)", "torch._scaled_mm (tensor)"),
+    ("gluon fp8 row / _scaled_mm row", "qflash gluon fp8 (row x col)", "torch._scaled_mm (row x col)"),
 ]
 
 
@@ -217,6 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--shapes", default=None, help="M,N,K[;M,N,K...] instead of the default shapes")
+    parser.add_argument("--providers", default=None, help="comma-separated provider names to time (default: all)")
     args = parser.parse_args(argv)
     chosen = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")] if args.shapes else None
     cuda = require_runnable(parser)
@@ -247,15 +261,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["ceilings"] = measure_ceilings()
         else:
             shapes = [(33, 64, 256)]
-        result["rows"] = run(shapes, device)
+        result["rows"] = run(shapes, device, args.providers.split(",") if args.providers else None)
         result["ratios"] = ratio_rows(result["rows"])
         result["ratios_graph"] = ratio_rows(result["rows"], "ms_graph")
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "tflops_graph", "ms", "rel_err",
                                                   "error"], "scaled matmul, TOPS / TFLOP/s = 2MNK / time"))
-        console.print(rich_table(result["ratios"], ["m", "n", "k"] + [name for name, _, _ in RATIOS],
-                                 "speed ratios, same run (> 1: qflash faster)"))
-        console.print(rich_table(result["ratios_graph"], ["m", "n", "k"] + [name for name, _, _ in RATIOS],
-                                 "speed ratios replayed from CUDA graphs (kernels without launch cost)"))
+        for key, title in (("ratios", "speed ratios, same run (> 1: qflash faster)"),
+                           ("ratios_graph", "speed ratios replayed from CUDA graphs (kernels without launch cost)")):
+            measured = [name for name, _, _ in RATIOS if any(r[name] is not None for r in result[key])]
+            console.print(rich_table(result[key], ["m", "n", "k"] + measured, title))
     return finish(console, args.out, result)
 
 

@@ -1,0 +1,267 @@
+"""Scaled INT8 / FP8 matrix product for Hopper in Gluon: persistent and warp-specialized.
+
+EXPERIMENTAL: built for sm_90 offline (tests/test_matmul_gluon.py), not yet run on a GPU and not
+used by the public functions. ``matmul.py``'s ``tl`` kernel stays the implementation; this is the
+schedule it cannot get from Triton 3.6 on Hopper (its warp-specialized 4-warp tiles computed
+wrong results, NOTES "Third round"):
+
+    one CTA per SM takes 128 x 128 output tiles in turn (grouped order: GROUP_M row blocks
+    share each column block of B while it is in L2), in three partitions
+      consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma), one
+      consumer 1 (4 warps)   rows 64-127 /  K step in flight while the next is issued; epilogue
+      loader     (1 warp)    A (two 64-row halves) and B tiles of every K step into a ring
+
+    ring slot s:  loader --ready[s]--> consumers --empty[s] (both)--> loader
+
+The ring runs on from one output tile to the next, so the loads of a tile's first K steps
+overlap the previous tile's epilogue.
+
+C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s
+weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
+FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
+fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
+bits of a long sum) while the other consumer's product keeps the tensor cores busy. Scales: per tensor, or per row of A
+times per row of B (an output column), applied in the epilogue in the reference's order, with
+the launch's floating-point fusion off so that INT8 results are bit-exact; block scales stay with
+the ``tl`` kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from qflash.testing import new_output
+
+SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
+BLOCK_K = 128  # K step, and the FP8 promotion interval
+GROUP_M = 8
+SCALES_TENSOR = gl.constexpr(0)
+SCALES_ROW = gl.constexpr(1)  # A per row, B per output column (row of B)
+
+_GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+@gluon.jit
+def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
+    """Output tile t in grouped order: (row block, column block)."""
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % per_group) % rows_in_group, (t % per_group) // rows_in_group
+
+
+@gluon.jit
+def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the A halves and the B tile of every K step of every output tile of this CTA.
+    Edges past M, N or K arrive as zeros (the descriptors' bounds), which add nothing."""
+    SUB: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    num_m = gl.cdiv(M, 2 * SUB)
+    num_n = gl.cdiv(N, BN)
+    c = 0  # K steps over all tiles: the ring's position
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        for kk in range(gl.cdiv(K, BK)):
+            s = c % STAGES
+            # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB, kk * BK], ready.index(s), a_ring.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB + SUB, kk * BK], ready.index(s),
+                                            a_ring.index(2 * s + 1))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_ring.index(s))
+            c += 1
+
+
+@gluon.jit
+def _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn,
+                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """C[rows, cols] = acc * scales (+ bias) in float32, in the reference's order, cast to C's dtype."""
+    out = acc.to(gl.float32)
+    if SCALES == SCALES_TENSOR:
+        out = out * (gl.load(AScale) * gl.load(BScale))
+    else:
+        a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
+        b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+        out = out * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
+    if HAS_BIAS:
+        out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    ptrs = C + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+    gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
+                 stride_bsn, WHICH: gl.constexpr, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: 64 rows of every output tile of this CTA, K step by K step, then the epilogue."""
+    SUB: gl.constexpr = a_ring.shape[1]
+    BK: gl.constexpr = a_ring.shape[2]
+    BN: gl.constexpr = b_ring.shape[1]
+    IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 32])  # 8-bit wgmma: k = 32
+    num_m = gl.cdiv(M, 2 * SUB)
+    num_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    c = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        if IS_INT8:
+            acc = gl.zeros((SUB, BN), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
+            for kk in range(k_steps):
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                acc = warpgroup_mma(a_ring.index(2 * s + WHICH), b_ring.index(s).permute((1, 0)), acc,
+                                    is_async=True)
+                # One product in flight: the previous K step's is done, so its slot goes back.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > 0)
+                c += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_steps > 0)
+        else:
+            # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
+            # total once the tensor cores are done with it; meanwhile the other consumer's product
+            # runs. (Reading a partial before its wait, or carrying one in flight into the next
+            # iteration, makes ptxas serialize every wgmma.)
+            acc = gl.zeros((SUB, BN), dtype=gl.float32, layout=acc_layout)
+            fresh = gl.zeros((SUB, BN), dtype=gl.float32, layout=acc_layout)
+            for kk in range(k_steps):
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                part = warpgroup_mma(a_ring.index(2 * s + WHICH), b_ring.index(s).permute((1, 0)), fresh,
+                                     use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + part
+                c += 1
+        rows = pid_m * 2 * SUB + WHICH * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+        _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn, SCALES,
+                     HAS_BIAS)
+
+
+@gluon.jit
+def _mm_consumer_1(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
+                   stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr):
+    # The second warpgroup as a worker partition of its own, WHICH fixed.
+    _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn,
+                 1, SCALES, HAS_BIAS, GROUP_M, STAGES)
+
+
+@gluon.jit
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_bsn,
+                         SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr):
+    SUB: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, SUB, BK], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    gl.warp_specialize([
+        (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
+                        stride_bsn, 0, SCALES, HAS_BIAS, GROUP_M, STAGES)),
+        (_mm_consumer_1, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
+                          stride_bsn, SCALES, HAS_BIAS, GROUP_M, STAGES)),
+        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES)),
+    ], [4, 1], [232, 24])
+
+
+BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
+STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
+    """None if this kernel takes the product, else what it does not take (a short reason)."""
+    if not (a_q.is_cuda and torch.cuda.get_device_capability(a_q.device)[0] == 9):
+        return f"the Gluon matmul runs on Hopper (compute capability 9.x), got a tensor on {a_q.device}"
+    if a_q.dtype not in _GL_DTYPES or b_q.dtype != a_q.dtype:
+        return f"a_q and b_q must both be int8 or float8_e4m3fn, got {a_q.dtype}, {b_q.dtype}"
+    if scales not in ("tensor", "row"):
+        return f"scales must be 'tensor' or 'row' here, got {scales!r}"
+    if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1] or 0 in (*a_q.shape, b_q.shape[0]):
+        return f"a_q (M, K) and b_q (N, K) must share a positive K, got {tuple(a_q.shape)}, {tuple(b_q.shape)}"
+    for name, t in (("a_q", a_q), ("b_q", b_q)):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return f"{name} needs unit column stride and a 16-byte aligned base and row stride"
+    return None
+
+
+def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                        bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
+    """C (M, N) in ``out_dtype`` = (A_q * a_scale) @ (B_q * b_scale)^T + bias. Scale shapes as in
+    ``matmul.scaled_matmul``: () or (1,) per tensor; (M, 1) and (N, 1) per row."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    reason = why_not(a_q, b_q, scales)
+    if reason is not None:
+        raise ValueError(reason)
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    c = new_output((m, n), dtype=out_dtype, device=a_q.device)
+    dtype = _GL_DTYPES[a_q.dtype]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
+
+    a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
+    b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
+    tiles = triton.cdiv(m, 2 * SUB_M) * triton.cdiv(n, BLOCK_N)
+    _scaled_mm_ws_kernel[(min(tiles, _sm_count(a_q.device)),)](
+        desc(a_q, SUB_M), desc(b_q, BLOCK_N), c, a_s, b_s, bias if bias is not None else c, m, n, k,
+        c.stride(0), a_s.stride(0), b_s.stride(0),
+        SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=bias is not None,
+        GROUP_M=GROUP_M, STAGES=STAGES, num_warps=4,
+        # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
+        enable_fp_fusion=False,
+    )
+    return c
+
+
+def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
+                     out_dtype: torch.dtype = torch.bfloat16):
+    """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    qdtype = torch.int8 if int8 else torch.float8_e4m3fn
+    gdt = _GL_DTYPES[qdtype]
+    name = "i8" if int8 else "fp8e4nv"
+    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+
+    def desc(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gdt)
+        return f"tensordesc<{name}[{rows}, {BLOCK_K}],{layout!r}>"
+
+    fn = _scaled_mm_ws_kernel
+    signature = {"a_desc": desc(SUB_M), "b_desc": desc(BLOCK_N), "C": f"*{out}", "AScale": "*fp32",
+                 "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+                 "stride_asm": "i32", "stride_bsn": "i32", "SCALES": "constexpr", "HAS_BIAS": "constexpr",
+                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    constants = {(index["SCALES"],): (SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value,
+                 (index["HAS_BIAS"],): has_bias, (index["GROUP_M"],): GROUP_M, (index["STAGES"],): STAGES}
+    return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, enable_fp_fusion=False))

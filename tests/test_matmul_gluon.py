@@ -1,0 +1,92 @@
+"""The experimental Gluon matmul (Hopper, warp-specialized, persistent): it builds for sm_90 on any
+machine, says what it does not take, and on the H200 is bit-exact for INT8 and within float32
+rounding for FP8, like the tl kernel (tests/test_matmul.py)."""
+
+import re
+
+import pytest
+import torch
+
+import qflash
+from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
+from qflash.testing import assert_written, poisoned, rel_l2_err
+
+from conftest import DEVICE, ptxas_report
+
+gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
+
+
+@pytest.mark.parametrize("int8,scales", [(True, "row"), (False, "tensor"), (False, "row")])
+def test_builds_for_sm90(int8, scales):
+    """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
+    rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
+    product into its float32 total (twice the float32 adds of the INT8 build)."""
+    kernel = gluon.compile_for_sm90(int8, scales)
+    ptx = kernel.asm["ptx"]
+    kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
+    assert f"m64n128k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+    # Reading a wgmma's accumulator before its wait would make ptxas serialize every wgmma.
+    assert "serialized" not in ptxas_report(ptx)
+    if not int8:
+        def adds(text):
+            return len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
+
+        assert adds(ptx) > adds(gluon.compile_for_sm90(True, scales).asm["ptx"])
+
+
+def _quantized(m, n, k, qdtype, scales, device=DEVICE):
+    a, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
+    a_q, a_s = qflash.quantize(a, qdtype, "tensor" if scales == "tensor" else "row")
+    b_q, b_s = qflash.quantize(b, qdtype, "row" if scales == "row" else "tensor")
+    return a_q, b_q, a_s, b_s
+
+
+def test_names_what_it_does_not_take():
+    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
+    if DEVICE == "cpu":
+        assert "Hopper" in gluon.why_not(a_q, b_q, "row")
+        return
+    f8 = torch.float8_e4m3fn
+    cases = [
+        ((a_q, b_q, "block"), "'tensor' or 'row'"),
+        ((a_q, b_q.to(torch.float32).to(f8), "row"), "both be int8 or float8_e4m3fn"),
+        ((a_q.float().to(torch.float8_e5m2), b_q.float().to(torch.float8_e5m2), "row"), "float8_e4m3fn"),
+        ((a_q[:, :40], b_q[:, :40], "row"), "16-byte aligned"),
+        ((a_q, b_q[:, :32], "row"), "share a positive K"),
+    ]
+    for (x, y, scales), match in cases:
+        assert match in gluon.why_not(x, y, scales)
+        with pytest.raises(ValueError, match=match):
+            gluon.scaled_matmul_gluon(x, y, a_s, b_s, None, torch.bfloat16, scales)
+
+
+GPU_SHAPES = [(1, 1, 16), (70, 90, 320), (300, 129, 64), (257, 1000, 4096), (1024, 768, 1024)]  # ragged M, N, K
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "mixed"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_int8_bit_exact(m, n, k, out_dtype, scales):
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
+    bias = torch.randn(n, device="cuda")
+    kind = "tensor" if scales == "tensor" else "row"
+    a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
+    b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
+    with poisoned():
+        c = gluon.scaled_matmul_gluon(a_q, b_q, a_k, b_k, bias, out_dtype, kind)
+    assert_written(c)
+    assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_fp8_within_fp32_rounding(m, n, k, scales):
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    with poisoned():
+        c = gluon.scaled_matmul_gluon(a_q, b_q, a_s, b_s, None, torch.float32, scales)
+    assert_written(c)
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
+    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
