@@ -52,3 +52,22 @@ def ptxas_report(ptx: str) -> str:
                              capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stderr
+
+
+def sm90_build(module: str, *args, **kwargs) -> dict:
+    """``module.compile_for_sm90(*args, **kwargs)`` in a fresh Python process: {"ptx", "shared"}.
+
+    Gluon kernels are built away from this process because Triton's interpreter (which the CPU
+    tests run on) leaves some of its patches to triton.language in place after calling nested
+    @triton.jit functions, and a Gluon build that follows one then fails to compile."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import importlib, json, sys, torch\n"
+            f"kernel = importlib.import_module({module!r}).compile_for_sm90(*{args!r}, **{kwargs!r})\n"
+            "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared}, sys.stdout)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)

@@ -12,7 +12,7 @@ import qflash
 from qflash.reference import attention_ref, sdpa_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned
 
-from conftest import DEVICE, ptxas_report
+from conftest import DEVICE, ptxas_report, sm90_build
 
 gluon = pytest.importorskip("qflash.kernels.attention_gluon")
 
@@ -23,10 +23,10 @@ def test_builds_for_sm90(d, dtype, causal):
     """Compiled offline (no GPU needed): a producer warp and two consumer warpgroups whose
     registers are rebalanced (setmaxnreg), products on wgmma, tiles through TMA, and an
     occupancy of one CTA in the H200's 227 KB of shared memory."""
-    kernel = gluon.compile_for_sm90(d, dtype, causal=causal)
-    ptx = kernel.asm["ptx"]
+    kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal)
+    ptx = kernel["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
-    assert kernel.metadata.shared <= 227 * 1024
+    assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)  # S and P V stay asynchronous
 
 

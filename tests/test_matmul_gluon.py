@@ -11,7 +11,7 @@ import qflash
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.testing import assert_written, poisoned, rel_l2_err
 
-from conftest import DEVICE, ptxas_report
+from conftest import DEVICE, ptxas_report, sm90_build
 
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 
@@ -21,18 +21,18 @@ def test_builds_for_sm90(int8, scales):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
     product into its float32 total (twice the float32 adds of the INT8 build)."""
-    kernel = gluon.compile_for_sm90(int8, scales)
-    ptx = kernel.asm["ptx"]
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales)
+    ptx = kernel["ptx"]
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n128k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
-    assert kernel.metadata.shared <= 227 * 1024
+    assert kernel["shared"] <= 227 * 1024
     # Reading a wgmma's accumulator before its wait would make ptxas serialize every wgmma.
     assert "serialized" not in ptxas_report(ptx)
     if not int8:
         def adds(text):
             return len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
 
-        assert adds(ptx) > adds(gluon.compile_for_sm90(True, scales).asm["ptx"])
+        assert adds(ptx) > adds(sm90_build("qflash.kernels.matmul_gluon", True, scales)["ptx"])
 
 
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):

@@ -196,10 +196,10 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k
 
 @gluon.jit
 def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                       WHICH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-    """One warpgroup: for each work item, the online softmax over its K/V tiles for 64 query rows."""
+                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, which,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup (consumer ``which``): for each work item, the online softmax over its K/V
+    tiles for 64 query rows."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
@@ -219,13 +219,13 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         if w < num_items:
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
                                                    CAUSAL, CONSUMERS * ROWS, BLOCK_N)
-            m0 += WHICH * ROWS
+            m0 += which * ROWS
             rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
             l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
             acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
             qb = i % Q_BUFFERS
-            q = q_smem.index(CONSUMERS * qb + WHICH)
+            q = q_smem.index(CONSUMERS * qb + which)
             q_free = q_empty.index(qb)
             mbarrier.wait(q_ready.index(qb), (i // Q_BUFFERS) & 1)
             if n_tiles > 0:
@@ -280,28 +280,6 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
 
 @gluon.jit
-def _attn_fwd_consumer_1(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                         CAUSAL: gl.constexpr):
-    # The second warpgroup as a worker partition of its own (a partition's arguments are passed
-    # through as they are, so WHICH is fixed here).
-    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 1, HEAD_DIM, STAGES,
-                       CONSUMERS, CAUSAL)
-
-
-@gluon.jit
-def _attn_fwd_consumer_2(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                         CAUSAL: gl.constexpr):
-    _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 2, HEAD_DIM, STAGES,
-                       CONSUMERS, CAUSAL)
-
-
-@gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                         num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                         Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
@@ -326,14 +304,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=CONSUMERS)
         mbarrier.init(v_empty.index(s), count=CONSUMERS)
+    # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
-                                  HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                  gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                  gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
@@ -341,14 +320,14 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
     else:  # three consumers share the register file: 160 registers a thread each
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, 0,
-                                  HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer_1, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer_2, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                    v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                    HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                  gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                  gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
+                                  gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),

@@ -101,9 +101,10 @@ def _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stri
 
 @gluon.jit
 def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                 stride_bsn, WHICH: gl.constexpr, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: 64 rows of every output tile of this CTA, K step by K step, then the epilogue."""
+                 stride_bsn, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """One warpgroup (consumer ``which``): 64 rows of every output tile of this CTA, K step by K
+    step, then the epilogue."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
@@ -121,7 +122,7 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
             for kk in range(k_steps):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(2 * s + WHICH), b_ring.index(s).permute((1, 0)), acc,
+                acc = warpgroup_mma(a_ring.index(2 * s + which), b_ring.index(s).permute((1, 0)), acc,
                                     is_async=True)
                 # One product in flight: the previous K step's is done, so its slot goes back.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -139,25 +140,16 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
             for kk in range(k_steps):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                part = warpgroup_mma(a_ring.index(2 * s + WHICH), b_ring.index(s).permute((1, 0)), fresh,
+                part = warpgroup_mma(a_ring.index(2 * s + which), b_ring.index(s).permute((1, 0)), fresh,
                                      use_acc=False, is_async=True)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + part
                 c += 1
-        rows = pid_m * 2 * SUB + WHICH * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+        rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
         _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn, SCALES,
                      HAS_BIAS)
-
-
-@gluon.jit
-def _mm_consumer_1(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                   stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                   STAGES: gl.constexpr):
-    # The second warpgroup as a worker partition of its own, WHICH fixed.
-    _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn,
-                 1, SCALES, HAS_BIAS, GROUP_M, STAGES)
 
 
 @gluon.jit
@@ -174,11 +166,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, strid
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
         (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                        stride_bsn, 0, SCALES, HAS_BIAS, GROUP_M, STAGES)),
-        (_mm_consumer_1, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                          stride_bsn, SCALES, HAS_BIAS, GROUP_M, STAGES)),
+                        stride_bsn, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES)),
+        (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
+                        stride_bsn, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
 
