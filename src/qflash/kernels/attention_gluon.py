@@ -41,13 +41,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from qflash.testing import new_output
 
@@ -171,9 +165,9 @@ def _softmax_step(qk, m_i, l_i, rows, key0, shift, qk_scale, MASKED: gl.constexp
 def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k_ready, v_ready, k_empty,
                    v_empty, rows, shift, qk_scale, s_layout: gl.constexpr, STAGES: gl.constexpr,
                    MASKED: gl.constexpr):
-    """Key tile j (tile c of the rings): S_j = Q K_j^T overlaps
-    O += P_{j-1} V_{j-1}; then the softmax of S_j. After the item's last S (j == last) its Q
-    tile goes back to the loader (q_free)."""
+    """Key tile j (tile c of the rings): S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
+    together, and the softmax of S_j runs while the latter is on the tensor cores. After the
+    item's last S (j == last) its Q tile goes back to the loader (q_free)."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
     s = c % STAGES

@@ -29,7 +29,7 @@ the ``tl`` kernel.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
