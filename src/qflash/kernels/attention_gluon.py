@@ -81,14 +81,19 @@ def _item_of(r):
 def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CAUSAL: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w: (batch, head, first query row) of a block of BLOCK_M queries and its key
-    tiles: [0, n_full) need no mask, [n_full, n_tiles) cross the causal diagonal. Items run
-    heads fastest; causal ones heaviest (most keys) first, so the last to start are short."""
-    bh = w % num_bh
-    m_block = w // num_bh
+    tiles: [0, n_full) need no mask, [n_full, n_tiles) cross the causal diagonal.
+
+    Without a mask, items run query blocks fastest: the blocks of one head run side by side and
+    read its K/V from L2 rather than from memory (as the tl kernel orders them). Causal items run
+    heads fastest and heaviest (most keys) first, so that the last to start are short."""
     n_tiles = seqlen_k // BLOCK_N
     n_full = n_tiles
     if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block
+        bh = w % num_bh
+        m_block = num_m_blocks - 1 - w // num_bh
+    else:
+        bh = w // num_m_blocks
+        m_block = w % num_m_blocks
     m0 = m_block * BLOCK_M
     if CAUSAL:
         # Row i sees keys j <= i + shift: the block's last row bounds the tiles, its first row
