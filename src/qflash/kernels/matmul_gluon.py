@@ -7,8 +7,8 @@ wrong results, NOTES "Third round"):
 
     one CTA per SM takes 128 x 128 output tiles in turn (grouped order: GROUP_M row blocks
     share each column block of B while it is in L2), in three partitions
-      consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma), one
-      consumer 1 (4 warps)   rows 64-127 /  K step in flight while the next is issued; epilogue
+      consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma)
+      consumer 1 (4 warps)   rows 64-127 /  K step by K step; then scales, bias and the store
       loader     (1 warp)    A (two 64-row halves) and B tiles of every K step into a ring
 
     ring slot s:  loader --ready[s]--> consumers --empty[s] (both)--> loader
@@ -20,10 +20,10 @@ C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn
 weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
 FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
-bits of a long sum) while the other consumer's product keeps the tensor cores busy. Scales: per tensor, or per row of A
-times per row of B (an output column), applied in the epilogue in the reference's order, with
-the launch's floating-point fusion off so that INT8 results are bit-exact; block scales stay with
-the ``tl`` kernel.
+bits of a long sum) while the other consumer's product keeps the tensor cores busy. Scales: per
+tensor, or per row of A times per row of B (an output column), applied in the epilogue in the
+reference's order, with the launch's floating-point fusion off so that INT8 results are
+bit-exact; block scales stay with the ``tl`` kernel.
 """
 
 from __future__ import annotations
