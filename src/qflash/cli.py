@@ -23,13 +23,14 @@ def _fast_path_status(cuda: bool) -> str:
     """Whether flash_attn_func / sdpa can take the Gluon forward kernel here (and for what)."""
     import torch
 
-    if os.environ.get("QFLASH_GLUON", "1") == "0":
-        return "off (QFLASH_GLUON=0)"
-    if not cuda or torch.cuda.get_device_capability(0)[0] != 9:
-        return "none here (the Gluon forward needs Hopper)"
-    from qflash.kernels.attention_gluon import PREFERRED_HEAD_DIMS
+    from qflash.kernels import attention_gluon
+    from qflash.kernels.common import is_hopper
 
-    dims = "/".join(map(str, PREFERRED_HEAD_DIMS))
+    if not attention_gluon.enabled():
+        return "off (QFLASH_GLUON=0)"
+    if not cuda or not is_hopper(torch.device("cuda", 0)):
+        return "none here (the Gluon forward needs Hopper)"
+    dims = "/".join(map(str, attention_gluon.PREFERRED_HEAD_DIMS))
     return f"Gluon forward: D = {dims}, causal or no mask, lengths multiple of 128"
 
 

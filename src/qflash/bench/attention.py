@@ -79,16 +79,24 @@ def _sdpa_provider(backend_name: str):
     return make
 
 
+TL_DEFAULT = "tl default"  # a _qflash_provider config: the tl kernel with its default tiles for the shape
+
+
 def _qflash_provider(config=None):
+    """The public function (config None: the Gluon kernel where it fits, else the tl one), or the
+    tl kernel with ``config``'s tiles (TL_DEFAULT: its default ones, also where Gluon would run)."""
+
     def make(q, k, v, causal):
         if config is None:
             import qflash
 
             return lambda: qflash.flash_attn_func(q, k, v, causal=causal)
-        from qflash.kernels.attention import AttnOptions, attention_forward
+        from qflash.kernels.attention import AttnOptions, attention_forward, default_config
 
         opts = AttnOptions(1.0 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
-        return lambda: attention_forward(q, k, v, opts, config=config)[0]
+        cfg = (default_config(q.shape[-1], q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
+               if config == TL_DEFAULT else config)
+        return lambda: attention_forward(q, k, v, opts, config=cfg)[0]
 
     return make
 
@@ -99,15 +107,6 @@ def _qflash_gluon(q, k, v, causal):
 
     scale = 1.0 / math.sqrt(q.shape[-1])
     return lambda: attention_forward_gluon(q, k, v, scale, causal=causal)[0]
-
-
-def _qflash_tl(q, k, v, causal):
-    """The portable ``tl`` kernel with its default tiles, also where the Gluon kernel would run."""
-    from qflash.kernels.attention import AttnOptions, attention_forward, default_config
-
-    opts = AttnOptions(1.0 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
-    config = default_config(q.shape[-1], q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
-    return lambda: attention_forward(q, k, v, opts, config=config)[0]
 
 
 def _naive(q, k, v, causal):
@@ -152,7 +151,7 @@ def _sage(q, k, v, causal):
 PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
     "qflash_gluon": _qflash_gluon,
-    "qflash_tl": _qflash_tl,
+    "qflash_tl": _qflash_provider(TL_DEFAULT),
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa_provider("EFFICIENT_ATTENTION"),

@@ -52,7 +52,9 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
         out[f"qflash {method}"] = partial(mm, a_q, b_q, a_s, b_s)
         out[f"qflash {method} +q"] = partial(_quantize_then_matmul, mm, quant_a, b_q, b_s)
 
-    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9:  # the Gluon kernel (Hopper, experimental)
+    from qflash.kernels.common import is_hopper
+
+    if is_hopper(a.device):  # the Gluon kernel (experimental)
         from qflash.kernels.matmul_gluon import scaled_matmul_gluon
 
         for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row")):

@@ -28,7 +28,6 @@ gradients are bitwise identical from run to run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -549,11 +548,12 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
     nothing else on top, and the shapes and strides it needs. ``QFLASH_GLUON=0`` turns it off."""
     plain = (opts.window_left < 0 and opts.window_right in (-1, 0) and opts.softcap == 0
              and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0)
-    if not (plain and q.is_cuda and os.environ.get("QFLASH_GLUON", "1") != "0"):
+    if not (plain and q.is_cuda):
         return False
-    from qflash.kernels.attention_gluon import PREFERRED_HEAD_DIMS, why_not
+    from qflash.kernels import attention_gluon
 
-    return q.shape[-1] in PREFERRED_HEAD_DIMS and why_not(q, k, v) is None
+    return (attention_gluon.enabled() and q.shape[-1] in attention_gluon.PREFERRED_HEAD_DIMS
+            and attention_gluon.why_not(q, k, v) is None)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
@@ -568,10 +568,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     128) go there.
     """
     if config is None and _fast_path_fits(q, k, v, opts):
-        from qflash.kernels.attention_gluon import attention_forward_gluon
+        from qflash.kernels import attention_gluon
 
-        return attention_forward_gluon(q, k, v, opts.softmax_scale, causal=opts.window_right == 0,
-                                       bottom_right=opts.bottom_right)
+        return attention_gluon.launch(q, k, v, opts.softmax_scale, causal=opts.window_right == 0,
+                                      bottom_right=opts.bottom_right)
     varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape

@@ -34,15 +34,15 @@ head dims in PREFERRED_HEAD_DIMS (where this kernel was measured faster than the
 
 from __future__ import annotations
 
-import functools
+import os
 from typing import Tuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, sm_count
 from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
@@ -350,10 +350,6 @@ def tile_config(head_dim: int) -> Tuple[int, int, int, int]:
     return 2, 64, 2, 1
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def _rows_view(t: torch.Tensor):
     """(batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or None if its strides
@@ -364,9 +360,15 @@ def _rows_view(t: torch.Tensor):
     return t.as_strided((batch * seqlen, heads * head_dim), (t.stride(1), 1))
 
 
+def enabled() -> bool:
+    """Whether the public functions may take this kernel: yes unless ``QFLASH_GLUON=0`` (read on
+    each call, so that it can be switched at run time)."""
+    return os.environ.get("QFLASH_GLUON", "1") != "0"
+
+
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """None if this kernel takes (q, k, v), else what it does not take (a short reason)."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not is_hopper(q.device):
         return f"the Gluon kernel runs on Hopper (compute capability 9.x), got a tensor on {q.device}"
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         return (f"q must be (batch, seqlen_q, heads, headdim) and k, v (batch, seqlen_k, heads_kv, headdim), "
@@ -399,11 +401,17 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     keys j <= i + (Sk - Sq) (``bottom_right``, flash-attn's alignment) or j <= i (top-left,
     PyTorch's). Raises ValueError for what ``why_not`` names.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     reason = why_not(q, k, v)
     if reason is not None:
         raise ValueError(reason)
+    return launch(q, k, v, softmax_scale, causal, bottom_right)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+           bottom_right: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward_gluon`` for a call that ``why_not`` has already accepted."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
@@ -416,8 +424,8 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], dtype)
         return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
 
-    num_m_blocks = -(-seqlen_q // (consumers * SUB_M))
-    grid = (min(batch * heads * num_m_blocks, _sm_count(q.device)),)
+    num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
+    grid = (min(batch * heads * num_m_blocks, sm_count(q.device)),)
     _attn_fwd_ws_kernel[grid](
         desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
         seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
@@ -429,9 +437,6 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     gdt = _GL_DTYPES[dtype]
     name = {gl.float16: "fp16", gl.bfloat16: "bf16"}[gdt]
 
@@ -439,15 +444,9 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
-    fn = _attn_fwd_ws_kernel
     consumers, block_n, stages, q_buffers = tile_config(head_dim)
-    signature = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
-                 "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
-                 "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "STAGES": "constexpr", "Q_BUFFERS": "constexpr", "CONSUMERS": "constexpr",
-                 "CAUSAL": "constexpr"}
-    index = {a: i for i, a in enumerate(fn.arg_names)}
-    constants = {(index["HEAD_DIM"],): head_dim, (index["STAGES"],): stages, (index["Q_BUFFERS"],): q_buffers,
-                 (index["CONSUMERS"],): consumers, (index["CAUSAL"],): causal}
-    return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
+    types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
+             "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
+             "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
+    return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
+                                                           CONSUMERS=consumers, CAUSAL=causal))

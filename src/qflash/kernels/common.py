@@ -25,12 +25,43 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def has_tma(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 or newer (Hopper's copy engine); cached, since
     the query costs microseconds on every launch."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return device.type == "cuda" and _capability(_index(device))[0] >= 9
+
+
+def is_hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x: what the Gluon kernels (wgmma, setmaxnreg) are built for."""
+    return device.type == "cuda" and _capability(_index(device))[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached): the grid of a persistent kernel."""
+    return _sm_count(_index(device))
+
+
+def build_for_sm90(fn, types: dict, constants: dict, **options):
+    """Compile a Gluon kernel for sm_90 without a GPU (what the CPU tests check): ``types`` gives
+    each runtime argument's type ("*fp32", "i32", a tensor-descriptor type), ``constants`` each
+    constexpr argument's value. Returns the compiled kernel (PTX in ``.asm["ptx"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: "constexpr" if name in constants else types[name] for name in fn.arg_names}
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    fixed = {(index[name],): value for name, value in constants.items()}
+    return triton.compile(GluonASTSource(fn, signature, fixed), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, **options))
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

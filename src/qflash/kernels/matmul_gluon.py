@@ -28,15 +28,14 @@ bit-exact; block scales stay with the ``tl`` kernel.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, sm_count
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -180,14 +179,10 @@ BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer p
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
     """None if this kernel takes the product, else what it does not take (a short reason)."""
-    if not (a_q.is_cuda and torch.cuda.get_device_capability(a_q.device)[0] == 9):
+    if not is_hopper(a_q.device):
         return f"the Gluon matmul runs on Hopper (compute capability 9.x), got a tensor on {a_q.device}"
     if a_q.dtype not in _GL_DTYPES or b_q.dtype != a_q.dtype:
         return f"a_q and b_q must both be int8 or float8_e4m3fn, got {a_q.dtype}, {b_q.dtype}"
@@ -221,8 +216,8 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
 
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    tiles = triton.cdiv(m, 2 * SUB_M) * triton.cdiv(n, BLOCK_N)
-    _scaled_mm_ws_kernel[(min(tiles, _sm_count(a_q.device)),)](
+    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, BLOCK_N)
+    _scaled_mm_ws_kernel[(min(tiles, sm_count(a_q.device)),)](
         desc(a_q, SUB_M), desc(b_q, BLOCK_N), c, a_s, b_s, bias if bias is not None else c, m, n, k,
         c.stride(0), a_s.stride(0), b_s.stride(0),
         SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=bias is not None,
@@ -236,9 +231,6 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
@@ -248,13 +240,9 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
         layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gdt)
         return f"tensordesc<{name}[{rows}, {BLOCK_K}],{layout!r}>"
 
-    fn = _scaled_mm_ws_kernel
-    signature = {"a_desc": desc(SUB_M), "b_desc": desc(BLOCK_N), "C": f"*{out}", "AScale": "*fp32",
-                 "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-                 "stride_asm": "i32", "stride_bsn": "i32", "SCALES": "constexpr", "HAS_BIAS": "constexpr",
-                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
-    index = {a: i for i, a in enumerate(fn.arg_names)}
-    constants = {(index["SCALES"],): (SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value,
-                 (index["HAS_BIAS"],): has_bias, (index["GROUP_M"],): GROUP_M, (index["STAGES"],): STAGES}
-    return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, enable_fp_fusion=False))
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(BLOCK_N), "C": f"*{out}", "AScale": "*fp32", "BScale": "*fp32",
+             "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "stride_asm": "i32",
+             "stride_bsn": "i32"}
+    constants = dict(SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=has_bias,
+                     GROUP_M=GROUP_M, STAGES=STAGES)
+    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
