@@ -104,6 +104,21 @@ def test_gpu_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("heads_per_group", [1, 3, 4, 10])
+def test_gpu_causal_work_orders(d, heads_per_group):
+    """Every causal order computes the same result: groups of 1, 3 (the last group holds one
+    head of 10), 4 and all 10 heads, over 9 CTAs' worth of items or more."""
+    q, k, v = _qkv(2, 768, 768, 5, 5, d, torch.bfloat16, "cuda")
+    with poisoned():
+        out, lse = gluon.launch(q, k, v, d ** -0.5, True, True, heads_per_group=heads_per_group)
+    assert_written(out, "out")
+    ref, ref_lse, pt = _reference(q, k, v, True, True, q.dtype)
+    assert_flash_rule(out, ref, pt)
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-4 * ref_lse.abs().max().item()
+
+
+@pytest.mark.gpu
 def test_gpu_packed_qkv_without_copies():
     """q, k, v sliced from one (B, S, 3, H, D) tensor: strided views the descriptors read directly."""
     qkv = torch.randn(2, 512, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
@@ -138,3 +153,37 @@ def test_gpu_gradients_from_its_forward(causal):
     from test_attention_backward import check_flash_grads
 
     check_flash_grads(2, 384, 640, 4, 2, 128, dtype=torch.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("num_bh,m_blocks,programs,block_m,block_n,seqlen_k,shift", [
+    (512, 4, 132, 128, 128, 512, 0),  # 512 tokens: a few heads a round is as even as all heads
+    (16, 128, 132, 128, 128, 16384, 0),  # 16k tokens: one group of all heads
+    (10, 3, 7, 192, 128, 512, 0),
+    (3, 9, 132, 128, 64, 1536, 384),  # fewer items than CTAs
+])
+def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, block_n, seqlen_k, shift):
+    """The chosen group size divides the work as evenly (within a few %) as groups of 1-16 or all
+    heads, recomputed here item by item as the kernel's _work_item maps them."""
+    chosen = gluon.causal_heads_per_group(num_bh, m_blocks, programs, block_m, block_n, seqlen_k, shift)
+    assert 1 <= chosen <= num_bh
+
+    def busiest(group):
+        load = [0] * programs
+        seen = set()
+        n = num_bh * m_blocks
+        for r in range(-(-n // programs)):
+            for c in range(programs):
+                w = r * programs + (c if r % 2 == 0 else programs - 1 - c)
+                if w >= n:
+                    continue
+                first = (w // (group * m_blocks)) * group
+                heads = min(group, num_bh - first)
+                bh, m_block = first + (w % (group * m_blocks)) % heads, m_blocks - 1 - (w % (group * m_blocks)) // heads
+                seen.add((bh, m_block))
+                visible = max(m_block * block_m + block_m + shift, 0)
+                load[c] += min(-(-visible // block_n), seqlen_k // block_n) + 1
+        assert len(seen) == n  # every item exactly once
+        return max(load)
+
+    best = min(busiest(g) for g in set(range(1, min(num_bh, 16) + 1)) | {num_bh})
+    assert busiest(chosen) <= 1.05 * best

@@ -1,4 +1,4 @@
-"""FlashAttention forward for Hopper in Gluon: warp-specialized.
+r"""FlashAttention forward for Hopper in Gluon: warp-specialized.
 
 The ``tl`` kernel in ``attention.py`` is the portable implementation (every option, the
 interpreter, any GPU). This one is the fast path for the common case on Hopper, with the
@@ -34,9 +34,11 @@ head dims in PREFERRED_HEAD_DIMS (where this kernel was measured faster than the
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,7 +55,9 @@ HEAD_DIMS = (64, 128, 256)
 # the tl one on the H200. At D = 64 two consumers ran 0.93-1.02x the tl kernel
 # (attention_fwd_gluon_v4_*_s6d.json); the three-consumer build and D = 256 are not measured yet.
 PREFERRED_HEAD_DIMS = (128,)
-MAX_ITEMS = 2**31 - 1  # work items (batch x heads x query blocks) are counted in int32
+MAX_ITEMS = 2**31 - 1
+# A causal order may load its busiest CTA this much more than the most even one, for locality.
+EVEN_ENOUGH = 1.04  # work items (batch x heads x query blocks) are counted in int32
 
 
 # Row reductions written out: gl.max / gl.sum are triton.jit functions, which Triton's
@@ -78,19 +82,25 @@ def _item_of(r):
 
 
 @gluon.jit
-def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CAUSAL: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w: (batch, head, first query row) of a block of BLOCK_M queries and its key
     tiles: [0, n_full) need no mask, [n_full, n_tiles) cross the causal diagonal.
 
     Without a mask, items run query blocks fastest: the blocks of one head run side by side and
-    read its K/V from L2 rather than from memory (as the tl kernel orders them). Causal items run
-    heads fastest and heaviest (most keys) first, so that the last to start are short."""
+    read its K/V from L2 rather than from memory (as the tl kernel orders them). Causal items
+    come in groups of ``heads_per_group`` heads; inside a group they run heaviest (most keys)
+    first, heads fastest, so that the last to start are short (``causal_heads_per_group``
+    picks the group)."""
     n_tiles = seqlen_k // BLOCK_N
     n_full = n_tiles
     if CAUSAL:
-        bh = w % num_bh
-        m_block = num_m_blocks - 1 - w // num_bh
+        per_group = heads_per_group * num_m_blocks
+        first_bh = (w // per_group) * heads_per_group
+        group_heads = gl.minimum(heads_per_group, num_bh - first_bh)  # the last group may be short
+        w_in = w % per_group
+        bh = first_bh + w_in % group_heads
+        m_block = num_m_blocks - 1 - w_in // group_heads
     else:
         bh = w // num_m_blocks
         m_block = w % num_m_blocks
@@ -106,7 +116,7 @@ def _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, CA
 @gluon.jit
 def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh, num_m_blocks,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+                     heads_per_group, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: for each work item, a Q tile for each consumer (with two Q buffers the next
     item's queries arrive while this one runs), then every K/V tile it needs through the rings,
     which run on from one item to the next (c counts tiles over all items)."""
@@ -120,7 +130,7 @@ def _attn_fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_
         w = _item_of(r)
         if w < num_items:
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                                   CAUSAL, CONSUMERS * ROWS, BLOCK_N)
+                                                   heads_per_group, CAUSAL, CONSUMERS * ROWS, BLOCK_N)
             q_row = b * seqlen_q + m0  # rows and columns of the (batch * seqlen, heads * headdim) views
             kv_col = (h // kv_group) * HEAD_DIM
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once: the
@@ -195,7 +205,7 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k
 
 @gluon.jit
 def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale, which,
+                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group, qk_scale, which,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup (consumer ``which``): for each work item, the online softmax over its K/V
     tiles for 64 query rows."""
@@ -217,7 +227,7 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         w = _item_of(r)
         if w < num_items:
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                                   CAUSAL, CONSUMERS * ROWS, BLOCK_N)
+                                                   heads_per_group, CAUSAL, CONSUMERS * ROWS, BLOCK_N)
             m0 += which * ROWS
             rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
@@ -280,7 +290,7 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
-                        num_m_blocks, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                        num_m_blocks, heads_per_group, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                         Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
     """Persistent: each CTA takes work items in rounds (a block of CONSUMERS x 64 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
@@ -307,29 +317,29 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                  gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+                                  qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                  gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+                                  qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
-                                num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 1], [232, 24])
     else:  # three consumers share the register file: 160 registers a thread each
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                  gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+                                  qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                  gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+                                  qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, qk_scale,
-                                  gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
+                                  qk_scale, gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
-                                num_m_blocks, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+                                num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 4, 1], [160, 160, 24])
 
 
@@ -349,6 +359,36 @@ def tile_config(head_dim: int) -> Tuple[int, int, int, int]:
         return 2, 128, 2, 2
     return 2, 64, 2, 1
 
+
+
+@functools.lru_cache(maxsize=256)
+def causal_heads_per_group(num_bh: int, num_m_blocks: int, programs: int, block_m: int, block_n: int,
+                           seqlen_k: int, shift: int) -> int:
+    """How many heads a group of causal work items spans (``_work_item``): the fewest whose
+    static schedule is as even as any. Few heads keep a round's K/V in L2 (at 512 tokens, one
+    head a group puts all four query blocks of 33 heads side by side in a round, where heads
+    fastest over all heads puts 132 heads in it and reads each head's K/V once per block); but
+    the CTAs walk the items in fixed zigzag rounds, and a group that does not line up with the
+    rounds can leave some CTAs with twice the work of others (this estimate, per CTA: key tiles
+    plus one for each item's start and end). One group of all heads is the even case at long
+    lengths."""
+    m_block = np.arange(num_m_blocks)
+    seen = np.clip(m_block * block_m + block_m + shift, 0, None)
+    cost = np.minimum((seen + block_n - 1) // block_n, seqlen_k // block_n) + 1  # [num_m_blocks]
+    w = np.arange(num_bh * num_m_blocks)
+    rnd, pos = np.divmod(w, programs)
+    cta = np.where(rnd % 2 == 0, pos, programs - 1 - pos)
+
+    def busiest(heads: int) -> int:
+        w_in = w % (heads * num_m_blocks)
+        group_heads = np.minimum(heads, num_bh - (w // (heads * num_m_blocks)) * heads)
+        return int(np.bincount(cta, cost[num_m_blocks - 1 - w_in // group_heads], minlength=programs).max())
+
+    few = set(range(1, 17)) | {2**i for i in range(5, num_bh.bit_length())} | {-(-programs // num_m_blocks)}
+    candidates = sorted({g for g in few if g < num_bh} | {num_bh})
+    loads = {g: busiest(g) for g in candidates}
+    best = min(loads.values())
+    return next(g for g in candidates if loads[g] <= EVEN_ENOUGH * best)
 
 
 def _rows_view(t: torch.Tensor):
@@ -408,8 +448,9 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-           bottom_right: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``attention_forward_gluon`` for a call that ``why_not`` has already accepted."""
+           bottom_right: bool, heads_per_group: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward_gluon`` for a call that ``why_not`` has already accepted.
+    ``heads_per_group`` overrides ``causal_heads_per_group`` (to measure other orders)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, seqlen_q, heads, head_dim = q.shape
@@ -426,10 +467,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
 
     num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
     grid = (min(batch * heads * num_m_blocks, sm_count(q.device)),)
+    shift = seqlen_k - seqlen_q if bottom_right else 0
+    if heads_per_group is None:
+        heads_per_group = (causal_heads_per_group(batch * heads, num_m_blocks, grid[0], consumers * SUB_M, block_n,
+                                                  seqlen_k, shift) if causal else 1)
     _attn_fwd_ws_kernel[grid](
         desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
-        seqlen_q, seqlen_k, seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv,
-        batch * heads, num_m_blocks, softmax_scale * RCP_LN2.value,
+        seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
+        softmax_scale * RCP_LN2.value,
         HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal, num_warps=4,
     )
     return out, lse
@@ -447,6 +492,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     consumers, block_n, stages, q_buffers = tile_config(head_dim)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
              "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
-             "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "qk_scale": "fp32"}
+             "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
+             "qk_scale": "fp32"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
                                                            CONSUMERS=consumers, CAUSAL=causal))

@@ -1,0 +1,53 @@
+"""Causal work order of the Gluon forward: groups of 1 head, the automatic choice, all heads.
+
+    python3 benchmarks/gluon_order.py --out order.json [--head-dims 64,128,256] [--seqlens 512,...]
+
+bf16, batch x seqlen = 16k tokens, heads x headdim = 2048 (the attention benchmark's shapes).
+Each order is timed on the same inputs in one process; the JSON keeps every row.
+"""
+
+import argparse
+import math
+
+import torch
+
+from qflash.bench.harness import environment, save_json, time_ms
+from qflash.kernels import attention_gluon
+from qflash.kernels.common import sm_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    args = parser.parse_args()
+    result = {"environment": environment(), "rows": []}
+    for head_dim in map(int, args.head_dims.split(",")):
+        heads = 2048 // head_dim
+        for seqlen in map(int, args.seqlens.split(",")):
+            batch = 16384 // seqlen
+            q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim)
+            m_blocks = -(-seqlen // (consumers * attention_gluon.SUB_M))
+            grid = min(batch * heads * m_blocks, sm_count(q.device))
+            auto = attention_gluon.causal_heads_per_group(batch * heads, m_blocks, grid, consumers * attention_gluon.SUB_M,
+                                                          block_n, seqlen, 0)
+            flops = 4 * batch * heads * seqlen**2 * head_dim / 2
+            line = []
+            for name, group in (("one head", 1), ("auto", auto), ("all heads", batch * heads)):
+                fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, True, True,  # noqa: E731
+                                                            heads_per_group=g)
+                ms = time_ms(fn)["ms"]
+                tflops = flops / ms / 1e9
+                result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=True, order=name,
+                                           heads_per_group=group, ms=ms, tflops=tflops))
+                line.append(f"{name} (G={group}) {tflops:6.1f}")
+            print(f"D={head_dim:3d} S={seqlen:5d}  " + "  ".join(line), flush=True)
+            save_json(args.out, result)
+    assert math.isfinite(sum(r["ms"] for r in result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
