@@ -1,6 +1,7 @@
-"""Causal work order of the Gluon forward: groups of 1 head, the automatic choice, all heads.
+"""Causal work order of the Gluon forward: heads per group of work items, timed side by side.
 
     python3 benchmarks/gluon_order.py --out order.json [--head-dims 64,128,256] [--seqlens 512,...]
+        [--groups 1,auto,all] [--consumers 2]
 
 bf16, batch x seqlen = 16k tokens, heads x headdim = 2048 (the attention benchmark's shapes).
 Each order is timed on the same inputs in one process; the JSON keeps every row.
@@ -21,7 +22,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--groups", default="1,auto,all", help="heads per group to time: numbers, auto, all")
+    parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups instead of tile_config's")
     args = parser.parse_args()
+    if args.consumers:  # an experiment: the same tiles with another number of consumers
+        tile_config = attention_gluon.tile_config
+        attention_gluon.tile_config = lambda d: (args.consumers,) + tile_config(d)[1:]
     result = {"environment": environment(), "rows": []}
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
@@ -36,13 +42,17 @@ def main() -> None:
                                                           block_n, seqlen, 0)
             flops = 4 * batch * heads * seqlen**2 * head_dim / 2
             line = []
-            for name, group in (("one head", 1), ("auto", auto), ("all heads", batch * heads)):
+            named = {"auto": auto, "all": batch * heads}
+            for name in args.groups.split(","):
+                group = named.get(name) or int(name)
+                if group > batch * heads:
+                    continue
                 fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, True, True,  # noqa: E731
                                                             heads_per_group=g)
                 ms = time_ms(fn)["ms"]
                 tflops = flops / ms / 1e9
                 result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=True, order=name,
-                                           heads_per_group=group, ms=ms, tflops=tflops))
+                                           heads_per_group=group, consumers=consumers, ms=ms, tflops=tflops))
                 line.append(f"{name} (G={group}) {tflops:6.1f}")
             print(f"D={head_dim:3d} S={seqlen:5d}  " + "  ".join(line), flush=True)
             save_json(args.out, result)

@@ -147,6 +147,20 @@ def test_gpu_public_functions_use_it(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (256, False), (256, True)])
+def test_gpu_public_dispatch_by_head_dim(d, causal):
+    """D = 64 without a mask and D = 256 take the Gluon kernel; causal D = 64 at 512 keys (below
+    CAUSAL_D64_MIN_KEYS) takes the tl kernel. Either way the result meets the rule."""
+    q, k, v = _qkv(2, 512, 512, 4, 2, d, torch.bfloat16, "cuda")
+    fast, _ = gluon.attention_forward_gluon(q, k, v, softmax_scale=d ** -0.5, causal=causal)
+    public = qflash.flash_attn_func(q, k, v, causal=causal)
+    assert torch.equal(public, fast) == gluon.preferred(d, causal, 512)
+    assert gluon.preferred(d, causal, 512) == (d != 64 or not causal)
+    ref, _, pt = _reference(q, k, v, causal, True, q.dtype)
+    assert_flash_rule(public, ref, pt)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_gradients_from_its_forward(causal):
     """The backward recomputes P from the lse this kernel saved: gradients meet the rule (3x)."""

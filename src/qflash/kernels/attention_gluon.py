@@ -29,7 +29,7 @@ top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k mu
 MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
 has unit column stride (contiguous, or sliced from a packed qkv). ``why_not`` says what a call
 does not fit; ``attention_forward`` in ``attention.py`` sends the calls that fit here, for the
-head dims in PREFERRED_HEAD_DIMS (where this kernel was measured faster than the tl one).
+calls where ``preferred`` says this kernel was measured faster than the tl one.
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_
 SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
 LENGTH_MULTIPLE = 128  # seqlen_q and seqlen_k: whole 128-key tiles, no tail to mask
 HEAD_DIMS = (64, 128, 256)
-# What the public functions send here: the head dims where this kernel was measured faster than
-# the tl one on the H200. At D = 64 two consumers ran 0.93-1.02x the tl kernel
-# (attention_fwd_gluon_v4_*_s6d.json); the three-consumer build and D = 256 are not measured yet.
-PREFERRED_HEAD_DIMS = (128,)
+# What the public functions send here: where this kernel measured faster than the tl one on the
+# H200 (benchmarks/results/attention_fwd_gluon_all_dims_h200_2026-11-29_s7a.json), see ``preferred``.
+CAUSAL_D64_MIN_KEYS = 8192
 MAX_ITEMS = 2**31 - 1
 # A causal order may load its busiest CTA this much more than the most even one, for locality.
 EVEN_ENOUGH = 1.04  # work items (batch x heads x query blocks) are counted in int32
@@ -404,6 +403,14 @@ def enabled() -> bool:
     """Whether the public functions may take this kernel: yes unless ``QFLASH_GLUON=0`` (read on
     each call, so that it can be switched at run time)."""
     return os.environ.get("QFLASH_GLUON", "1") != "0"
+
+
+def preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
+    """Whether the public functions take this kernel for a call it fits: D = 128 and 256 always
+    (1.0-1.4x the tl kernel, causal 512 tokens aside, which both run slowly), D = 64 without a
+    mask (1.0-1.15x), causal D = 64 from CAUSAL_D64_MIN_KEYS keys on: below that the three
+    consumers' 192-row items ran 0.71-0.96x the tl kernel."""
+    return head_dim != 64 or not causal or seqlen_k >= CAUSAL_D64_MIN_KEYS
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
