@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.consumers:  # an experiment: the same tiles with another number of consumers
         tile_config = attention_gluon.tile_config
-        attention_gluon.tile_config = lambda d: (args.consumers,) + tile_config(d)[1:]
+        attention_gluon.tile_config = lambda d, causal=False: (args.consumers,) + tile_config(d, causal)[1:]
     result = {"environment": environment(), "rows": []}
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
@@ -35,7 +35,7 @@ def main() -> None:
             batch = 16384 // seqlen
             q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim)
+            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim, True)
             m_blocks = -(-seqlen // (consumers * attention_gluon.SUB_M))
             grid = min(batch * heads * m_blocks, sm_count(q.device))
             auto = attention_gluon.causal_heads_per_group(batch * heads, m_blocks, grid, consumers * attention_gluon.SUB_M,

@@ -552,8 +552,7 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         return False
     from qflash.kernels import attention_gluon
 
-    return (attention_gluon.enabled() and attention_gluon.preferred(q.shape[-1], opts.window_right == 0, k.shape[1])
-            and attention_gluon.why_not(q, k, v) is None)
+    return attention_gluon.enabled() and attention_gluon.why_not(q, k, v) is None
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
@@ -565,7 +564,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     Returns (out, lse): lse float32 (float64 for float64 inputs) of shape (B, H, Sq),
     or (H, total_q) for varlen. Without an explicit ``config``, calls that the Gluon kernel
     takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256, lengths multiple
-    of 128, where ``attention_gluon.preferred``) go there.
+    of 128) go there.
     """
     if config is None and _fast_path_fits(q, k, v, opts):
         from qflash.kernels import attention_gluon

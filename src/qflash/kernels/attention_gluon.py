@@ -4,12 +4,12 @@ The ``tl`` kernel in ``attention.py`` is the portable implementation (every opti
 interpreter, any GPU). This one is the fast path for the common case on Hopper, with the
 schedule that ``tl`` cannot express in Triton 3.6 (benchmarks/NOTES.md, fourth round):
 
-    one work item = 128 query rows of one (batch, head) (192 at D = 64); one CTA per SM takes
+    one work item = 128 query rows of one (batch, head) (192 at D = 64 without a mask); one CTA per SM takes
     items in rounds (persistent: the next item's loads overlap this item's last tiles), in
     partitions
       consumer 0 (4 warps)   rows  0-63  \  S = Q K^T and O += P V on the tensor cores (wgmma),
       consumer 1 (4 warps)   rows 64-127 |  the online softmax in registers
-      [consumer 2 (4 warps)  rows 128-191 / at D = 64, where the softmax costs as much as the products]
+      [consumer 2 (4 warps)  rows 128-191 / at D = 64 without a mask: the softmax costs as much as the products]
       loader     (1 warp)    Q, then K and V tiles into rings of STAGES shared-memory slots
 
     ring slot s:  loader --k_ready[s]--> consumers --k_empty[s] (all)--> loader   (same for V)
@@ -28,8 +28,9 @@ Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom
 top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k multiples of 128;
 MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
 has unit column stride (contiguous, or sliced from a packed qkv). ``why_not`` says what a call
-does not fit; ``attention_forward`` in ``attention.py`` sends the calls that fit here, for the
-calls where ``preferred`` says this kernel was measured faster than the tl one.
+does not fit; ``attention_forward`` in ``attention.py`` sends every call that fits here: at each
+head dim, length and mask the H200 measured this kernel at 1.0-1.45x the tl one
+(benchmarks/results/attention_fwd_gluon_*_s7*.json).
 """
 
 from __future__ import annotations
@@ -51,12 +52,10 @@ RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_
 SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
 LENGTH_MULTIPLE = 128  # seqlen_q and seqlen_k: whole 128-key tiles, no tail to mask
 HEAD_DIMS = (64, 128, 256)
-# What the public functions send here: where this kernel measured faster than the tl one on the
-# H200 (benchmarks/results/attention_fwd_gluon_all_dims_h200_2026-11-29_s7a.json), see ``preferred``.
-CAUSAL_D64_MIN_KEYS = 8192
 MAX_ITEMS = 2**31 - 1
 # A causal order may load its busiest CTA this much more than the most even one, for locality.
-EVEN_ENOUGH = 1.04  # work items (batch x heads x query blocks) are counted in int32
+EVEN_ENOUGH = 1.04
+SHORT_HEAD = 4  # query blocks a head: at most this many, a group spans at least a round of items  # work items (batch x heads x query blocks) are counted in int32
 
 
 # Row reductions written out: gl.max / gl.sum are triton.jit functions, which Triton's
@@ -345,19 +344,21 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def tile_config(head_dim: int) -> Tuple[int, int, int, int]:
+def tile_config(head_dim: int, causal: bool = False) -> Tuple[int, int, int, int]:
     """(consumer warpgroups, keys a tile, K/V ring slots, Q buffers), within the H200's 227 KB of
-    shared memory. D = 64: three consumers (192-row items: the softmax costs as much as the
-    products there, and a third warpgroup keeps the tensor cores busy; FlashAttention-3's
-    choice), 3 slots of 128 keys, two Q buffers, 144 KB. D = 128: two consumers, 2 slots, two
-    Q buffers, 192 KB. D = 256: 2 slots of 64 keys and one Q buffer, 192 KB (next to its 64 x 256
-    float32 accumulator a consumer keeps 64-key score tiles)."""
+    shared memory. D = 64: three consumers without a mask (192-row items: the softmax costs as
+    much as the products there, and a third warpgroup keeps the tensor cores busy;
+    FlashAttention-3's choice), two when causal (128-row items: 192 rows cross the diagonal in
+    two tiles, and causal ran 1.0-1.45x faster with two consumers up to 8k,
+    attention_fwd_gluon_causal_order_h200_2026-11-29_s7c_d64_two.json), 3 slots of 128 keys, two
+    Q buffers, 144 KB. D = 128: two consumers, 2 slots, two Q buffers, 192 KB. D = 256: 2 slots
+    of 64 keys and one Q buffer, 192 KB (next to its 64 x 256 float32 accumulator a consumer
+    keeps 64-key score tiles)."""
     if head_dim <= 64:
-        return 3, 128, 3, 2
+        return 2 if causal else 3, 128, 3, 2
     if head_dim <= 128:
         return 2, 128, 2, 2
     return 2, 64, 2, 1
-
 
 
 @functools.lru_cache(maxsize=256)
@@ -383,7 +384,12 @@ def causal_heads_per_group(num_bh: int, num_m_blocks: int, programs: int, block_
         group_heads = np.minimum(heads, num_bh - (w // (heads * num_m_blocks)) * heads)
         return int(np.bincount(cta, cost[num_m_blocks - 1 - w_in // group_heads], minlength=programs).max())
 
-    few = set(range(1, 17)) | {2**i for i in range(5, num_bh.bit_length())} | {-(-programs // num_m_blocks)}
+    a_round = -(-programs // num_m_blocks)  # heads whose items fill one round
+    few = set(range(1, 17)) | {2**i for i in range(5, num_bh.bit_length())} | {a_round}
+    if num_m_blocks <= SHORT_HEAD:
+        # Measured, not explained by this estimate: at 512 tokens, groups smaller than a round
+        # ran 15-35% slower than a round's worth (s7b, s7c).
+        few = {g for g in few if g >= a_round}
     candidates = sorted({g for g in few if g < num_bh} | {num_bh})
     loads = {g: busiest(g) for g in candidates}
     best = min(loads.values())
@@ -403,14 +409,6 @@ def enabled() -> bool:
     """Whether the public functions may take this kernel: yes unless ``QFLASH_GLUON=0`` (read on
     each call, so that it can be switched at run time)."""
     return os.environ.get("QFLASH_GLUON", "1") != "0"
-
-
-def preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
-    """Whether the public functions take this kernel for a call it fits: D = 128 and 256 always
-    (1.0-1.4x the tl kernel, causal 512 tokens aside, which both run slowly), D = 64 without a
-    mask (1.0-1.15x), causal D = 64 from CAUSAL_D64_MIN_KEYS keys on: below that the three
-    consumers' 192-row items ran 0.71-0.96x the tl kernel."""
-    return head_dim != 64 or not causal or seqlen_k >= CAUSAL_D64_MIN_KEYS
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -465,7 +463,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     dtype = _GL_DTYPES[q.dtype]
-    consumers, block_n, stages, q_buffers = tile_config(head_dim)
+    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal)
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
         view = _rows_view(t)  # one head = a column band of the 2-D view
@@ -496,7 +494,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gdt)
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
-    consumers, block_n, stages, q_buffers = tile_config(head_dim)
+    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
              "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
              "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
