@@ -28,7 +28,7 @@ def main() -> None:
     if args.consumers:  # an experiment: the same tiles with another number of consumers
         tile_config = attention_gluon.tile_config
         attention_gluon.tile_config = lambda d, causal=False: (args.consumers,) + tile_config(d, causal)[1:]
-    result = {"environment": environment(), "rows": []}
+    result = {"env": environment(), "rows": []}
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
         for seqlen in map(int, args.seqlens.split(",")):

@@ -48,7 +48,7 @@ def main() -> None:
         "qflash.flash_attn_func": lambda: qflash.flash_attn_func(q, k, v),
         "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(qt, kt, vt),
     }
-    result = {"environment": environment(), "rows": []}
+    result = {"env": environment(), "rows": []}
     for name, fn in paths.items():
         us = per_call_us(fn)
         result["rows"].append({"path": name, "us_per_call": us})

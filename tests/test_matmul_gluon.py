@@ -90,3 +90,28 @@ def test_gpu_fp8_within_fp32_rounding(m, n, k, scales):
     assert_written(c)
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
     assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+
+
+def test_preferred_only_where_measured():
+    assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
+    assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
+    assert not gluon.preferred(16, 8192, 4096, int8=False) and not gluon.preferred(1024, 4096, 4096, int8=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+def test_gpu_public_fp8_matmul_takes_it(scales, monkeypatch):
+    """fp8_matmul at a preferred shape is this kernel's result, bit for bit (the tl kernel's with
+    QFLASH_GLUON=0); both within float32 rounding of the reference, bias included."""
+    m, n, k = 128, 8192, 4096
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    bias = torch.randn(n, device="cuda")
+    public = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
+    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
+    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    assert torch.equal(public, gluon.scaled_matmul_gluon(a_q, b_q, a_k, b_k, bias, torch.float32, scales))
+    monkeypatch.setenv("QFLASH_GLUON", "0")
+    portable = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    for c in (public, portable):
+        assert rel_l2_err(c, ref) < 1e-5 * k ** 0.5

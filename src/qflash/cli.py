@@ -20,17 +20,17 @@ def _use_interpreter_without_gpu() -> None:
 
 
 def _fast_path_status(cuda: bool) -> str:
-    """Whether flash_attn_func / sdpa can take the Gluon forward kernel here (and for what)."""
+    """Whether the public functions can take the Gluon kernels here (and for what)."""
     import torch
 
-    from qflash.kernels import attention_gluon
-    from qflash.kernels.common import is_hopper
+    from qflash.kernels.common import gluon_enabled, is_hopper
 
-    if not attention_gluon.enabled():
+    if not gluon_enabled():
         return "off (QFLASH_GLUON=0)"
     if not cuda or not is_hopper(torch.device("cuda", 0)):
-        return "none here (the Gluon forward needs Hopper)"
-    return "Gluon forward: D = 64 / 128 / 256, causal or no mask, lengths multiple of 128"
+        return "none here (the Gluon kernels need Hopper)"
+    return ("Gluon forward: D = 64 / 128 / 256, causal or no mask, lengths multiple of 128; "
+            "Gluon FP8 matmul: tensor / row scales, M >= 128, N >= 8192, K >= 4096")
 
 
 def cmd_info(args) -> int:
@@ -65,7 +65,7 @@ def cmd_info(args) -> int:
         t.add_row(f"kernel: {op}", f"forward + backward on {where}")
     for op in ("quantize", "int8_matmul", "fp8_matmul"):
         t.add_row(f"kernel: {op}", f"on {where}")
-    t.add_row("attention fast path", _fast_path_status(cuda and not interp))
+    t.add_row("Hopper fast paths (Gluon)", _fast_path_status(cuda and not interp))
     Console().print(t)
     return 0
 

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import cdiv, ensure_descriptor_allocator, has_tma, next_power_of_2, tma_compatible
+from qflash.kernels.common import (cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma, next_power_of_2,
+                                   tma_compatible)
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
@@ -552,7 +553,7 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         return False
     from qflash.kernels import attention_gluon
 
-    return attention_gluon.enabled() and attention_gluon.why_not(q, k, v) is None
+    return gluon_enabled() and attention_gluon.why_not(q, k, v) is None
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,

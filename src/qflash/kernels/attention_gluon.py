@@ -36,7 +36,6 @@ head dim, length and mask the H200 measured this kernel at 1.0-1.45x the tl one
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple
 
 import numpy as np
@@ -403,19 +402,19 @@ def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-def _rows_view(t: torch.Tensor):
-    """(batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or None if its strides
-    do not allow one (heads must sit side by side; sequences one after another)."""
+def _row_stride(t: torch.Tensor) -> Optional[int]:
+    """The row stride of the (batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or
+    None if its strides do not allow one (heads must sit side by side; sequences one after another)."""
     batch, seqlen, heads, head_dim = t.shape
     if t.stride(3) != 1 or t.stride(2) != head_dim or (batch > 1 and t.stride(0) != seqlen * t.stride(1)):
         return None
-    return t.as_strided((batch * seqlen, heads * head_dim), (t.stride(1), 1))
+    return t.stride(1)
 
 
-def enabled() -> bool:
-    """Whether the public functions may take this kernel: yes unless ``QFLASH_GLUON=0`` (read on
-    each call, so that it can be switched at run time)."""
-    return os.environ.get("QFLASH_GLUON", "1") != "0"
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """That view (the tensor must have one: ``why_not`` checks)."""
+    batch, seqlen, heads, head_dim = t.shape
+    return t.as_strided((batch * seqlen, heads * head_dim), (_row_stride(t), 1))
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -437,10 +436,10 @@ def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if q.shape[0] * q.shape[2] * (q.shape[1] // SUB_M) > MAX_ITEMS:
         return f"batch x heads x seqlen_q / {SUB_M} must be below 2^31"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        view = _rows_view(t)
-        if view is None:
+        row_stride = _row_stride(t)
+        if row_stride is None:
             return f"{name} needs unit stride over heads x headdim and sequences back to back"
-        if view.data_ptr() % 16 or (view.stride(0) * view.element_size()) % 16:
+        if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
             return f"{name} needs a 16-byte aligned base and row stride"
     return None
 

@@ -4,6 +4,7 @@ and scratch memory."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -48,6 +49,12 @@ def _sm_count(index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached): the grid of a persistent kernel."""
     return _sm_count(_index(device))
+
+
+def gluon_enabled() -> bool:
+    """Whether the public functions may take the Gluon (Hopper) kernels: yes unless
+    ``QFLASH_GLUON=0`` (read on each call, so that it can be switched at run time)."""
+    return os.environ.get("QFLASH_GLUON", "1") != "0"
 
 
 def build_for_sm90(fn, types: dict, constants: dict, **options):

@@ -9,6 +9,9 @@ scale anyway.
 
 Scale layouts (float32): tensor () or (1,); row (M, 1) for A and (N, 1) for B; block
 (M, K/128) for A (1 x 128 groups) and (N/128, K/128) for B (128 x 128 groups).
+
+On Hopper, large FP8 products with tensor or row scales go to the warp-specialized Gluon
+kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``); ``QFLASH_GLUON=0`` keeps them here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import cdiv, ensure_descriptor_allocator, has_tma, tma_compatible
+from qflash.kernels.common import cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma, tma_compatible
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -196,6 +199,11 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     if m == 0 or n == 0:
         return c
     is_int8 = a_q.dtype == torch.int8
+    if config is None and a_q.is_cuda and gluon_enabled():
+        from qflash.kernels import matmul_gluon
+
+        if matmul_gluon.preferred(m, n, k, is_int8) and matmul_gluon.why_not(a_q, b_q, scales) is None:
+            return matmul_gluon.scaled_matmul_gluon(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
     cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
     problem = config_problem(cfg, scales, is_int8)
     if problem:

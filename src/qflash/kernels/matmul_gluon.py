@@ -1,9 +1,11 @@
 """Scaled INT8 / FP8 matrix product for Hopper in Gluon: persistent and warp-specialized.
 
-EXPERIMENTAL: built for sm_90 offline (tests/test_matmul_gluon.py), not yet run on a GPU and not
-used by the public functions. ``matmul.py``'s ``tl`` kernel stays the implementation; this is the
-schedule it cannot get from Triton 3.6 on Hopper (its warp-specialized 4-warp tiles computed
-wrong results, NOTES "Third round"):
+``matmul.scaled_matmul`` (so ``fp8_matmul`` and the FP8 quantized Linear) sends FP8 products with
+per-tensor or per-row scales here on Hopper where ``preferred`` says it measured faster than the
+``tl`` kernel, which stays the implementation for everything else (INT8, block scales, small
+shapes, other GPUs, the interpreter). This is the schedule the ``tl`` kernel cannot get from
+Triton 3.6 on Hopper (its warp-specialized 4-warp tiles computed wrong results, NOTES "Third
+round"):
 
     one CTA per SM takes 128 x 128 output tiles in turn (grouped order: GROUP_M row blocks
     share each column block of B while it is in L2), in three partitions
@@ -178,6 +180,14 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, strid
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
+
+
+def preferred(m: int, n: int, k: int, int8: bool) -> bool:
+    """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 from M = 128, N = 8192
+    and K = 4096 on, the range measured on the H200 at 1.16-1.29x the tl kernel
+    (benchmarks/results/matmul_gluon_h200_2026-11-29_s7b.json: 8192^3, 1024 x 8192 x 8192,
+    128 x 28672 x 4096). Not INT8: 0.86-1.00x the tl kernel on the same shapes."""
+    return not int8 and m >= 128 and n >= 8192 and k >= 4096
 
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
