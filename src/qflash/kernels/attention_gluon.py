@@ -51,10 +51,10 @@ RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_
 SUB_M = 64  # query rows a consumer warpgroup owns (wgmma's M per warpgroup)
 LENGTH_MULTIPLE = 128  # seqlen_q and seqlen_k: whole 128-key tiles, no tail to mask
 HEAD_DIMS = (64, 128, 256)
-MAX_ITEMS = 2**31 - 1
+MAX_ITEMS = 2**31 - 1  # work items (batch x heads x query blocks) are counted in int32
 # A causal order may load its busiest CTA this much more than the most even one, for locality.
 EVEN_ENOUGH = 1.04
-SHORT_HEAD = 4  # query blocks a head: at most this many, a group spans at least a round of items  # work items (batch x heads x query blocks) are counted in int32
+SHORT_HEAD = 4  # query blocks a head: at most this many, a group spans at least a round of items
 
 
 # Row reductions written out: gl.max / gl.sum are triton.jit functions, which Triton's
@@ -386,8 +386,8 @@ def causal_heads_per_group(num_bh: int, num_m_blocks: int, programs: int, block_
     a_round = -(-programs // num_m_blocks)  # heads whose items fill one round
     few = set(range(1, 17)) | {2**i for i in range(5, num_bh.bit_length())} | {a_round}
     if num_m_blocks <= SHORT_HEAD:
-        # Measured, not explained by this estimate: at 512 tokens, groups smaller than a round
-        # ran 15-35% slower than a round's worth (s7b, s7c).
+        # Measured, not explained by this estimate: at 512 tokens and D = 128, groups of 1-8
+        # heads ran 25-35% slower than groups of 16-66 (s7c; benchmarks/NOTES.md, seventh round).
         few = {g for g in few if g >= a_round}
     candidates = sorted({g for g in few if g < num_bh} | {num_bh})
     loads = {g: busiest(g) for g in candidates}
