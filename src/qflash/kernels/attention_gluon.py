@@ -28,9 +28,10 @@ Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom
 top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k multiples of 128;
 MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
 has unit column stride (contiguous, or sliced from a packed qkv). ``why_not`` says what a call
-does not fit; ``attention_forward`` in ``attention.py`` sends every call that fits here: at each
-head dim, length and mask the H200 measured this kernel at 1.0-1.45x the tl one
-(benchmarks/results/attention_fwd_gluon_*_s7*.json).
+does not fit; ``attention_forward`` in ``attention.py`` sends every call that fits here. On the
+H200 it ran 1.03-1.44x the tl kernel from 2k tokens on (attention_fwd_h200_2026-11-29_s7d.json),
+and 0.98-1.40x at 512-2k tokens replayed from CUDA graphs (..._short_graph_..._s7e.json: D = 64
+at 512-1k is the 0.98-1.00x end).
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def tile_config(head_dim: int, causal: bool = False) -> Tuple[int, int, int, int
     shared memory. D = 64: three consumers without a mask (192-row items: the softmax costs as
     much as the products there, and a third warpgroup keeps the tensor cores busy;
     FlashAttention-3's choice), two when causal (128-row items: 192 rows cross the diagonal in
-    two tiles, and causal ran 1.0-1.45x faster with two consumers up to 8k,
+    two tiles, and causal ran faster with two consumers up to 8k (1.02-1.37x; 0.96x at 16k),
     attention_fwd_gluon_causal_order_h200_2026-11-29_s7c_d64_two.json), 3 slots of 128 keys, two
     Q buffers, 144 KB. D = 128: two consumers, 2 slots, two Q buffers, 192 KB. D = 256: 2 slots
     of 64 keys and one Q buffer, 192 KB (next to its 64 x 256 float32 accumulator a consumer
