@@ -45,7 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, sm_count
+from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
@@ -396,13 +396,6 @@ def causal_heads_per_group(num_bh: int, num_m_blocks: int, programs: int, block_
     return next(g for g in candidates if loads[g] <= EVEN_ENOUGH * best)
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a [rows, head_dim] tile: made once (about 15 microseconds of
-    Python each time otherwise, three times a call)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
-
-
 def _row_stride(t: torch.Tensor) -> Optional[int]:
     """The row stride of the (batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or
     None if its strides do not allow one (heads must sit side by side; sequences one after another)."""
@@ -474,7 +467,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
         view = _rows_view(t)  # one head = a column band of the 2-D view
         return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim],
-                                _smem_layout(rows, head_dim, q.dtype))
+                                nvmma_layout((rows, head_dim), _GL_DTYPES[q.dtype]))
 
     num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
     grid = (min(batch * heads * num_m_blocks, sm_count(q.device)),)
@@ -496,7 +489,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def desc(rows: int) -> str:
-        return f"tensordesc<{name}[{rows}, {head_dim}],{_smem_layout(rows, head_dim, dtype)!r}>"
+        return f"tensordesc<{name}[{rows}, {head_dim}],{nvmma_layout((rows, head_dim), _GL_DTYPES[dtype])!r}>"
 
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",

@@ -203,7 +203,7 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         from qflash.kernels import matmul_gluon
 
         if matmul_gluon.preferred(m, n, k, is_int8) and matmul_gluon.why_not(a_q, b_q, scales) is None:
-            return matmul_gluon.scaled_matmul_gluon(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+            return matmul_gluon.launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
     cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
     problem = config_problem(cfg, scales, is_int8)
     if problem:

@@ -1,6 +1,6 @@
 """Scaled INT8 / FP8 matrix product for Hopper in Gluon: persistent and warp-specialized.
 
-``matmul.scaled_matmul`` (so ``fp8_matmul`` and the FP8 quantized Linear) sends FP8 products with
+``matmul.scaled_matmul`` (so ``fp8_matmul``) sends FP8 products with
 per-tensor or per-row scales here on Hopper where ``preferred`` says it measured faster than the
 ``tl`` kernel, which stays the implementation for everything else (INT8, block scales, small
 shapes, other GPUs, the interpreter). This is the schedule the ``tl`` kernel cannot get from
@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, sm_count
+from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -181,10 +181,9 @@ BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer p
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
 
-
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 from M = 128, N = 8192
-    and K = 4096 on, the range measured on the H200 at 1.16-1.29x the tl kernel
+    and K = 4096 on, the range measured on the H200 at 1.14-1.29x the tl kernel
     (benchmarks/results/matmul_gluon_h200_2026-11-29_s7b.json: 8192^3, 1024 x 8192 x 8192,
     128 x 28672 x 4096). Not INT8: 0.86-1.00x the tl kernel on the same shapes."""
     return not int8 and m >= 128 and n >= 8192 and k >= 4096
@@ -209,20 +208,26 @@ def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
 def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                         bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
     """C (M, N) in ``out_dtype`` = (A_q * a_scale) @ (B_q * b_scale)^T + bias. Scale shapes as in
-    ``matmul.scaled_matmul``: () or (1,) per tensor; (M, 1) and (N, 1) per row."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    ``matmul.scaled_matmul``: () or (1,) per tensor; (M, 1) and (N, 1) per row. Raises ValueError
+    for what ``why_not`` names."""
     reason = why_not(a_q, b_q, scales)
     if reason is not None:
         raise ValueError(reason)
+    return launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+
+
+def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+           bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
+    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     m, k = a_q.shape
     n = b_q.shape[0]
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    dtype = _GL_DTYPES[a_q.dtype]
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K], layout)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K],
+                                nvmma_layout((rows, BLOCK_K), _GL_DTYPES[a_q.dtype]))
 
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
@@ -247,8 +252,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
 
     def desc(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gdt)
-        return f"tensordesc<{name}[{rows}, {BLOCK_K}],{layout!r}>"
+        return f"tensordesc<{name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), gdt)!r}>"
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(BLOCK_N), "C": f"*{out}", "AScale": "*fp32", "BScale": "*fp32",
              "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "stride_asm": "i32",
