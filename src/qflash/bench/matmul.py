@@ -54,7 +54,7 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
 
     from qflash.kernels.common import is_hopper
 
-    if is_hopper(a.device):  # the Gluon kernel (experimental)
+    if is_hopper(a.device):  # the Gluon kernel alone, also at shapes where the public functions take the tl one
         from qflash.kernels.matmul_gluon import scaled_matmul_gluon
 
         for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row")):
