@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonmm] [bwd] [train] [matmul]
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
@@ -45,6 +45,11 @@ for stage in "${stages[@]}"; do
               | tee "$OUT/gpu_tests_gluon.log" | tail -n 15
             timeout 360 python3 -m qflash.cli bench attention --providers ${GLUON_PROVIDERS:-qflash_gluon,qflash_tl,sdpa_cudnn,sdpa_flash} \
               --head-dims ${HEAD_DIMS:-64,128,256} --out "$OUT/attention_fwd_gluon.json" 2>&1 | tail -n 30 ;;
+    gluonbwd) timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/test_attention_gluon.py -m gpu -q -p no:cacheprovider -n 8 \
+              -k "backward or gradients" 2>&1 | tee "$OUT/gpu_tests_gluon_bwd.log" | tail -n 25
+            timeout 300 python3 -m qflash.cli bench attention-backward --seqlens ${SEQLENS:-1024,4096,16384} \
+              --providers ${GLUON_PROVIDERS:-qflash,qflash_deterministic,sdpa_cudnn,sdpa_flash} --head-dims ${HEAD_DIMS:-64,128} \
+              --out "$OUT/attention_bwd_gluon.json" 2>&1 | tail -n 40 ;;
     gluonmm) timeout 200 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q -p no:cacheprovider -n 8 2>&1 \
               | tee "$OUT/gpu_tests_gluon_matmul.log" | tail -n 15
             timeout 300 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_gluon.json" \
@@ -61,6 +66,6 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonmm, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

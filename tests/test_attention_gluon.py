@@ -202,3 +202,141 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
 
     best = min(busiest(g) for g in set(range(1, min(num_bh, 16) + 1)) | {num_bh})
     assert busiest(chosen) <= 1.05 * best
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
+                                            (64, torch.float16, False), (64, torch.float16, True)])
+def test_backward_builds_for_sm90(d, dtype, causal):
+    """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the five
+    products on wgmma, Q / dO through TMA, dQ by float32 atomic adds, one CTA in shared memory,
+    and no wgmma that ptxas had to serialize."""
+    kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, backward=True)
+    ptx = kernel["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "global.gpu.relaxed.add.f32" in ptx  # dQ: float32 atomic adds
+    assert kernel["shared"] <= 227 * 1024
+    assert "serialized" not in ptxas_report(ptx)
+
+
+def test_backward_names_what_it_does_not_take():
+    q, k, v = _qkv(d=64)
+    if DEVICE == "cpu":
+        assert "Hopper" in gluon.bwd_why_not(q, k, v, q, q)
+        return
+    assert "head dim" in gluon.bwd_why_not(*_qkv(d=256), *_qkv(d=256)[:2])
+    assert "dout must be like q" in gluon.bwd_why_not(q, k, v, q, q[:, :, :1])
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert "dout needs unit stride" in gluon.bwd_why_not(q, k, v, q, strided)
+
+
+BWD_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, bottom_right)
+    (2, 128, 128, 3, 3, 128, False, True),
+    (1, 1024, 1024, 4, 4, 64, False, True),
+    (2, 1152, 1152, 2, 2, 128, True, True),
+    (1, 1024, 1024, 4, 4, 64, True, True),
+    (2, 384, 1152, 6, 2, 128, True, True),  # Sq < Sk: key blocks past the diagonal of every row
+    (2, 1152, 384, 6, 1, 64, True, True),  # Sq > Sk: the first queries see no key (lse = +inf)
+    (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last key blocks see no query
+    (3, 256, 512, 8, 2, 64, False, True),
+]
+
+
+def _spy_backward(monkeypatch):
+    """Counts the Gluon backward's launches; every call it fits goes there (whatever the
+    dispatch prefers by measured speed)."""
+    monkeypatch.setattr(gluon, "bwd_preferred", lambda head_dim, causal: True)
+    calls = []
+    real = gluon.launch_backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon, "launch_backward", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right", BWD_CASES)
+def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype, monkeypatch):
+    """Gradients through the public functions, which take the Gluon backward here: within 3x
+    PyTorch's same-precision error against float64 (flash-attn's rule), every element written."""
+    from test_attention_backward import check_grads, _leaves
+
+    calls = _spy_backward(monkeypatch)
+    inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype)
+    if bottom_right:
+        check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, causal=causal),
+                    lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast,
+                                                          reorder_ops=not upcast)[0], inputs)
+    else:  # sdpa's top-left mask, on (B, H, S, D) views of (B, S, H, D) tensors
+        def to_bhsd(*t):
+            return [x.transpose(1, 2) for x in t]
+
+        check_grads(lambda q, k, v: qflash.sdpa(*to_bhsd(q, k, v), is_causal=True, enable_gqa=True).transpose(1, 2),
+                    lambda q, k, v, upcast: sdpa_ref(*to_bhsd(q, k, v), is_causal=True, enable_gqa=True,
+                                                     upcast=upcast).transpose(1, 2), inputs)
+    assert calls, "the Gluon backward did not run"
+
+
+@pytest.mark.gpu
+def test_gpu_backward_deterministic_takes_the_tl_kernels(monkeypatch):
+    """deterministic=True (and torch.use_deterministic_algorithms) keep the backward off the
+    atomic-dQ Gluon kernel: bitwise-identical gradients, within the rule as well; the Gluon
+    gradients agree with them to the rule's precision."""
+    from test_attention_backward import _grads, _leaves, check_grads
+
+    calls = _spy_backward(monkeypatch)
+    inputs = _leaves((2, 1024, 4, 128), (2, 1024, 2, 128), (2, 1024, 2, 128), dtype=torch.bfloat16)
+    check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, causal=True, deterministic=True),
+                lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, upcast=upcast,
+                                                      reorder_ops=not upcast)[0], inputs)
+    assert not calls
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 1024, 1024, 4, 2, 128, torch.bfloat16, "cuda"))
+    dout = torch.randn_like(q)
+    runs = [_grads(lambda *a: qflash.flash_attn_func(*a, causal=True, deterministic=True), (q, k, v), dout)
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs)) and not calls
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        again = _grads(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], again)) and not calls
+    fast = _grads(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v), dout)
+    assert len(calls) == 1
+    for a, b in zip(runs[0], fast):
+        assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_backward_dispatch_follows_the_measurements(d, causal, monkeypatch):
+    """The public backward takes the Gluon kernel exactly where ``bwd_preferred`` says."""
+    from test_attention_backward import _grads
+
+    calls = []
+    real = gluon.launch_backward
+    monkeypatch.setattr(gluon, "launch_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 256, 256, 2, 2, d, torch.bfloat16, "cuda"))
+    _grads(lambda *a: qflash.flash_attn_func(*a, causal=causal), (q, k, v), torch.randn_like(q))
+    assert bool(calls) == gluon.bwd_preferred(d, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_packed_qkv(monkeypatch):
+    """qkv sliced from one (B, S, 3, H, D) tensor, as flash_attn_qkvpacked_func takes it: the
+    descriptors read the strided views, and the gradient reaches the packed tensor."""
+    from test_attention_backward import check_grads, _leaves
+
+    calls = _spy_backward(monkeypatch)
+    (qkv,) = _leaves((2, 512, 3, 4, 128), dtype=torch.bfloat16)
+    check_grads(lambda t: qflash.flash_attn_qkvpacked_func(t, causal=True),
+                lambda t, upcast: attention_ref(*t.unbind(2), causal=True, upcast=upcast,
+                                                reorder_ops=not upcast)[0], [qkv])
+    assert calls

@@ -101,6 +101,14 @@ def _qflash_provider(config=None):
     return make
 
 
+def _qflash_deterministic(q, k, v, causal):
+    """The public function with ``deterministic=True``: the same forward, and the backward on the
+    tl kernels, which use no atomics (the Gluon backward sums dQ with atomic adds)."""
+    import qflash
+
+    return lambda: qflash.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+
+
 def _qflash_gluon(q, k, v, causal):
     """The warp-specialized Gluon kernel alone (Hopper), also where qflash would take the tl one."""
     from qflash.kernels.attention_gluon import attention_forward_gluon
@@ -152,6 +160,7 @@ PROVIDERS: Dict[str, Callable] = {
     "qflash": _qflash_provider(),
     "qflash_gluon": _qflash_gluon,
     "qflash_tl": _qflash_provider(TL_DEFAULT),
+    "qflash_deterministic": _qflash_deterministic,
     "sdpa_cudnn": _sdpa_provider("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa_provider("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa_provider("EFFICIENT_ATTENTION"),

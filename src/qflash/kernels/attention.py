@@ -499,6 +499,7 @@ class AttnOptions:
     max_seqlen_k: Optional[int] = None
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    deterministic: bool = False  # the backward: bitwise-identical gradients (no atomics)
 
     @property
     def varlen(self) -> bool:
@@ -544,16 +545,34 @@ def _variant(q, k, opts: AttnOptions):
     return pointers, bias_strides, slope_strides, kwargs
 
 
+def _plain(q: torch.Tensor, opts: AttnOptions) -> bool:
+    """No mask or a causal one, nothing else on top, on a GPU: what the Gluon kernels take."""
+    return (q.is_cuda and opts.window_left < 0 and opts.window_right in (-1, 0) and opts.softcap == 0
+            and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0
+            and gluon_enabled())
+
+
 def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions) -> bool:
-    """Whether the warp-specialized Gluon kernel (Hopper) takes this call: no mask or a causal one,
-    nothing else on top, and the shapes and strides it needs. ``QFLASH_GLUON=0`` turns it off."""
-    plain = (opts.window_left < 0 and opts.window_right in (-1, 0) and opts.softcap == 0
-             and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0)
-    if not (plain and q.is_cuda):
+    """Whether the warp-specialized Gluon kernel (Hopper) takes this call: ``_plain`` and the
+    shapes and strides it needs. ``QFLASH_GLUON=0`` turns it off."""
+    if not _plain(q, opts):
         return False
     from qflash.kernels import attention_gluon
 
-    return gluon_enabled() and attention_gluon.why_not(q, k, v) is None
+    return attention_gluon.why_not(q, k, v) is None
+
+
+def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, opts: AttnOptions) -> bool:
+    """Whether the Gluon backward (Hopper, D = 64 / 128) takes this call: as the forward, and
+    neither ``deterministic`` nor ``torch.use_deterministic_algorithms`` asked for (its dQ is
+    summed by atomic adds)."""
+    if not _plain(q, opts) or opts.deterministic or torch.are_deterministic_algorithms_enabled():
+        return False
+    from qflash.kernels import attention_gluon
+
+    return (attention_gluon.bwd_preferred(q.shape[-1], opts.window_right == 0) and lse.dtype == torch.float32
+            and lse.is_contiguous() and attention_gluon.bwd_why_not(q, k, v, out, dout) is None)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
@@ -957,7 +976,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
-    the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the query heads of each GQA group.
+    the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
+    query heads of each GQA group. Without explicit ``configs``, calls that the Gluon backward
+    takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths multiple of
+    128, not ``deterministic``) go there after the delta pass.
     """
     varlen = opts.varlen
     if varlen:
@@ -970,12 +992,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     heads_kv = k.shape[-2]
     dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device)
     acc = _acc_dtype(q.dtype)
-    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
-    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
-    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     delta = torch.empty_like(lse, dtype=acc)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
     block_d = _block_d(head_dim)
     shared = dict(softmax_scale=opts.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, **variant)
@@ -990,6 +1009,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
+    if configs is None and _fast_backward_fits(dout, q, k, v, out, lse, opts):
+        from qflash.kernels import attention_gluon
+
+        return attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
+                                               causal=opts.window_right == 0, bottom_right=opts.bottom_right)
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)

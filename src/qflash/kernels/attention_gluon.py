@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                            warpgroup_mma_wait)
 
 from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.testing import new_output
@@ -484,8 +485,12 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
-    """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
+def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                     backward: bool = False):
+    """Build the forward (or backward) kernel for sm_90 without a GPU (what the CPU tests check):
+    the compiled kernel."""
+    if backward:
+        return _compile_backward_for_sm90(head_dim, dtype, causal)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def desc(rows: int) -> str:
@@ -498,3 +503,299 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
              "qk_scale": "fp32"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
                                                            CONSUMERS=consumers, CAUSAL=causal))
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+BWD_HEAD_DIMS = (64, 128)
+BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
+BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
+BWD_STAGES = 2  # Q / dO ring slots: 3 ran 2-20% slower (gluon_bwd_variants_h200_2026-11-29_s8c.json)
+
+
+def bwd_variant(head_dim: int, causal: bool) -> dict:
+    """The backward kernel's schedule, as measured on the H200 (gluon_bwd_variants_..._s8c.json):
+    dQ added to memory right after its own tile (LATE_DQ) ran 4-13% faster at D = 64 and when
+    causal; at D = 128 without a mask, adding it while the next tile's products run was 3-5%
+    faster."""
+    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128)
+
+
+@gluon.jit
+def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This CTA's key block (key blocks run fastest: the CTAs of one head read its Q and dO from
+    L2) and the query blocks that see it: [m_lo, m_full) cross the causal diagonal, [m_full,
+    m_end) see all its keys."""
+    pid = gl.program_id(0)
+    n0 = (pid % num_n_blocks) * BLOCK_N
+    bh = pid // num_n_blocks
+    m_end = seqlen_q // BLOCK_M
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        # Row i sees key j when j <= i + shift: rows from n0 - shift see the block's first key,
+        # rows from n0 + BLOCK_N - 1 - shift its last (clamped at 0 before dividing).
+        m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, m_end)
+        m_full = gl.minimum((gl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M, m_end)
+        m_full = gl.maximum(m_full, m_lo)
+    return bh // num_heads_kv, bh % num_heads_kv, n0, m_lo, m_full, m_end
+
+
+@gluon.jit
+def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready, q_empty,
+                     seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: the CTA's K and V block once, then Q and dO of every query block of every
+    query head of the GQA group through a ring of STAGES slots."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, v_smem)
+    c = 0
+    for g in range(kv_group):
+        col = (h_kv * kv_group + g) * HEAD_DIM
+        for j in range(m_lo, m_end):
+            s = c % STAGES
+            mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
+                                            q_ring.index(s))
+            tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
+                                            do_ring.index(s))
+            c += 1
+
+
+@gluon.jit
+def _add_dq(base, rows, cols, dq):
+    """dQ[rows, cols] += dq by float32 atomic adds (relaxed: only the sum matters)."""
+    gl.atomic_add(base + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), dq, sem="relaxed")
+
+
+@gluon.jit
+def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
+                       ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
+                       softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       WHICH: gl.constexpr, LATE_DQ: gl.constexpr):
+    """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
+    registers over every query tile t of every query head of the group, all transposed so that
+    keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
+    dK:
+
+        S^T = K Q^T,  dP^T = V dO^T            (issued together)
+        P^T = exp2(S^T * scale * log2 e - lse * log2 e)
+        dV += P^T dO                            (while dS^T is computed)
+        dS^T = P^T * (dP^T - delta),  dK += dS^T Q
+        dQ[rows, my half of D] += scale * dS K  (dS^T of both consumers through shared memory;
+                                                 float32 reductions: every key block adds to it)
+
+    A tile's dQ goes to memory while the next tile's S^T and dP^T run on the tensor cores."""
+    BLOCK_M: gl.constexpr = q_ring.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2  # each consumer adds half of dQ's columns
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_st: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row (a column of S^T)
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    num_heads = num_heads_kv * kv_group
+    per_head = m_end - m_lo
+    num_tiles = kv_group * per_head
+    k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
+    v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
+    k_cols = k_smem.slice(WHICH * DQ_COLS, DQ_COLS, dim=1)  # [BLOCK_N, DQ_COLS]
+    keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
+    # A dQ tile's elements, relative to its first: [BLOCK_M, DQ_COLS] of the (batch * seqlen_q,
+    # heads * headdim) view, this consumer's half of the columns.
+    dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * (num_heads * HEAD_DIM)
+    dq_col = WHICH * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    zeros_st = gl.zeros((KEYS, BLOCK_M), gl.float32, st_layout)
+    dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
+    dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
+    dq = gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout)  # the previous tile's, scaled
+    dq_base = b.to(gl.int64) * 0  # where it goes: element offset of its first row and column
+    mbarrier.wait(kv_ready, 0)
+    for t in range(num_tiles):
+        s = t % STAGES
+        q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
+        do = do_ring.index(s)  # [BLOCK_M, HEAD_DIM]
+        h = h_kv * kv_group + t // per_head
+        m0 = (m_lo + t % per_head) * BLOCK_M
+        mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
+        st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+        dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+        if not LATE_DQ:
+            if t > 0:  # the previous tile's dQ goes to memory while the tensor cores run
+                _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
+        row_off = (b * num_heads + h).to(gl.int64) * seqlen_q + rows
+        lse = gl.load(Lse + row_off) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
+        delta = gl.load(Delta + row_off)  # [BLOCK_M]
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # [KEYS, BLOCK_M]
+        if CAUSAL:
+            if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
+                pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0), pt, 0.0)
+        pt_op = gl.convert_layout(pt.to(q_ring.dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM]
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # in order: S^T and dP^T are done
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_ring.dtype)  # [KEYS, BLOCK_M]
+        ds_op = gl.convert_layout(dst, op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM]
+
+        # dS^T of both consumers side by side in shared memory, [BLOCK_N, BLOCK_M]: two
+        # buffers, so one consumer may write tile t while the other still reads tile t - 1.
+        sb = t % 2
+        ds = ds_smem.index(sb)
+        mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
+        ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
+        fence_async_shared()  # the stores, visible to the tensor cores' reads
+        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+        mbarrier.arrive(ds_ready.index(sb), count=1)
+        mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
+        dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
+        mbarrier.arrive(ds_free.index(sb), count=1)
+        mbarrier.arrive(q_empty.index(s), count=1)
+        dq = dq * softmax_scale
+        dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
+        if LATE_DQ:
+            _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+    if not LATE_DQ:
+        if num_tiles > 0:
+            _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+    # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
+    keys_o = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 1)
+            + gl.expand_dims(h_kv * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0))
+    gl.store(DK + offs, (dk * softmax_scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta, seqlen_q, seqlen_k, shift,
+                        num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr):
+    """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
+    and a loader warp (FlashAttention-3's backward, dQ through float32 atomics)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=2)
+        mbarrier.init(ds_free.index(s), count=2)
+    gl.warp_specialize([
+        (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
+                              q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ)),
+        (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
+                              q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ)),
+        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready,
+                            q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM,
+                            STAGES, CAUSAL)),
+    ], [4, 1], [240, 24])
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_kv_layout(head_dim: int, dtype):
+    """K and V in shared memory for the backward: each consumer reads the columns of its half of
+    K for dQ, so a swizzled row spans at most half the head dim (64 bytes at D = 64)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=2)
+
+
+def bwd_preferred(head_dim: int, causal: bool) -> bool:
+    """Whether the public functions send a backward that fits here rather than to the tl
+    kernels: where it measured faster on the H200 (attention_bwd_gluon_h200_2026-11-29_s8d.json,
+    whole backward against the tl one in the same run): D = 128 causal, 1.02 / 1.06 / 1.08x at
+    1k / 4k / 16k tokens. Elsewhere it ran 0.76-1.02x (D = 64 without a mask 0.76-0.89x)."""
+    return causal and head_dim == 128
+
+
+def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):
+    """None if the Gluon backward takes these tensors, else what it does not take."""
+    reason = why_not(q, k, v)
+    if reason is not None:
+        return reason
+    if q.shape[3] not in BWD_HEAD_DIMS:
+        return f"the backward's head dim must be one of {BWD_HEAD_DIMS}, got {q.shape[3]}"
+    for name, t in (("out", out), ("dout", dout)):
+        if t.shape != q.shape or t.dtype != q.dtype:
+            return f"{name} must be like q, got {t.dtype} {tuple(t.shape)}"
+        row_stride = _row_stride(t)
+        if row_stride is None or t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
+            return f"{name} needs unit stride over heads x headdim, sequences back to back, 16-byte alignment"
+    return None
+
+
+def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, **variant):
+    """(dq, dk, dv) for a call that ``bwd_why_not`` has accepted, given the forward's lse and
+    delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. dQ is summed
+    in a float32 buffer by atomic adds, so it can differ in the last bits from run to run.
+    ``variant`` overrides ``bwd_variant`` (to measure the others)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
+    kv_layout = _bwd_kv_layout(head_dim, _GL_DTYPES[q.dtype])
+
+    def desc(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
+        view = _rows_view(t)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
+
+    dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+    dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
+    dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
+    num_n_blocks = seqlen_k // BWD_BLOCK_N
+    shift = seqlen_k - seqlen_q if bottom_right else 0
+    _attn_bwd_ws_kernel[(num_n_blocks * batch * heads_kv,)](
+        desc(q, BWD_BLOCK_M, qo_layout), desc(dout, BWD_BLOCK_M, qo_layout), desc(k, BWD_BLOCK_N, kv_layout),
+        desc(v, BWD_BLOCK_N, kv_layout),
+        dk, dv, dq_acc, lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
+        softmax_scale * RCP_LN2.value, softmax_scale,
+        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
+    )
+    return dq_acc.to(q.dtype), dk, dv
+
+
+def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+    def desc(rows: int, layout) -> str:
+        return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
+
+    qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
+    kv = _bwd_kv_layout(head_dim, _GL_DTYPES[dtype])
+    types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
+             "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32", "Lse": "*fp32",
+             "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
+             "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
+    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
+                                                          **bwd_variant(head_dim, causal)))

@@ -69,12 +69,13 @@ def _attention_forward_impl(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
+    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     return attention_forward(q, k, v, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
 
 
 def _attention_backward_impl(
@@ -97,12 +98,13 @@ def _attention_backward_impl(
     max_seqlen_k: int,
     dropout_p: float,
     dropout_seed: int,
+    deterministic: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_backward
 
     return attention_backward(dout, q, k, v, out, lse, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
 
 
 _attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
@@ -113,7 +115,8 @@ _attention_backward_op = torch.library.custom_op("qflash::attention_backward", m
 
 @_attention_forward_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed):
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+      deterministic):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cu_seqlens_q is not None:
@@ -132,11 +135,12 @@ def _(dout, q, k, v, out, lse, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
+     alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic)
 
 
 def _backward(ctx, dout, dlse):
@@ -148,7 +152,7 @@ def _backward(ctx, dout, dlse):
     backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
     dq, dk, dv = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                           cu_seqlens_q, cu_seqlens_k, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -311,8 +315,10 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: accepted for compatibility: forward and backward are always deterministic
-            (the backward uses no atomics; an atomic-dQ variant measured slower on the H200).
+        deterministic: bitwise-identical gradients from run to run. The forward always is; the
+            backward's fast path on Hopper (``attention_gluon.py``) sums dQ with float32 atomic
+            adds, so its last bits can vary, and ``deterministic=True`` (or
+            ``torch.use_deterministic_algorithms(True)``) takes the tl backward, which uses none.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
@@ -330,7 +336,7 @@ def flash_attn_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
-        *_dropout(dropout_p),
+        *_dropout(dropout_p), bool(deterministic),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -430,7 +436,7 @@ def flash_attn_varlen_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, *_dropout(dropout_p),
+        max_seqlen_k, *_dropout(dropout_p), bool(deterministic),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -520,7 +526,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k, *_dropout(dropout_p),
+        seqlen_k, *_dropout(dropout_p), False,
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out

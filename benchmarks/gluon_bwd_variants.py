@@ -1,0 +1,43 @@
+"""Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth
+and when a tile's dQ goes to memory (while the next tile's products run, or right after its own).
+Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
+
+import argparse
+import itertools
+import math
+
+import torch
+import triton
+
+from qflash.bench.attention import attention_flops
+from qflash.bench.harness import environment, save_json
+from qflash.kernels import attention_gluon as g
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlens", default="1024,4096,16384")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
+                                          (False, True)):
+        b, h = 16384 // n, 2048 // d
+        q, k, v, o, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+        lse = torch.randn(b, h, n, device="cuda") + 10
+        delta = torch.randn(b, h, n, device="cuda")
+        flops = 2.5 * attention_flops(b, h, n, n, d, causal)
+        for stages, late in itertools.product((2, 3), (False, True)):
+            fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
+                                           STAGES=stages, LATE_DQ=late)
+            ms = triton.testing.do_bench(fn, rep=60)
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, ms=ms,
+                             tflops=flops / ms * 1e-9))
+            print(rows[-1], flush=True)
+    if args.out:
+        save_json(args.out, dict(env=environment(), rows=rows))
+
+
+if __name__ == "__main__":
+    main()
