@@ -1,5 +1,6 @@
 """Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth
-and when a tile's dQ goes to memory (while the next tile's products run, or right after its own).
+and when a tile's dQ goes to memory (while the next tile's products run, or right after its own),
+and who computes it (each consumer half of every tile's columns, or all of every other tile's).
 Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
 
 import argparse
@@ -12,6 +13,7 @@ import triton
 from qflash.bench.attention import attention_flops
 from qflash.bench.harness import environment, save_json
 from qflash.kernels import attention_gluon as g
+from qflash.kernels.attention import AttnOptions, attention_backward, default_bwd_configs
 
 
 def main():
@@ -28,12 +30,23 @@ def main():
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        for stages, late in itertools.product((2, 3), (False, True)):
+        for stages, late, split in itertools.product((2, 3), (False, True), (False, True)):
+            if not (split or late):  # whole-tile dQ in turns is added right after its tile
+                continue
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, LATE_DQ=late)
+                                           STAGES=stages, LATE_DQ=late, SPLIT_DQ=split)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, ms=ms,
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, split_dq=split, ms=ms,
                              tflops=flops / ms * 1e-9))
+            print(rows[-1], flush=True)
+        # Whole backwards (delta pass included) through the launcher: the tl kernels, and this
+        # kernel with its default variant.
+        opts = AttnOptions(1 / math.sqrt(d), window_right=0 if causal else -1)
+        tl_configs = default_bwd_configs(d, q.dtype, q.device)
+        g.bwd_preferred = lambda head_dim, causal: True
+        for name, configs in (("tl backward", tl_configs), ("gluon backward", None)):
+            ms = triton.testing.do_bench(lambda: attention_backward(do, q, k, v, o, lse, opts, configs=configs), rep=60)
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, path=name, ms=ms, tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
     if args.out:
         save_json(args.out, dict(env=environment(), rows=rows))

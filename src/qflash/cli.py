@@ -30,7 +30,6 @@ def _fast_path_status(cuda: bool) -> str:
     if not cuda or not is_hopper(torch.device("cuda", 0)):
         return "none here (the Gluon kernels need Hopper)"
     return ("Gluon forward: D = 64 / 128 / 256, causal or no mask, lengths multiple of 128; "
-            "Gluon backward: D = 128 causal, same lengths, unless deterministic; "
             "Gluon FP8 matmul: tensor / row scales, M >= 128, N >= 8192, K >= 4096")
 
 

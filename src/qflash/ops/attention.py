@@ -315,10 +315,11 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: bitwise-identical gradients from run to run. The forward always is; the
-            backward's fast path on Hopper (``attention_gluon.py``) sums dQ with float32 atomic
-            adds, so its last bits can vary, and ``deterministic=True`` (or
-            ``torch.use_deterministic_algorithms(True)``) takes the tl backward, which uses none.
+        deterministic: bitwise-identical gradients from run to run. The default backward (the
+            tl kernels) always is. The Gluon backward (``attention_gluon.py``, Hopper) sums dQ
+            with float32 atomic adds; it is not the default yet (``bwd_preferred``), and
+            ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps a call
+            off it.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
