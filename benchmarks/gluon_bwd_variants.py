@@ -1,6 +1,6 @@
 """Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth
-and when a tile's dQ goes to memory (while the next tile's products run, or right after its own),
-and who computes it (each consumer half of every tile's columns, or all of every other tile's).
+and when a tile's dQ goes to memory (while the next tile's products run, or right after its own).
+Two more schemes for dQ were timed with it and removed (benchmarks/NOTES.md, eighth round).
 Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
 
 import argparse
@@ -30,13 +30,11 @@ def main():
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        for stages, late, split in itertools.product((2, 3), (False, True), (False, True)):
-            if not (split or late):  # whole-tile dQ in turns is added right after its tile
-                continue
+        for stages, late in itertools.product((2, 3), (False, True)):
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, LATE_DQ=late, SPLIT_DQ=split)
+                                           STAGES=stages, LATE_DQ=late)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, split_dq=split, ms=ms,
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, ms=ms,
                              tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
         # Whole backwards (delta pass included) through the launcher: the tl kernels, and this

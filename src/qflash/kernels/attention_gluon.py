@@ -518,9 +518,8 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     """The backward kernel's schedule, as measured on the H200 (gluon_bwd_variants_..._s8c.json):
     dQ added to memory right after its own tile (LATE_DQ) ran 4-13% faster at D = 64 and when
     causal; at D = 128 without a mask, adding it while the next tile's products run was 3-5%
-    faster. SPLIT_DQ (each consumer adds half of every tile's dQ columns, rather than all of every
-    other tile's) was as fast or 1-3% faster (s8f)."""
-    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128, SPLIT_DQ=True)
+    faster."""
+    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128)
 
 
 @gluon.jit
@@ -581,7 +580,7 @@ def _add_dq(base, rows, cols, dq):
 def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
                        ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
                        softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       WHICH: gl.constexpr, LATE_DQ: gl.constexpr, SPLIT_DQ: gl.constexpr):
+                       WHICH: gl.constexpr, LATE_DQ: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
     registers over every query tile t of every query head of the group, all transposed so that
     keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
@@ -598,10 +597,10 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
     BLOCK_M: gl.constexpr = q_ring.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
-    # SPLIT_DQ: each consumer adds half of dQ's columns for every tile; else a consumer adds all
-    # of them for every other tile, and the other one goes on meanwhile.
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
-    DQ_COL0: gl.constexpr = WHICH * DQ_COLS if SPLIT_DQ else 0
+    # dQ = dS K sums over the CTA's 128 keys: both consumers' dS^T meet in shared memory, and
+    # each adds half of dQ's columns.
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    DQ_COL0: gl.constexpr = WHICH * DQ_COLS
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -667,31 +666,15 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
         gl.thread_barrier()  # ... from all 128 threads before one of them arrives
         mbarrier.arrive(ds_ready.index(sb), count=1)
         mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
+        dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
+        mbarrier.arrive(ds_free.index(sb), count=1)
+        mbarrier.arrive(q_empty.index(s), count=1)
+        dq = dq * softmax_scale
+        dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
         if LATE_DQ:
-            if SPLIT_DQ:
-                mine = True
-            else:
-                mine = (t % 2) == WHICH
-            if mine:
-                dq_t = warpgroup_mma(ds.permute((1, 0)), k_cols,
-                                     gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout), use_acc=False,
-                                     is_async=True)  # [BLOCK_M, DQ_COLS]
-                dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
-                mbarrier.arrive(ds_free.index(sb), count=1)
-                dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
-                _add_dq(DQ + dq_base, dq_row, dq_col, dq_t * softmax_scale)
-            else:
-                mbarrier.arrive(ds_free.index(sb), count=1)
-            dv, dk, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, ds_op))
-            mbarrier.arrive(q_empty.index(s), count=1)
-        else:
-            dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
-                               use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
-            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
-            mbarrier.arrive(ds_free.index(sb), count=1)
-            mbarrier.arrive(q_empty.index(s), count=1)
-            dq = dq * softmax_scale
-            dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
+            _add_dq(DQ + dq_base, dq_row, dq_col, dq)
     if not LATE_DQ:
         if num_tiles > 0:
             _add_dq(DQ + dq_base, dq_row, dq_col, dq)
@@ -706,8 +689,7 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta, seqlen_q, seqlen_k, shift,
                         num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr,
-                        SPLIT_DQ: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr):
     """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
     and a loader warp (FlashAttention-3's backward, dQ through float32 atomics)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -733,10 +715,10 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta,
     gl.warp_specialize([
         (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
                               q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ, SPLIT_DQ)),
+                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ)),
         (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
                               q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ, SPLIT_DQ)),
+                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ)),
         (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready,
                             q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM,
                             STAGES, CAUSAL)),
@@ -744,12 +726,9 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta,
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_kv_layout(head_dim: int, dtype, split_dq: bool):
-    """K and V in shared memory for the backward. With SPLIT_DQ each consumer reads the columns
-    of its half of K for dQ, so a swizzled row spans at most half the head dim (64 bytes at
-    D = 64)."""
-    if not split_dq:
-        return nvmma_layout((BWD_BLOCK_N, head_dim), dtype)
+def _bwd_kv_layout(head_dim: int, dtype):
+    """K and V in shared memory for the backward: each consumer reads the columns of its half of
+    K for dQ, so a swizzled row spans at most half the head dim (64 bytes at D = 64)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=2)
 
 
@@ -790,8 +769,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
-    config = {**bwd_variant(head_dim, causal), **variant}
-    kv_layout = _bwd_kv_layout(head_dim, _GL_DTYPES[q.dtype], config["SPLIT_DQ"])
+    kv_layout = _bwd_kv_layout(head_dim, _GL_DTYPES[q.dtype])
 
     def desc(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
         view = _rows_view(t)
@@ -807,7 +785,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         desc(v, BWD_BLOCK_N, kv_layout),
         dk, dv, dq_acc, lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
-        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **config,
+        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
     )
     return dq_acc.to(q.dtype), dk, dv
 
@@ -819,10 +797,10 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
-    config = bwd_variant(head_dim, causal)
-    kv = _bwd_kv_layout(head_dim, _GL_DTYPES[dtype], config["SPLIT_DQ"])
+    kv = _bwd_kv_layout(head_dim, _GL_DTYPES[dtype])
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32", "Lse": "*fp32",
              "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
              "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal, **config))
+    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
+                                                          **bwd_variant(head_dim, causal)))
