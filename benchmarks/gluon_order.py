@@ -1,7 +1,7 @@
 """Causal work order of the Gluon forward: heads per group of work items, timed side by side.
 
     python3 benchmarks/gluon_order.py --out order.json [--head-dims 64,128,256] [--seqlens 512,...]
-        [--groups 1,auto,all] [--consumers 2]
+        [--groups 1,auto,all] [--consumers 2] [--block-n 64 --stages 4]
 
 bf16, batch x seqlen = 16k tokens, heads x headdim = 2048 (the attention benchmark's shapes).
 Each order is timed on the same inputs in one process; the JSON keeps every row.
@@ -24,10 +24,16 @@ def main() -> None:
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--groups", default="1,auto,all", help="heads per group to time: numbers, auto, all")
     parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups instead of tile_config's")
+    parser.add_argument("--block-n", type=int, default=None, help="keys a tile instead of tile_config's")
+    parser.add_argument("--stages", type=int, default=None, help="K/V ring slots instead of tile_config's")
     args = parser.parse_args()
-    if args.consumers:  # an experiment: the same tiles with another number of consumers
-        tile_config = attention_gluon.tile_config
-        attention_gluon.tile_config = lambda d, causal=False: (args.consumers,) + tile_config(d, causal)[1:]
+    tile_config = attention_gluon.tile_config
+
+    def experiment(d, causal=False, seqlen_k=0):  # tile_config with what the options replace
+        consumers, block_n, stages, q_buffers = tile_config(d, causal, seqlen_k)
+        return args.consumers or consumers, args.block_n or block_n, args.stages or stages, q_buffers
+
+    attention_gluon.tile_config = experiment
     result = {"env": environment(), "rows": []}
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
@@ -35,7 +41,7 @@ def main() -> None:
             batch = 16384 // seqlen
             q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim, True)
+            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim, True, seqlen)
             m_blocks = -(-seqlen // (consumers * attention_gluon.SUB_M))
             grid = min(batch * heads * m_blocks, sm_count(q.device))
             auto = attention_gluon.causal_heads_per_group(batch * heads, m_blocks, grid, consumers * attention_gluon.SUB_M,
@@ -52,7 +58,8 @@ def main() -> None:
                 ms = time_ms(fn)["ms"]
                 tflops = flops / ms / 1e9
                 result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=True, order=name,
-                                           heads_per_group=group, consumers=consumers, ms=ms, tflops=tflops))
+                                           heads_per_group=group, consumers=consumers, block_n=block_n,
+                                           ms=ms, tflops=tflops))
                 line.append(f"{name} (G={group}) {tflops:6.1f}")
             print(f"D={head_dim:3d} S={seqlen:5d}  " + "  ".join(line), flush=True)
             save_json(args.out, result)

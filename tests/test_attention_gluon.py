@@ -17,14 +17,15 @@ from conftest import DEVICE, ptxas_report, sm90_build
 gluon = pytest.importorskip("qflash.kernels.attention_gluon")
 
 
-@pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
-                                            (64, torch.float16, False), (64, torch.float16, True),
-                                            (256, torch.bfloat16, True)])
-def test_builds_for_sm90(d, dtype, causal):
+@pytest.mark.parametrize("d,dtype,causal,seqlen_k", [(128, torch.bfloat16, False, 0), (128, torch.bfloat16, True, 0),
+                                                     (64, torch.float16, False, 0), (64, torch.float16, True, 4096),
+                                                     (64, torch.bfloat16, True, 1024), (256, torch.bfloat16, True, 0)])
+def test_builds_for_sm90(d, dtype, causal, seqlen_k):
     """Compiled offline (no GPU needed): a producer warp and two (three) consumer warpgroups whose
     registers are rebalanced (setmaxnreg), products on wgmma, tiles through TMA, and an
-    occupancy of one CTA in the H200's 227 KB of shared memory."""
-    kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal)
+    occupancy of one CTA in the H200's 227 KB of shared memory (D = 64 causal: 128-key tiles,
+    and 64-key ones up to 1k keys)."""
+    kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, seqlen_k=seqlen_k)
     ptx = kernel["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel["shared"] <= 227 * 1024

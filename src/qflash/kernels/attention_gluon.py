@@ -345,7 +345,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def tile_config(head_dim: int, causal: bool = False) -> Tuple[int, int, int, int]:
+SHORT_CAUSAL_D64 = 1024  # up to this many keys, D = 64 causal runs 64-key tiles
+
+
+def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple[int, int, int, int]:
     """(consumer warpgroups, keys a tile, K/V ring slots, Q buffers), within the H200's 227 KB of
     shared memory. D = 64: three consumers without a mask (192-row items: the softmax costs as
     much as the products there, and a third warpgroup keeps the tensor cores busy;
@@ -354,8 +357,12 @@ def tile_config(head_dim: int, causal: bool = False) -> Tuple[int, int, int, int
     attention_fwd_gluon_causal_order_h200_2026-11-29_s7c_d64_two.json), 3 slots of 128 keys, two
     Q buffers, 144 KB. D = 128: two consumers, 2 slots, two Q buffers, 192 KB. D = 256: 2 slots
     of 64 keys and one Q buffer, 192 KB (next to its 64 x 256 float32 accumulator a consumer
-    keeps 64-key score tiles)."""
+    keeps 64-key score tiles). D = 64 causal up to 1k keys: 64-key tiles and 4 slots, less of
+    the diagonal tile wasted (512 / 1k tokens: 192 / 255 TFLOP/s against 172 / 237; from 2k
+    on 11-14% slower, ..._d64_tiles_h200_2026-11-29_s8h.json)."""
     if head_dim <= 64:
+        if causal and seqlen_k <= SHORT_CAUSAL_D64:
+            return 2, 64, 4, 2
         return 2 if causal else 3, 128, 3, 2
     if head_dim <= 128:
         return 2, 128, 2, 2
@@ -463,7 +470,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal)
+    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
         view = _rows_view(t)  # one head = a column band of the 2-D view
@@ -486,7 +493,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     backward: bool = False):
+                     backward: bool = False, seqlen_k: int = 0):
     """Build the forward (or backward) kernel for sm_90 without a GPU (what the CPU tests check):
     the compiled kernel."""
     if backward:
@@ -496,7 +503,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     def desc(rows: int) -> str:
         return f"tensordesc<{name}[{rows}, {head_dim}],{nvmma_layout((rows, head_dim), _GL_DTYPES[dtype])!r}>"
 
-    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal)
+    consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
              "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
              "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
