@@ -1,7 +1,9 @@
 """The Gluon forward kernel (Hopper, warp-specialized): it builds for sm_90 on any machine, says
 which calls it does not take, and on the H200 meets the flash-attn rule against float64, with
 and without the causal mask, for GQA, seqlen_q != seqlen_k and sliced (packed) inputs; the
-public functions send it the calls it takes."""
+public functions send it the calls it takes. The Gluon backward: the same, with gradients within
+3x PyTorch's error (the tests send every call it fits there, whatever the dispatch prefers), and
+``deterministic`` keeps calls off it."""
 
 import math
 

@@ -32,6 +32,13 @@ does not fit; ``attention_forward`` in ``attention.py`` sends every call that fi
 H200 it ran 1.03-1.44x the tl kernel from 2k tokens on (attention_fwd_h200_2026-11-29_s7d.json),
 and 0.98-1.40x at 512-2k tokens replayed from CUDA graphs (..._short_graph_..._s7e.json: D = 64
 at 512-1k is the 0.98-1.00x end).
+
+The backward (``_attn_bwd_ws_kernel``, D = 64 / 128, same scope) follows FlashAttention-3: one CTA
+per 128 keys, a loader warp for K / V once and Q / dO in a ring, two consumer warpgroups of 64
+keys that compute S and dP transposed so that P^T and dS^T feed dV and dK from registers, dS^T
+shared for dQ = dS K, and dQ added to a float32 buffer by atomic adds (so not bitwise
+reproducible). It passes the backward tests on the H200 but ran no faster than the tl backward
+(benchmarks/NOTES.md, eighth round), so ``bwd_preferred`` keeps the public functions off it.
 """
 
 from __future__ import annotations
@@ -598,9 +605,10 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
         dV += P^T dO                            (while dS^T is computed)
         dS^T = P^T * (dP^T - delta),  dK += dS^T Q
         dQ[rows, my half of D] += scale * dS K  (dS^T of both consumers through shared memory;
-                                                 float32 reductions: every key block adds to it)
+                                                 float32 atomic adds: every key block adds to it)
 
-    A tile's dQ goes to memory while the next tile's S^T and dP^T run on the tensor cores."""
+    A tile's dQ goes to memory right after its tile (LATE_DQ), or while the next tile's S^T and
+    dP^T run on the tensor cores."""
     BLOCK_M: gl.constexpr = q_ring.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
