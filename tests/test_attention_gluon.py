@@ -247,10 +247,11 @@ BWD_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, b
 ]
 
 
-def _spy_backward(monkeypatch):
-    """Counts the Gluon backward's launches; every call it fits goes there (whatever the
-    dispatch prefers by measured speed)."""
-    monkeypatch.setattr(gluon, "bwd_preferred", lambda head_dim, causal: True)
+def _spy_backward(monkeypatch, force=True):
+    """Counts the Gluon backward's launches; with ``force`` every call it fits goes there
+    (whatever the dispatch prefers by measured speed)."""
+    if force:
+        monkeypatch.setattr(gluon, "bwd_preferred", lambda head_dim, causal: True)
     calls = []
     real = gluon.launch_backward
 
@@ -323,9 +324,7 @@ def test_gpu_backward_dispatch_follows_the_measurements(d, causal, monkeypatch):
     """The public backward takes the Gluon kernel exactly where ``bwd_preferred`` says."""
     from test_attention_backward import _grads
 
-    calls = []
-    real = gluon.launch_backward
-    monkeypatch.setattr(gluon, "launch_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy_backward(monkeypatch, force=False)
     q, k, v = (t.requires_grad_() for t in _qkv(1, 256, 256, 2, 2, d, torch.bfloat16, "cuda"))
     _grads(lambda *a: qflash.flash_attn_func(*a, causal=causal), (q, k, v), torch.randn_like(q))
     assert bool(calls) == gluon.bwd_preferred(d, causal)

@@ -979,7 +979,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
     query heads of each GQA group. Without explicit ``configs``, calls that the Gluon backward
     takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths multiple of
-    128, not ``deterministic``) go there after the delta pass.
+    128, not ``deterministic``) go there after the delta pass where ``bwd_preferred`` says so
+    (nowhere yet: it measured no faster).
     """
     varlen = opts.varlen
     if varlen:

@@ -525,14 +525,14 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 BWD_HEAD_DIMS = (64, 128)
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
 BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
-BWD_STAGES = 2  # Q / dO ring slots: 3 ran 2-20% slower (gluon_bwd_variants_h200_2026-11-29_s8c.json)
+BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json)
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:
     """The backward kernel's schedule, as measured on the H200 (gluon_bwd_variants_..._s8c.json):
-    dQ added to memory right after its own tile (LATE_DQ) ran 4-13% faster at D = 64 and when
-    causal; at D = 128 without a mask, adding it while the next tile's products run was 3-5%
-    faster."""
+    dQ added to memory right after its own tile (LATE_DQ) ran 1-8% faster at D = 64 and 9-14%
+    at D = 128 causal; at D = 128 without a mask, adding it while the next tile's products run
+    was 5% faster."""
     return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128)
 
 
@@ -741,7 +741,7 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta,
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_kv_layout(head_dim: int, dtype):
+def _bwd_kv_layout(head_dim: int):
     """K and V in shared memory for the backward: each consumer reads the columns of its half of
     K for dQ, so a swizzled row spans at most half the head dim (64 bytes at D = 64)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=2)
@@ -784,7 +784,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
-    kv_layout = _bwd_kv_layout(head_dim, _GL_DTYPES[q.dtype])
+    kv_layout = _bwd_kv_layout(head_dim)
 
     def desc(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
         view = _rows_view(t)
@@ -812,7 +812,7 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
-    kv = _bwd_kv_layout(head_dim, _GL_DTYPES[dtype])
+    kv = _bwd_kv_layout(head_dim)
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32", "Lse": "*fp32",
              "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
