@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--consumers", type=int, default=None, help="consumer warpgroups instead of tile_config's")
     parser.add_argument("--block-n", type=int, default=None, help="keys a tile instead of tile_config's")
     parser.add_argument("--stages", type=int, default=None, help="K/V ring slots instead of tile_config's")
+    parser.add_argument("--causal", choices=("true", "false"), default="true",
+                        help="false: time the tiles without a mask (one order, --groups is ignored)")
     args = parser.parse_args()
     tile_config = attention_gluon.tile_config
 
@@ -35,29 +37,30 @@ def main() -> None:
 
     attention_gluon.tile_config = experiment
     result = {"env": environment(), "rows": []}
+    causal = args.causal == "true"
     for head_dim in map(int, args.head_dims.split(",")):
         heads = 2048 // head_dim
         for seqlen in map(int, args.seqlens.split(",")):
             batch = 16384 // seqlen
             q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim, True, seqlen)
+            consumers, block_n, _, _ = attention_gluon.tile_config(head_dim, causal, seqlen)
             m_blocks = -(-seqlen // (consumers * attention_gluon.SUB_M))
             grid = min(batch * heads * m_blocks, sm_count(q.device))
             auto = attention_gluon.causal_heads_per_group(batch * heads, m_blocks, grid, consumers * attention_gluon.SUB_M,
                                                           block_n, seqlen, 0)
-            flops = 4 * batch * heads * seqlen**2 * head_dim / 2
+            flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
             line = []
             named = {"auto": auto, "all": batch * heads}
-            for name in args.groups.split(","):
+            for name in args.groups.split(",") if causal else ["all"]:
                 group = named.get(name) or int(name)
                 if group > batch * heads:
                     continue
-                fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, True, True,  # noqa: E731
+                fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, causal, True,  # noqa: E731
                                                             heads_per_group=g)
                 ms = time_ms(fn)["ms"]
                 tflops = flops / ms / 1e9
-                result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=True, order=name,
+                result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=causal, order=name,
                                            heads_per_group=group, consumers=consumers, block_n=block_n,
                                            ms=ms, tflops=tflops))
                 line.append(f"{name} (G={group}) {tflops:6.1f}")

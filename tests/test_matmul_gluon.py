@@ -16,12 +16,15 @@ from conftest import DEVICE, ptxas_report, sm90_build
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 
 
-@pytest.mark.parametrize("int8,scales", [(True, "row"), (False, "tensor"), (False, "row")])
-def test_builds_for_sm90(int8, scales):
+@pytest.mark.parametrize("int8,scales,block_n,stages", [(True, "row", 128, 6), (False, "tensor", 128, 6),
+                                                      (False, "row", 128, 6), (False, "tensor", 256, 4),
+                                                      (False, "row", 256, 3)])
+def test_builds_for_sm90(int8, scales, block_n, stages):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
-    product into its float32 total (twice the float32 adds of the INT8 build)."""
-    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales)
+    product into its float32 total (twice the float32 adds of the INT8 build). 256-wide FP8 tiles
+    run as two 128-wide halves."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages)
     ptx = kernel["ptx"]
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n128k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
@@ -90,6 +93,30 @@ def test_gpu_fp8_within_fp32_rounding(m, n, k, scales):
     assert_written(c)
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
     assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
+def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
+    """256-wide tiles add the same 128-deep partials in the same order as 128-wide ones: the same
+    bits, ragged edges (N not a multiple of 256) and bias included."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
+    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    narrow = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=128, stages=6)
+    for stages in (3, 4):
+        with poisoned():
+            wide = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=256, stages=stages)
+        assert_written(wide)
+        assert torch.equal(wide, narrow)
+
+
+def test_launch_refuses_wide_int8_tiles():
+    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
+    with pytest.raises(ValueError, match="block_n must be 128"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=256)
 
 
 def test_preferred_only_where_measured():

@@ -105,13 +105,17 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
                  stride_bsn, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                  STAGES: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every output tile of this CTA, K step by K
-    step, then the epilogue."""
+    step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
+    halves of 128, each with its own float32 total."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
+    HALF: gl.constexpr = 128  # columns of one wgmma
+    WIDE: gl.constexpr = BN == 2 * HALF
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
+    gl.static_assert(BN == HALF or (WIDE and not IS_INT8), "tiles are 128 wide, or 256 for FP8")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 32])  # 8-bit wgmma: k = 32
+                                                         instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, 2 * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -119,7 +123,7 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
         if IS_INT8:
-            acc = gl.zeros((SUB, BN), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
+            acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
             for kk in range(k_steps):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -135,22 +139,33 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
             # runs. (Reading a partial before its wait, or carrying one in flight into the next
-            # iteration, makes ptxas serialize every wgmma.)
-            acc = gl.zeros((SUB, BN), dtype=gl.float32, layout=acc_layout)
-            fresh = gl.zeros((SUB, BN), dtype=gl.float32, layout=acc_layout)
+            # iteration, makes ptxas serialize every wgmma.) A wide tile's halves take turns with
+            # one partial: 128 + 64 registers of float32 a thread instead of 256.
+            acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
+            acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
+            fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             for kk in range(k_steps):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                part = warpgroup_mma(a_ring.index(2 * s + which), b_ring.index(s).permute((1, 0)), fresh,
-                                     use_acc=False, is_async=True)
+                a = a_ring.index(2 * s + which)
+                b = b_ring.index(s)
+                part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + part
+                if WIDE:
+                    part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
+                                         is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    acc_hi = acc_hi + part
+                mbarrier.arrive(empty.index(s), count=1)
                 c += 1
         rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+        cols = pid_n * BN + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
         _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn, SCALES,
                      HAS_BIAS)
+        if WIDE:
+            _mm_epilogue(acc_hi, C, AScale, BScale, Bias, rows, cols + HALF, M, N, stride_cm, stride_asm,
+                         stride_bsn, SCALES, HAS_BIAS)
 
 
 @gluon.jit
@@ -174,11 +189,18 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, strid
         (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
                         stride_bsn, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES)),
-    ], [4, 1], [232, 24])
+    ], [4, 1], [240, 24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
+WIDE_STAGES = 4  # with 128 x 256 FP8 tiles a slot is 48 KB
+
+
+def tile_config(m: int, n: int, k: int, int8: bool) -> tuple:
+    """(block_n, stages) for a product: 128-wide tiles for now (the 256-wide FP8 ones are timed by
+    benchmarks/gluon_mm_variants.py before they become a default)."""
+    return BLOCK_N, STAGES
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -217,12 +239,19 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-           bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
-    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted."""
+           bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
+           stages: Optional[int] = None) -> torch.Tensor:
+    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
+    or 256 for FP8) and ``stages`` override ``tile_config``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = a_q.shape
     n = b_q.shape[0]
+    int8 = a_q.dtype == torch.int8
+    default_n, default_stages = tile_config(m, n, k, int8)
+    block_n, stages = block_n or default_n, stages or default_stages
+    if block_n not in (128, 256) or (int8 and block_n != 128):
+        raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -231,12 +260,12 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, BLOCK_N)
+    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, block_n)
     _scaled_mm_ws_kernel[(min(tiles, sm_count(a_q.device)),)](
-        desc(a_q, SUB_M), desc(b_q, BLOCK_N), c, a_s, b_s, bias if bias is not None else c, m, n, k,
+        desc(a_q, SUB_M), desc(b_q, block_n), c, a_s, b_s, bias if bias is not None else c, m, n, k,
         c.stride(0), a_s.stride(0), b_s.stride(0),
         SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=bias is not None,
-        GROUP_M=GROUP_M, STAGES=STAGES, num_warps=4,
+        GROUP_M=GROUP_M, STAGES=stages, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         enable_fp_fusion=False,
     )
@@ -244,7 +273,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
-                     out_dtype: torch.dtype = torch.bfloat16):
+                     out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -254,9 +283,9 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     def desc(rows: int) -> str:
         return f"tensordesc<{name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), gdt)!r}>"
 
-    types = {"a_desc": desc(SUB_M), "b_desc": desc(BLOCK_N), "C": f"*{out}", "AScale": "*fp32", "BScale": "*fp32",
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}", "AScale": "*fp32", "BScale": "*fp32",
              "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "stride_asm": "i32",
              "stride_bsn": "i32"}
     constants = dict(SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=STAGES)
+                     GROUP_M=GROUP_M, STAGES=stages)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
