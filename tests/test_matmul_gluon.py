@@ -16,16 +16,18 @@ from conftest import DEVICE, ptxas_report, sm90_build
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 
 
-@pytest.mark.parametrize("int8,scales,block_n,stages", [(True, "row", 128, 6), (False, "tensor", 128, 6),
-                                                      (False, "row", 128, 6), (False, "tensor", 256, 4),
-                                                      (False, "row", 256, 3)])
-def test_builds_for_sm90(int8, scales, block_n, stages):
+@pytest.mark.parametrize("int8,scales,block_n,stages,tma_store", [
+    (True, "row", 128, 6, False), (False, "tensor", 128, 6, False), (False, "row", 128, 6, False),
+    (False, "tensor", 256, 4, True), (False, "row", 256, 3, False)])
+def test_builds_for_sm90(int8, scales, block_n, stages, tma_store):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
     product into its float32 total (twice the float32 adds of the INT8 build). 256-wide FP8 tiles
-    run as two 128-wide halves."""
-    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages)
+    run as two 128-wide halves; C can leave through shared memory and bulk copies."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
+                        tma_store=tma_store)
     ptx = kernel["ptx"]
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n128k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel["shared"] <= 227 * 1024
@@ -99,18 +101,34 @@ def test_gpu_fp8_within_fp32_rounding(m, n, k, scales):
 @pytest.mark.parametrize("scales", ["tensor", "row"])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
 def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
-    """256-wide tiles add the same 128-deep partials in the same order as 128-wide ones: the same
-    bits, ragged edges (N not a multiple of 256) and bias included."""
+    """256-wide tiles add the same 128-deep partials in the same order as 128-wide ones, and C
+    written through shared memory and bulk copies is C written by plain stores: the same bits,
+    ragged edges (N not a multiple of 256; rows not 16-byte aligned fall back to plain stores) and
+    bias included."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
     a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
     b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     narrow = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=128, stages=6)
-    for stages in (3, 4):
+    for block_n, stages, tma_store in [(256, 3, False), (256, 4, False), (256, 4, True), (256, 3, True),
+                                       (128, 5, True)]:
         with poisoned():
-            wide = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=256, stages=stages)
+            wide = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=block_n, stages=stages,
+                                tma_store=tma_store)
         assert_written(wide)
-        assert torch.equal(wide, narrow)
+        assert torch.equal(wide, narrow), (block_n, stages, tma_store)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_int8_bulk_store_bit_exact(m, n, k):
+    """INT8 with C written through shared memory (float32 C: 64 KB of blocks next to 5 ring slots)."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, "row", stages=5,
+                         tma_store=True)
+    assert_written(c)
+    assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
 
 
 def test_launch_refuses_wide_int8_tiles():

@@ -352,7 +352,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-SHORT_CAUSAL_D64 = 1024  # up to this many keys, D = 64 causal runs 64-key tiles
+SHORT_D64 = 1024  # up to this many keys, D = 64 runs two consumers, and causal 64-key tiles
 
 
 def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple[int, int, int, int]:
@@ -364,12 +364,14 @@ def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple
     attention_fwd_gluon_causal_order_h200_2026-11-29_s7c_d64_two.json), 3 slots of 128 keys, two
     Q buffers, 144 KB. D = 128: two consumers, 2 slots, two Q buffers, 192 KB. D = 256: 2 slots
     of 64 keys and one Q buffer, 192 KB (next to its 64 x 256 float32 accumulator a consumer
-    keeps 64-key score tiles). D = 64 causal up to 1k keys: 64-key tiles and 4 slots, less of
-    the diagonal tile wasted (512 / 1k tokens: 192 / 255 TFLOP/s against 172 / 237; from 2k
-    on 11-14% slower, ..._d64_tiles_h200_2026-11-29_s8h.json)."""
+    keeps 64-key score tiles). D = 64 up to 1k keys: two consumers without a mask too (128-row
+    items divide 512 and 1k rows, 192-row ones leave a part-empty item: 354 / 402 TFLOP/s against
+    319 / 381, even at 2k, ..._d64_short_h200_2026-11-29_s9a.json); causal with 64-key tiles and
+    4 slots, less of the diagonal tile wasted (512 / 1k tokens: 192 / 255 TFLOP/s against
+    172 / 237; from 2k on 11-14% slower, ..._d64_tiles_h200_2026-11-29_s8h.json)."""
     if head_dim <= 64:
-        if causal and seqlen_k <= SHORT_CAUSAL_D64:
-            return 2, 64, 4, 2
+        if seqlen_k <= SHORT_D64:
+            return (2, 64, 4, 2) if causal else (2, 128, 3, 2)
         return 2 if causal else 3, 128, 3, 2
     if head_dim <= 128:
         return 2, 128, 2, 2

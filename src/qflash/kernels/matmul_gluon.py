@@ -35,9 +35,10 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                            warpgroup_mma_wait)
 
-from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
+from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count, tma_compatible
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -47,6 +48,7 @@ SCALES_TENSOR = gl.constexpr(0)
 SCALES_ROW = gl.constexpr(1)  # A per row, B per output column (row of B)
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
+_GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 @gluon.jit
@@ -83,9 +85,16 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
 
 
 @gluon.jit
-def _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn,
-                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """C[rows, cols] = acc * scales (+ bias) in float32, in the reference's order, cast to C's dtype."""
+def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, stride_cm, stride_asm, stride_bsn,
+                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
+    cast to C's dtype. With TMA_STORE the block goes out through shared memory (``c_buf``) and
+    one bulk copy that runs on while the consumer starts its next tile; the copy clips rows and
+    columns past M, N."""
+    BM: gl.constexpr = acc.type.shape[0]
+    BN: gl.constexpr = acc.type.shape[1]
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
     out = acc.to(gl.float32)
     if SCALES == SCALES_TENSOR:
         out = out * (gl.load(AScale) * gl.load(BScale))
@@ -95,15 +104,23 @@ def _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stri
         out = out * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
     if HAS_BIAS:
         out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    ptrs = C + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-    gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
+    if TMA_STORE:
+        tma.store_wait(0)  # the previous block's copy has read c_buf ...
+        gl.thread_barrier()  # ... before any of the 128 threads writes it again
+        c_buf.store(out.to(c_desc.dtype))
+        fence_async_shared()  # the writes, visible to the copy engine
+        gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
+        tma.async_copy_shared_to_global(c_desc, [row0, col0], c_buf)
+    else:
+        ptrs = C + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
-def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                 stride_bsn, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr):
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                 stride_asm, stride_bsn, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every output tile of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total."""
@@ -159,24 +176,30 @@ def _mm_consumer(C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
                     acc_hi = acc_hi + part
                 mbarrier.arrive(empty.index(s), count=1)
                 c += 1
-        rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-        cols = pid_n * BN + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
-        _mm_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_asm, stride_bsn, SCALES,
-                     HAS_BIAS)
+        row0 = pid_m * 2 * SUB + which * SUB
+        c_buf = c_smem.index(which)
+        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, M, N, stride_cm, stride_asm,
+                     stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
         if WIDE:
-            _mm_epilogue(acc_hi, C, AScale, BScale, Bias, rows, cols + HALF, M, N, stride_cm, stride_asm,
-                         stride_bsn, SCALES, HAS_BIAS)
+            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, M, N, stride_cm,
+                         stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_bsn,
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_bsn,
                          SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, SUB, BK], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    if TMA_STORE:  # a 64 x 128 block of C for each consumer
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_smem = a_ring  # not used: the blocks of C go out by plain stores
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -184,10 +207,10 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, AScale, BScale, Bias, M, N, K, strid
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                        stride_bsn, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES)),
-        (_mm_consumer, (C, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm, stride_asm,
-                        stride_bsn, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_bsn, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_bsn, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES)),
     ], [4, 1], [240, 24])
 
@@ -198,9 +221,9 @@ WIDE_STAGES = 4  # with 128 x 256 FP8 tiles a slot is 48 KB
 
 
 def tile_config(m: int, n: int, k: int, int8: bool) -> tuple:
-    """(block_n, stages) for a product: 128-wide tiles for now (the 256-wide FP8 ones are timed by
-    benchmarks/gluon_mm_variants.py before they become a default)."""
-    return BLOCK_N, STAGES
+    """(block_n, stages, tma_store) for a product: 128-wide tiles for now (the 256-wide FP8 ones are
+    timed by benchmarks/gluon_mm_variants.py before they become a default)."""
+    return BLOCK_N, STAGES, False
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -238,34 +261,53 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
     return launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
 
 
+SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a CTA, less the ring's barriers
+
+
+def _slot_bytes(block_n: int) -> int:
+    return (2 * SUB_M + block_n) * BLOCK_K  # two A halves and a B tile, one byte an element
+
+
+def _c_block_bytes(out_dtype: torch.dtype) -> int:
+    return 2 * SUB_M * 128 * torch.empty((), dtype=out_dtype).element_size()  # one 64 x 128 block a consumer
+
+
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
-           stages: Optional[int] = None) -> torch.Tensor:
+           stages: Optional[int] = None, tma_store: Optional[bool] = None, group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
-    or 256 for FP8) and ``stages`` override ``tile_config``."""
+    or 256 for FP8), ``stages`` and ``tma_store`` override ``tile_config``, ``group_m`` the tile order. C goes out through
+    shared memory and bulk copies where its rows are 16-byte aligned and the ring leaves room."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = a_q.shape
     n = b_q.shape[0]
     int8 = a_q.dtype == torch.int8
-    default_n, default_stages = tile_config(m, n, k, int8)
+    default_n, default_stages, default_tma_store = tile_config(m, n, k, int8)
     block_n, stages = block_n or default_n, stages or default_stages
+    tma_store = default_tma_store if tma_store is None else tma_store
     if block_n not in (128, 256) or (int8 and block_n != 128):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
+    c_bytes = _c_block_bytes(out_dtype)
+    tma_store = tma_store and tma_compatible(c) and stages * _slot_bytes(block_n) + c_bytes <= SMEM_BYTES
+    if stages * _slot_bytes(block_n) + (c_bytes if tma_store else 0) > SMEM_BYTES:
+        raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK_K],
-                                nvmma_layout((rows, BLOCK_K), _GL_DTYPES[a_q.dtype]))
+    def desc(t: torch.Tensor, block: list, dtype) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(tuple(block), dtype))
 
+    qdtype = _GL_DTYPES[a_q.dtype]
+    # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
+    c_desc = desc(c, [SUB_M, 128], _GL_OUT[out_dtype]) if tma_store else desc(a_q, [SUB_M, BLOCK_K], qdtype)
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
     tiles = cdiv(m, 2 * SUB_M) * cdiv(n, block_n)
     _scaled_mm_ws_kernel[(min(tiles, sm_count(a_q.device)),)](
-        desc(a_q, SUB_M), desc(b_q, block_n), c, a_s, b_s, bias if bias is not None else c, m, n, k,
-        c.stride(0), a_s.stride(0), b_s.stride(0),
+        desc(a_q, [SUB_M, BLOCK_K], qdtype), desc(b_q, [block_n, BLOCK_K], qdtype), c, c_desc, a_s, b_s,
+        bias if bias is not None else c, m, n, k, c.stride(0), a_s.stride(0), b_s.stride(0),
         SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=bias is not None,
-        GROUP_M=GROUP_M, STAGES=stages, num_warps=4,
+        GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         enable_fp_fusion=False,
     )
@@ -273,19 +315,21 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
-                     out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES):
+                     out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
+                     tma_store: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
 
-    def desc(rows: int) -> str:
-        return f"tensordesc<{name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), gdt)!r}>"
+    def desc(rows: int, dtype=gdt, type_name=name) -> str:
+        return f"tensordesc<{type_name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), dtype)!r}>"
 
-    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}", "AScale": "*fp32", "BScale": "*fp32",
-             "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "stride_asm": "i32",
-             "stride_bsn": "i32"}
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
+             "c_desc": desc(SUB_M, _GL_OUT[out_dtype], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
+             "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+             "stride_asm": "i32", "stride_bsn": "i32"}
     constants = dict(SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
