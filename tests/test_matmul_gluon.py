@@ -138,9 +138,11 @@ def test_launch_refuses_wide_int8_tiles():
 
 
 def test_preferred_only_where_measured():
+    """FP8 from M = 128 with N and K from 4096, the range timed against the tl kernel on the H200."""
     assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
     assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
-    assert not gluon.preferred(16, 8192, 4096, int8=False) and not gluon.preferred(1024, 4096, 4096, int8=False)
+    assert gluon.preferred(1024, 4096, 4096, int8=False) and gluon.preferred(128, 4096, 14336, int8=False)
+    assert not gluon.preferred(16, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
 
 
 @pytest.mark.gpu

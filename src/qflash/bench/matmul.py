@@ -54,15 +54,20 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
 
     from qflash.kernels.common import is_hopper
 
-    if is_hopper(a.device):  # the Gluon kernel alone, also at shapes where the public functions take the tl one
+    if is_hopper(a.device):  # each kernel alone, wherever the public functions send a product
+        from qflash.kernels.matmul import default_config, scaled_matmul
         from qflash.kernels.matmul_gluon import scaled_matmul_gluon
 
+        m, n, k = a.shape[0], b.shape[0], a.shape[1]
         for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row")):
             (a_q, a_s), (b_q, b_s) = q[method][0](), q[method][1]
             a_s = a_s if scales == "tensor" else a_s.reshape(-1, 1)
             b_s = b_s if scales == "tensor" else b_s.reshape(-1, 1)
             out[f"qflash gluon {method}"] = partial(scaled_matmul_gluon, a_q, b_q, a_s, b_s, None, torch.bfloat16,
                                                     scales)
+            tl_config = default_config(m, n, k, scales, method.startswith("int8"), a.device)
+            out[f"qflash tl {method}"] = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales,
+                                                 config=tl_config)
 
     a8, a8_s = q["int8 (row x col)"][0]()
     b8, b8_s = q["int8 (row x col)"][1]
@@ -171,6 +176,8 @@ RATIOS = [
     ("gluon int8 / _int_mm", "qflash gluon int8 (row x col)", "torch._int_mm"),
     ("gluon fp8 tensor / _scaled_mm", "qflash gluon fp8 (tensor)", "torch._scaled_mm (tensor)"),
     ("gluon fp8 row / _scaled_mm row", "qflash gluon fp8 (row x col)", "torch._scaled_mm (row x col)"),
+    ("gluon fp8 tensor / tl", "qflash gluon fp8 (tensor)", "qflash tl fp8 (tensor)"),
+    ("gluon fp8 row / tl", "qflash gluon fp8 (row x col)", "qflash tl fp8 (row x col)"),
 ]
 
 

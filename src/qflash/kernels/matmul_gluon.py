@@ -217,13 +217,26 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
-WIDE_STAGES = 4  # with 128 x 256 FP8 tiles a slot is 48 KB
 
 
-def tile_config(m: int, n: int, k: int, int8: bool) -> tuple:
-    """(block_n, stages, tma_store) for a product: 128-wide tiles for now (the 256-wide FP8 ones are
-    timed by benchmarks/gluon_mm_variants.py before they become a default)."""
-    return BLOCK_N, STAGES, False
+def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
+    """(block_n, stages, tma_store) for a product on ``sms`` SMs, as measured on the H200 side by
+    side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and ..._m128_..._s9b.json, FP8):
+
+    - C through shared memory and bulk copies: +5-17% over plain stores from registers
+      (8192^3: 1118 -> 1204 TFLOP/s with 256-wide tiles);
+    - 128 x 256 tiles (3 slots of 48 KB) wherever they make at least 3/4 of a wave: each B tile
+      then serves 128 rows and each A tile 256 columns, and the L2 traffic a product drops by a
+      quarter (8192^3: 1043 -> 1204 TFLOP/s; M = 1024, N = 4096: 995 -> 1240);
+    - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
+      tiles 1.5-1.8x faster at N = 4096-10240).
+
+    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
+    if int8:
+        return BLOCK_N, STAGES, False
+    if cdiv(m, 2 * SUB_M) * cdiv(n, 256) * 4 >= sms * 3:
+        return 256, 3, True
+    return 128, 5, True
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -231,7 +244,7 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     and K = 4096 on, the range measured on the H200 at 1.14-1.29x the tl kernel
     (benchmarks/results/matmul_gluon_h200_2026-11-29_s7b.json: 8192^3, 1024 x 8192 x 8192,
     128 x 28672 x 4096). Not INT8: 0.86-1.00x the tl kernel on the same shapes."""
-    return not int8 and m >= 128 and n >= 8192 and k >= 4096
+    return not int8 and m >= 128 and n >= 4096 and k >= 4096
 
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
@@ -283,11 +296,11 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     m, k = a_q.shape
     n = b_q.shape[0]
     int8 = a_q.dtype == torch.int8
-    default_n, default_stages, default_tma_store = tile_config(m, n, k, int8)
+    if block_n is not None and (block_n not in (128, 256) or (int8 and block_n != 128)):
+        raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
+    default_n, default_stages, default_tma_store = tile_config(m, n, k, int8, sm_count(a_q.device))
     block_n, stages = block_n or default_n, stages or default_stages
     tma_store = default_tma_store if tma_store is None else tma_store
-    if block_n not in (128, 256) or (int8 and block_n != 128):
-        raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     c_bytes = _c_block_bytes(out_dtype)
     tma_store = tma_store and tma_compatible(c) and stages * _slot_bytes(block_n) + c_bytes <= SMEM_BYTES
