@@ -1,9 +1,14 @@
 """Time tile shapes of the Gluon FP8 matmul side by side with cuBLAS (``torch._scaled_mm``, float32
 accumulation) on one GPU, per tensor and per row, kernels replayed from CUDA graphs.
 
-Every variant's output is checked in the same run: bit for bit against the 128-wide default (each
-128 x 128 block of the product is the same sequence of wgmma partials and float32 adds, whatever the
-tile width or the way C is written; float32 and bfloat16 outputs both), and within float32 rounding of a float32 reference on the dequantized inputs.
+    python3 benchmarks/gluon_mm_variants.py --m 128,1024 --variants 128x5t,128x5ts4,auto --out v.json
+
+Every variant's output is checked in the same run:
+- within float32 rounding of a float32 reference on the dequantized inputs;
+- bit for bit against the first variant, float32 and bfloat16 outputs both: each 128 x 128 block
+  of the product is the same sequence of wgmma partials and float32 adds, whatever the tile
+  width or the way C is written. Split K sums in another order, so its variants (and 'auto')
+  are only checked against the reference.
 Prints one line per (shape, variant) and writes JSON."""
 
 import argparse
@@ -18,38 +23,49 @@ from qflash import quantize
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"  # block_n x stages, t: C by bulk copies, gN: GROUP_M
+# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M; auto: tile_config's
+VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
 def variant(text):
-    """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, group_m=16)."""
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:g(\d+))?", text)
+    """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, split_k=1, group_m=16); 'auto' ->
+    tile_config's choice."""
+    if text == "auto":
+        return {}
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
     if match is None:
-        raise SystemExit(f"a variant is block_n x stages [t] [gN], got {text!r}")
-    block_n, stages, tma, group = match.groups()
-    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma))
+        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
+    block_n, stages, tma, split, group = match.groups()
+    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
     if group:
         out["group_m"] = int(group)
     return out
 
 
-def shapes(ms):
-    yield "8192^3", 8192, 8192, 8192
+def shapes(ms, cube=True):
+    if cube:
+        yield "8192^3", 8192, 8192, 8192
     for m in ms:
         for name, (n, k) in LLAMA.items():
             yield name, m, n, k
 
 
+def cublas(a_q, b_q, a_k, b_k, scales):
+    return torch._scaled_mm(a_q, b_q.T, scale_a=a_k, scale_b=b_k.reshape(1, -1) if scales == "row" else b_k,
+                            out_dtype=torch.bfloat16)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
+    p.add_argument("--no-cube", action="store_true", help="leave out 8192^3")
     p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [gN], ...")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     variants = [(v, variant(v)) for v in args.variants.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
-    for name, m, n, k in shapes(map(int, args.m.split(","))):
+    for name, m, n, k in shapes(map(int, args.m.split(",")), not args.no_cube):
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         flop = 2 * m * n * k
         for scales in ("tensor", "row"):
@@ -57,8 +73,7 @@ def main():
             b_q, b_s = quantize(b, torch.float8_e4m3fn, scales)
             a_k, b_k = (a_s, b_s) if scales == "tensor" else (a_s.reshape(-1, 1), b_s.reshape(-1, 1))
             ref = (a_q.float() * a_k) @ (b_q.float() * b_k).T
-            cublas = graph_ms(lambda: torch._scaled_mm(a_q, b_q.T, scale_a=a_k, scale_b=b_k.reshape(1, -1)
-                                                       if scales == "row" else b_k, out_dtype=torch.bfloat16))
+            cublas_ms = graph_ms(lambda: cublas(a_q, b_q, a_k, b_k, scales))
             base = base16 = None
             for label, opts in variants:
                 out = g.launch(a_q, b_q, a_k, b_k, None, torch.float32, scales, **opts)
@@ -67,11 +82,11 @@ def main():
                 base16 = out16 if base16 is None else base16
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
                 ms = graph_ms(lambda: g.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, scales, **opts))
-                rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts,
-                                 ms=ms, tflops=flop / ms * 1e-9, cublas_ms=cublas, cublas_tflops=flop / cublas * 1e-9,
-                                 vs_cublas=cublas / ms, same_as_128=bool(torch.equal(out, base) and torch.equal(out16, base16)),
-                                 rel_err=err,
-                                 within_fp32=err < 1e-5 * max(1.0, k ** 0.5)))
+                same = torch.equal(out, base) and torch.equal(out16, base16)
+                rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,
+                                 tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
+                                 vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
+                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
                       f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "

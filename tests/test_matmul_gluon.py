@@ -16,16 +16,17 @@ from conftest import DEVICE, ptxas_report, sm90_build
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 
 
-@pytest.mark.parametrize("int8,scales,block_n,stages,tma_store", [
-    (True, "row", 128, 6, False), (False, "tensor", 128, 6, False), (False, "row", 128, 6, False),
-    (False, "tensor", 256, 4, True), (False, "row", 256, 3, False)])
-def test_builds_for_sm90(int8, scales, block_n, stages, tma_store):
+@pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
+    (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, False, 1),
+    (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4)])
+def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
     product into its float32 total (twice the float32 adds of the INT8 build). 256-wide FP8 tiles
-    run as two 128-wide halves; C can leave through shared memory and bulk copies."""
+    run as two 128-wide halves; C (or split K's partial sums) can leave through shared memory and
+    bulk copies."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
-                        tma_store=tma_store)
+                        tma_store=tma_store, split_k=split_k)
     ptx = kernel["ptx"]
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
@@ -129,6 +130,26 @@ def test_gpu_int8_bulk_store_bit_exact(m, n, k):
                          tma_store=True)
     assert_written(c)
     assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(100, 384, 2000)])
+def test_gpu_split_k(m, n, k):
+    """K cut into runs whose partial sums a second kernel adds in a fixed order: INT8 still bit-exact,
+    FP8 within float32 rounding (another order of the same float32 adds), bias and scales once."""
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
+        bias = torch.randn(n, device="cuda")
+        for split_k, tma_store in [(2, True), (3, False), (4, True)]:
+            with poisoned():
+                c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                                 stages=5, split_k=split_k, tma_store=tma_store)
+            assert_written(c)
+            if qdtype == torch.int8:
+                assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+            else:
+                ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+                assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
 
 
 def test_launch_refuses_wide_int8_tiles():

@@ -126,17 +126,18 @@ def _scaled_matmul_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    Partial, C, AScale, BScale, Bias, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+    Partial, C, AScale, BScale, Bias, M, N, stride_ps, stride_cm, stride_cn, stride_asm, stride_bsn,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue."""
+    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue.
+    Partial holds SPLIT_K row-major M x N sums, ``stride_ps`` elements apart."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]
     acc = tl.load(p_ptrs, mask=ok, other=0)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptrs + s * M * N, mask=ok, other=0)
+        acc += tl.load(p_ptrs + s * stride_ps, mask=ok, other=0)
     _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
               SCALES, HAS_BIAS)
 
@@ -234,7 +235,7 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     if split_k > 1:
         bm, bn = 32, 128
         _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
-            partial, c, a_s, b_s, bias if bias is not None else c, m, n,
+            partial, c, a_s, b_s, bias if bias is not None else c, m, n, m * n,
             c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
             SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=4, enable_fp_fusion=not is_int8,

@@ -48,7 +48,7 @@ SCALES_TENSOR = gl.constexpr(0)
 SCALES_ROW = gl.constexpr(1)  # A per row, B per output column (row of B)
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
-_GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+_GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, torch.int32: gl.int32}
 
 
 @gluon.jit
@@ -61,18 +61,30 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the A halves and the B tile of every K step of every output tile of this CTA.
+def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Work item t: its output tile (row block, column block), which of the SPLIT_K runs of K steps
+    it takes, and that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
+    pid_m, pid_n = _tile_coords(t // SPLIT_K, num_m, num_n, GROUP_M)
+    split = t % SPLIT_K
+    k_run = gl.cdiv(k_steps, SPLIT_K)
+    return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
+
+
+@gluon.jit
+def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+               SPLIT_K: gl.constexpr):
+    """One warp: the A halves and the B tile of every K step of every work item of this CTA.
     Edges past M, N or K arrive as zeros (the descriptors' bounds), which add nothing."""
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     num_m = gl.cdiv(M, 2 * SUB)
     num_n = gl.cdiv(N, BN)
-    c = 0  # K steps over all tiles: the ring's position
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
-        for kk in range(gl.cdiv(K, BK)):
+    k_steps = gl.cdiv(K, BK)
+    c = 0  # K steps over all items: the ring's position
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+        for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
@@ -85,24 +97,28 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
 
 
 @gluon.jit
-def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, stride_cm, stride_asm, stride_bsn,
-                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr):
+def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
+                 stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                 RAW: gl.constexpr):
     """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
-    cast to C's dtype. With TMA_STORE the block goes out through shared memory (``c_buf``) and
-    one bulk copy that runs on while the consumer starts its next tile; the copy clips rows and
-    columns past M, N."""
+    cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
+    from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
+    (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
+    clips rows and columns past C's bounds."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
     cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
-    out = acc.to(gl.float32)
-    if SCALES == SCALES_TENSOR:
-        out = out * (gl.load(AScale) * gl.load(BScale))
+    out = acc
+    if RAW:
+        pass
+    elif SCALES == SCALES_TENSOR:
+        out = acc.to(gl.float32) * (gl.load(AScale) * gl.load(BScale))
     else:
         a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
         b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
-        out = out * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
-    if HAS_BIAS:
+        out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
+    if HAS_BIAS and not RAW:
         out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
     if TMA_STORE:
         tma.store_wait(0)  # the previous block's copy has read c_buf ...
@@ -110,20 +126,21 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, 
         c_buf.store(out.to(c_desc.dtype))
         fence_async_shared()  # the writes, visible to the copy engine
         gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
-        tma.async_copy_shared_to_global(c_desc, [row0, col0], c_buf)
+        tma.async_copy_shared_to_global(c_desc, [c_row_base + row0, col0], c_buf)
     else:
-        ptrs = C + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
         ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
         gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                 stride_asm, stride_bsn, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
-    """One warpgroup (consumer ``which``): 64 rows of every output tile of this CTA, K step by K
+                 stride_asm, stride_bsn, split_rows, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
+    """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
-    halves of 128, each with its own float32 total."""
+    halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
+    to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
@@ -137,21 +154,21 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
-            for kk in range(k_steps):
+            for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_ring.index(2 * s + which), b_ring.index(s).permute((1, 0)), acc,
                                     is_async=True)
                 # One product in flight: the previous K step's is done, so its slot goes back.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > 0)
+                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > k_lo)
                 c += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_steps > 0)
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -161,7 +178,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
-            for kk in range(k_steps):
+            for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(2 * s + which)
@@ -178,19 +195,20 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
-        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, M, N, stride_cm, stride_asm,
-                     stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
+        RAW: gl.constexpr = SPLIT_K > 1
+        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
+                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
         if WIDE:
-            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, M, N, stride_cm,
-                         stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
+            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
 
 @gluon.jit
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_bsn,
-                         SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+                         split_rows, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -208,10 +226,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_bsn, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE)),
+                        stride_asm, stride_bsn, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES,
+                        TMA_STORE, SPLIT_K)),
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_bsn, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE)),
-        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES)),
+                        stride_asm, stride_bsn, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES,
+                        TMA_STORE, SPLIT_K)),
+        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
 
@@ -220,7 +240,7 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 
 
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
-    """(block_n, stages, tma_store) for a product on ``sms`` SMs, as measured on the H200 side by
+    """(block_n, stages, tma_store, split_k) for a product on ``sms`` SMs, as measured on the H200 side by
     side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and ..._m128_..._s9b.json, FP8):
 
     - C through shared memory and bulk copies: +5-17% over plain stores from registers
@@ -231,12 +251,14 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
       tiles 1.5-1.8x faster at N = 4096-10240).
 
-    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
+    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel.
+    The last entry, split_k, cuts K into runs when the tiles fill less than half of the SMs."""
     if int8:
-        return BLOCK_N, STAGES, False
+        return BLOCK_N, STAGES, False, 1
     if cdiv(m, 2 * SUB_M) * cdiv(n, 256) * 4 >= sms * 3:
-        return 256, 3, True
-    return 128, 5, True
+        return 256, 3, True, 1
+    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, 128)
+    return 128, 5, True, max(1, sms // tiles) if 2 * tiles < sms else 1
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -281,29 +303,37 @@ def _slot_bytes(block_n: int) -> int:
     return (2 * SUB_M + block_n) * BLOCK_K  # two A halves and a B tile, one byte an element
 
 
-def _c_block_bytes(out_dtype: torch.dtype) -> int:
-    return 2 * SUB_M * 128 * torch.empty((), dtype=out_dtype).element_size()  # one 64 x 128 block a consumer
-
-
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
-           stages: Optional[int] = None, tma_store: Optional[bool] = None, group_m: int = GROUP_M) -> torch.Tensor:
+           stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
-    or 256 for FP8), ``stages`` and ``tma_store`` override ``tile_config``, ``group_m`` the tile order. C goes out through
-    shared memory and bulk copies where its rows are 16-byte aligned and the ring leaves room."""
+    or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
+    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
+    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from qflash.kernels.matmul import _split_k_reduce_kernel
 
     m, k = a_q.shape
     n = b_q.shape[0]
     int8 = a_q.dtype == torch.int8
     if block_n is not None and (block_n not in (128, 256) or (int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
-    default_n, default_stages, default_tma_store = tile_config(m, n, k, int8, sm_count(a_q.device))
-    block_n, stages = block_n or default_n, stages or default_stages
-    tma_store = default_tma_store if tma_store is None else tma_store
+    config = tile_config(m, n, k, int8, sm_count(a_q.device))
+    block_n, stages = block_n or config[0], stages or config[1]
+    tma_store = config[2] if tma_store is None else tma_store
+    k_steps = cdiv(k, BLOCK_K)
+    split_k = min(split_k or config[3], k_steps)
+    split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    c_bytes = _c_block_bytes(out_dtype)
-    tma_store = tma_store and tma_compatible(c) and stages * _slot_bytes(block_n) + c_bytes <= SMEM_BYTES
+    m_pad = cdiv(m, 2 * SUB_M) * 2 * SUB_M  # a split's rows in the partial sums: no tile crosses into the next
+    # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
+    # kernel adds them in a fixed order and applies the scales and bias.
+    target = c if split_k == 1 else torch.empty((split_k * m_pad, n), device=a_q.device,
+                                                  dtype=torch.int32 if int8 else torch.float32)
+    c_bytes = 2 * SUB_M * 128 * target.element_size()  # one 64 x 128 block a consumer
+    tma_store = tma_store and tma_compatible(target) and stages * _slot_bytes(block_n) + c_bytes <= SMEM_BYTES
     if stages * _slot_bytes(block_n) + (c_bytes if tma_store else 0) > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
 
@@ -312,37 +342,46 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
     qdtype = _GL_DTYPES[a_q.dtype]
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = desc(c, [SUB_M, 128], _GL_OUT[out_dtype]) if tma_store else desc(a_q, [SUB_M, BLOCK_K], qdtype)
+    c_desc = desc(target, [SUB_M, 128], _GL_OUT[target.dtype]) if tma_store else desc(a_q, [SUB_M, BLOCK_K], qdtype)
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, block_n)
-    _scaled_mm_ws_kernel[(min(tiles, sm_count(a_q.device)),)](
-        desc(a_q, [SUB_M, BLOCK_K], qdtype), desc(b_q, [block_n, BLOCK_K], qdtype), c, c_desc, a_s, b_s,
-        bias if bias is not None else c, m, n, k, c.stride(0), a_s.stride(0), b_s.stride(0),
-        SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=bias is not None,
-        GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store, num_warps=4,
+    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
+    scales_kind = (SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value
+    _scaled_mm_ws_kernel[(min(items, sm_count(a_q.device)),)](
+        desc(a_q, [SUB_M, BLOCK_K], qdtype), desc(b_q, [block_n, BLOCK_K], qdtype), target, c_desc, a_s, b_s,
+        bias if bias is not None else c, m, n, k, target.stride(0), a_s.stride(0), b_s.stride(0), m_pad,
+        SCALES=scales_kind, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store,
+        SPLIT_K=split_k, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         enable_fp_fusion=False,
     )
+    if split_k > 1:
+        bm, bn = 32, 128
+        _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
+            target, c, a_s, b_s, bias if bias is not None else c, m, n, m_pad * n, c.stride(0), c.stride(1),
+            a_s.stride(0), b_s.stride(0), SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=4, enable_fp_fusion=False,
+        )
     return c
 
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
-    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+    target = (torch.int32 if int8 else torch.float32) if split_k > 1 else out_dtype  # split K: partial sums
+    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
 
     def desc(rows: int, dtype=gdt, type_name=name) -> str:
         return f"tensordesc<{type_name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), dtype)!r}>"
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
-             "c_desc": desc(SUB_M, _GL_OUT[out_dtype], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
+             "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-             "stride_asm": "i32", "stride_bsn": "i32"}
+             "stride_asm": "i32", "stride_bsn": "i32", "split_rows": "i32"}
     constants = dict(SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
