@@ -18,7 +18,8 @@ gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 
 @pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
     (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, False, 1),
-    (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4)])
+    (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4),
+    (False, "block", 256, 3, True, 1)])
 def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
@@ -55,7 +56,8 @@ def test_names_what_it_does_not_take():
         return
     f8 = torch.float8_e4m3fn
     cases = [
-        ((a_q, b_q, "block"), "'tensor' or 'row'"),
+        ((a_q, b_q, "block"), "block scales are FP8's"),
+        ((a_q, b_q, "column"), "'tensor', 'row' or 'block'"),
         ((a_q, b_q.to(torch.float32).to(f8), "row"), "both be int8 or float8_e4m3fn"),
         ((a_q.float().to(torch.float8_e5m2), b_q.float().to(torch.float8_e5m2), "row"), "float8_e4m3fn"),
         ((a_q[:, :40], b_q[:, :40], "row"), "16-byte aligned"),
@@ -150,6 +152,26 @@ def test_gpu_split_k(m, n, k):
             else:
                 ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
                 assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
+def test_gpu_fp8_block_scales(m, n, k):
+    """1 x 128 scales for A, 128 x 128 for B (DeepSeek-V3's recipe), applied to each 128-deep
+    partial before it joins the float32 total: within float32 rounding of the reference on the
+    dequantized inputs, for narrow, wide and split-K tiles, ragged edges and bias included."""
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a[:, :5] *= 50  # outlier channels: the per-block scales differ
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    bias = torch.randn(n, device="cuda")
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    for opts in [{}, dict(block_n=128, stages=5, tma_store=True), dict(block_n=256, stages=3, tma_store=True),
+                 dict(block_n=128, stages=5, split_k=3)]:
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_s, b_s, bias, torch.float32, "block", **opts)
+        assert_written(c)
+        assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5), opts
 
 
 def test_launch_refuses_wide_int8_tiles():

@@ -59,10 +59,11 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
         from qflash.kernels.matmul_gluon import scaled_matmul_gluon
 
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row")):
+        for method, scales in (("int8 (row x col)", "row"), ("fp8 (tensor)", "tensor"), ("fp8 (row x col)", "row"),
+                               ("fp8 (block)", "block")):
             (a_q, a_s), (b_q, b_s) = q[method][0](), q[method][1]
-            a_s = a_s if scales == "tensor" else a_s.reshape(-1, 1)
-            b_s = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+            a_s = a_s.reshape(-1, 1) if scales == "row" else a_s
+            b_s = b_s.reshape(-1, 1) if scales == "row" else b_s
             out[f"qflash gluon {method}"] = partial(scaled_matmul_gluon, a_q, b_q, a_s, b_s, None, torch.bfloat16,
                                                     scales)
             tl_config = default_config(m, n, k, scales, method.startswith("int8"), a.device)
@@ -178,6 +179,7 @@ RATIOS = [
     ("gluon fp8 row / _scaled_mm row", "qflash gluon fp8 (row x col)", "torch._scaled_mm (row x col)"),
     ("gluon fp8 tensor / tl", "qflash gluon fp8 (tensor)", "qflash tl fp8 (tensor)"),
     ("gluon fp8 row / tl", "qflash gluon fp8 (row x col)", "qflash tl fp8 (row x col)"),
+    ("gluon fp8 block / tl", "qflash gluon fp8 (block)", "qflash tl fp8 (block)"),
 ]
 
 

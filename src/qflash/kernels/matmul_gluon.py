@@ -46,8 +46,10 @@ BLOCK_K = 128  # K step, and the FP8 promotion interval
 GROUP_M = 8
 SCALES_TENSOR = gl.constexpr(0)
 SCALES_ROW = gl.constexpr(1)  # A per row, B per output column (row of B)
+SCALES_BLOCK = gl.constexpr(2)  # FP8: A per row and 128-deep K block, B per 128 x 128 block
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
+_SCALES = {"tensor": SCALES_TENSOR, "row": SCALES_ROW, "block": SCALES_BLOCK}
 _GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, torch.int32: gl.int32}
 
 
@@ -112,6 +114,8 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
     out = acc
     if RAW:
         pass
+    elif SCALES == SCALES_BLOCK:  # applied K step by K step
+        out = acc.to(gl.float32)
     elif SCALES == SCALES_TENSOR:
         out = acc.to(gl.float32) * (gl.load(AScale) * gl.load(BScale))
     else:
@@ -135,8 +139,9 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 @gluon.jit
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                 stride_asm, stride_bsn, split_rows, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
+                 stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                 SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -178,20 +183,46 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
+            if SCALES == SCALES_BLOCK:
+                # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
+                # before it joins the total; the next step's scales load while this one's runs.
+                rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                a_ptrs = AScale + rows * stride_asm
+                b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
+                if WIDE:
+                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
+                else:
+                    hi_ok = False
+                a_sc = gl.load(a_ptrs + k_lo * stride_ask, mask=rows < M, other=0.0)  # [SUB]
+                b_sc = gl.load(b_ptr + k_lo * stride_bsk)
+                b_sc_hi = gl.load(b_ptr + stride_bsn + k_lo * stride_bsk, mask=hi_ok, other=0.0)
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
+                if SCALES == SCALES_BLOCK:
+                    more = kk + 1 < k_hi
+                    a_next = gl.load(a_ptrs + (kk + 1) * stride_ask, mask=(rows < M) & more, other=0.0)
+                    b_next = gl.load(b_ptr + (kk + 1) * stride_bsk, mask=more, other=0.0)
+                    b_next_hi = gl.load(b_ptr + stride_bsn + (kk + 1) * stride_bsk, mask=more & hi_ok, other=0.0)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc = acc + part
+                if SCALES == SCALES_BLOCK:
+                    acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
+                else:
+                    acc = acc + part
                 if WIDE:
                     part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    acc_hi = acc_hi + part
+                    if SCALES == SCALES_BLOCK:
+                        acc_hi = acc_hi + part * gl.expand_dims(a_sc * b_sc_hi, 1)
+                    else:
+                        acc_hi = acc_hi + part
                 mbarrier.arrive(empty.index(s), count=1)
+                if SCALES == SCALES_BLOCK:
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
@@ -206,8 +237,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_bsn,
-                         split_rows, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_ask,
+                         stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                          STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -226,11 +257,11 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_bsn, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES,
-                        TMA_STORE, SPLIT_K)),
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_bsn, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES,
-                        TMA_STORE, SPLIT_K)),
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
@@ -262,10 +293,11 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
-    """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 from M = 128, N = 8192
-    and K = 4096 on, the range measured on the H200 at 1.14-1.29x the tl kernel
-    (benchmarks/results/matmul_gluon_h200_2026-11-29_s7b.json: 8192^3, 1024 x 8192 x 8192,
-    128 x 28672 x 4096). Not INT8: 0.86-1.00x the tl kernel on the same shapes."""
+    """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 (tensor, row and block
+    scales) from M = 128 with N and K from 4096, where it measured 1.22-1.71x the tl kernel with
+    tensor and row scales (graphs, benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json, and
+    ..._split_k_..._s9d.json at M = 128). Not M = 16 (0.62-1.02x there), not INT8 (0.86-1.00x the
+    tl kernel in session 7)."""
     return not int8 and m >= 128 and n >= 4096 and k >= 4096
 
 
@@ -275,8 +307,10 @@ def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
         return f"the Gluon matmul runs on Hopper (compute capability 9.x), got a tensor on {a_q.device}"
     if a_q.dtype not in _GL_DTYPES or b_q.dtype != a_q.dtype:
         return f"a_q and b_q must both be int8 or float8_e4m3fn, got {a_q.dtype}, {b_q.dtype}"
-    if scales not in ("tensor", "row"):
-        return f"scales must be 'tensor' or 'row' here, got {scales!r}"
+    if scales not in ("tensor", "row", "block"):
+        return f"scales must be 'tensor', 'row' or 'block' here, got {scales!r}"
+    if scales == "block" and a_q.dtype == torch.int8:
+        return "block scales are FP8's: int8 takes 'tensor' or 'row' scales"
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1] or 0 in (*a_q.shape, b_q.shape[0]):
         return f"a_q (M, K) and b_q (N, K) must share a positive K, got {tuple(a_q.shape)}, {tuple(b_q.shape)}"
     for name, t in (("a_q", a_q), ("b_q", b_q)):
@@ -343,13 +377,15 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     qdtype = _GL_DTYPES[a_q.dtype]
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
     c_desc = desc(target, [SUB_M, 128], _GL_OUT[target.dtype]) if tma_store else desc(a_q, [SUB_M, BLOCK_K], qdtype)
+    # Per tensor (1, 1); per row (M, 1) and (N, 1); block (M, K / 128) and (N / 128, K / 128).
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
-    b_s = b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
+    b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
-    scales_kind = (SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value
+    scales_kind = _SCALES[scales].value
     _scaled_mm_ws_kernel[(min(items, sm_count(a_q.device)),)](
         desc(a_q, [SUB_M, BLOCK_K], qdtype), desc(b_q, [block_n, BLOCK_K], qdtype), target, c_desc, a_s, b_s,
-        bias if bias is not None else c, m, n, k, target.stride(0), a_s.stride(0), b_s.stride(0), m_pad,
+        bias if bias is not None else c, m, n, k, target.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0),
+        b_s.stride(1), m_pad,
         SCALES=scales_kind, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store,
         SPLIT_K=split_k, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
@@ -381,7 +417,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
              "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-             "stride_asm": "i32", "stride_bsn": "i32", "split_rows": "i32"}
-    constants = dict(SCALES=(SCALES_TENSOR if scales == "tensor" else SCALES_ROW).value, HAS_BIAS=has_bias,
+             "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
+    constants = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
