@@ -1,31 +1,35 @@
 """Scaled INT8 / FP8 matrix product for Hopper in Gluon: persistent and warp-specialized.
 
-``matmul.scaled_matmul`` (so ``fp8_matmul``) sends FP8 products with
-per-tensor or per-row scales here on Hopper where ``preferred`` says it measured faster than the
-``tl`` kernel, which stays the implementation for everything else (INT8, block scales, small
-shapes, other GPUs, the interpreter). This is the schedule the ``tl`` kernel cannot get from
-Triton 3.6 on Hopper (its warp-specialized 4-warp tiles computed wrong results, NOTES "Third
-round"):
+``matmul.scaled_matmul`` (so ``fp8_matmul``) sends FP8 products with per-tensor, per-row or
+block scales here on Hopper where ``preferred`` says it measured faster than the ``tl`` kernel,
+which stays the implementation for everything else (INT8, M < 128, small N or K, other GPUs, the
+interpreter). This is the schedule the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its
+warp-specialized 4-warp tiles computed wrong results, NOTES "Third round"):
 
-    one CTA per SM takes 128 x 128 output tiles in turn (grouped order: GROUP_M row blocks
-    share each column block of B while it is in L2), in three partitions
+    one CTA per SM takes work items in turn: 128 x 128 or 128 x 256 output tiles (grouped order:
+    GROUP_M row blocks share each column block of B while it is in L2), or with split K one
+    run of a tile's K steps; in three partitions
       consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma)
       consumer 1 (4 warps)   rows 64-127 /  K step by K step; then scales, bias and the store
       loader     (1 warp)    A (two 64-row halves) and B tiles of every K step into a ring
 
     ring slot s:  loader --ready[s]--> consumers --empty[s] (both)--> loader
 
-The ring runs on from one output tile to the next, so the loads of a tile's first K steps
-overlap the previous tile's epilogue.
+The ring runs on from one item to the next, so the loads of an item's first K steps overlap the
+previous item's epilogue, and C leaves through shared memory and bulk copies (TMA stores) that
+run on while the consumer starts its next item.
 
 C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s
 weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
 FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
-bits of a long sum) while the other consumer's product keeps the tensor cores busy. Scales: per
-tensor, or per row of A times per row of B (an output column), applied in the epilogue in the
-reference's order, with the launch's floating-point fusion off so that INT8 results are
-bit-exact; block scales stay with the ``tl`` kernel.
+bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
+tile is two 128-wide halves that take turns with one partial. Scales: per tensor, or per row of
+A times per row of B (an output column), applied in the epilogue in the reference's order, with
+the launch's floating-point fusion off so that INT8 results are bit-exact; block scales (1 x 128
+for A, 128 x 128 for B) multiply each K step's partial. With split K each run's sum goes
+unscaled to a float32 (int32) buffer, and ``matmul._split_k_reduce_kernel`` adds the runs in a
+fixed order and applies the scales and bias.
 """
 
 from __future__ import annotations
@@ -237,9 +241,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm, stride_ask,
-                         stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
+                         stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -271,19 +276,24 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 
 
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
-    """(block_n, stages, tma_store, split_k) for a product on ``sms`` SMs, as measured on the H200 side by
-    side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and ..._m128_..._s9b.json, FP8):
+    """(block_n, stages, tma_store, split_k) for a product on ``sms`` SMs, as measured on the H200
+    side by side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and
+    ..._m128_..._s9b.json, FP8):
 
-    - C through shared memory and bulk copies: +5-17% over plain stores from registers
-      (8192^3: 1118 -> 1204 TFLOP/s with 256-wide tiles);
+    - C through shared memory and bulk copies: +1-19% over plain stores from registers with
+      256-wide tiles (8192^3: 1118 -> 1204 TFLOP/s), -1 to +11% with 128-wide ones at M = 128;
     - 128 x 256 tiles (3 slots of 48 KB) wherever they make at least 3/4 of a wave: each B tile
       then serves 128 rows and each A tile 256 columns, and the L2 traffic a product drops by a
-      quarter (8192^3: 1043 -> 1204 TFLOP/s; M = 1024, N = 4096: 995 -> 1240);
+      quarter (8192^3, both with bulk stores: 1121 -> 1204 TFLOP/s; both with plain stores, 0.76-0.93
+      -> 0.79-1.00x cuBLAS at M = 1024 / 8192, matmul_gluon_tiles_h200_2026-11-29_s9a.json);
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
       tiles 1.5-1.8x faster at N = 4096-10240).
 
-    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel.
-    The last entry, split_k, cuts K into runs when the tiles fill less than half of the SMs."""
+    - split K into ``sms // tiles`` runs when the tiles fill less than half of the SMs (M = 128,
+      N = 4096: 307 -> 378 TFLOP/s, K = 14336: 369 -> 576; it lost where the tiles fill half or
+      more, ..._split_k_h200_2026-11-29_s9d.json).
+
+    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
     if int8:
         return BLOCK_N, STAGES, False, 1
     if cdiv(m, 2 * SUB_M) * cdiv(n, 256) * 4 >= sms * 3:
@@ -322,8 +332,8 @@ def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
 def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                         bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
     """C (M, N) in ``out_dtype`` = (A_q * a_scale) @ (B_q * b_scale)^T + bias. Scale shapes as in
-    ``matmul.scaled_matmul``: () or (1,) per tensor; (M, 1) and (N, 1) per row. Raises ValueError
-    for what ``why_not`` names."""
+    ``matmul.scaled_matmul``: () or (1,) per tensor; (M, 1) and (N, 1) per row; (M, ceil(K/128))
+    and (ceil(N/128), ceil(K/128)) for block scales. Raises ValueError for what ``why_not`` names."""
     reason = why_not(a_q, b_q, scales)
     if reason is not None:
         raise ValueError(reason)
