@@ -189,6 +189,20 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
             assert rel_l2_err(c, ref) < bound, (opts, rel_l2_err(c, ref))
 
 
+def test_tile_config_follows_the_measurements():
+    """128 x 256 FP8 tiles with bulk stores where they make 3/4 of a wave on 132 SMs; 128-wide ones
+    below that, with K split when the tiles fill less than half the SMs; INT8 as in session 7."""
+    assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1)
+    assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1)  # 128 wide tiles: 0.97 wave
+    assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1)  # 80 tiles: no split
+    assert gluon.tile_config(128, 4096, 4096, int8=False) == (128, 5, True, 4)  # 32 tiles: 4 runs of K
+    assert gluon.tile_config(128, 6144, 4096, int8=False) == (128, 5, True, 2)
+    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1)
+    for m, n, k in [(1, 1, 16), (128, 4096, 4096), (8192, 28672, 4096)]:
+        block_n, stages, _, _ = gluon.tile_config(m, n, k, int8=False)
+        assert stages * gluon._slot_bytes(block_n) + 2 * 64 * 128 * 4 <= gluon.SMEM_BYTES  # float32 C blocks fit
+
+
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="block_n must be 128"):
