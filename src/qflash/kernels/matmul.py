@@ -10,8 +10,9 @@ scale anyway.
 Scale layouts (float32): tensor () or (1,); row (M, 1) for A and (N, 1) for B; block
 (M, K/128) for A (1 x 128 groups) and (N/128, K/128) for B (128 x 128 groups).
 
-On Hopper, large FP8 products with tensor or row scales go to the warp-specialized Gluon
-kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``); ``QFLASH_GLUON=0`` keeps them here.
+On Hopper, FP8 products from M = 128 (tensor, row or block scales) go to the warp-specialized
+Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``); ``QFLASH_GLUON=0`` keeps them
+here. Scales, bias and the split-K sum live in ``matmul_epilogue.py``, which both kernels share.
 """
 
 from __future__ import annotations
@@ -24,32 +25,10 @@ import triton
 import triton.language as tl
 
 from qflash.kernels.common import cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma, tma_compatible
+from qflash.kernels.matmul_epilogue import SCALES_BLOCK, reduce_split_k, scaled_epilogue
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
-
-# How scales are laid out (constexpr SCALES).
-SCALES_TENSOR = tl.constexpr(0)
-SCALES_ROW = tl.constexpr(1)  # A per row, B per output column (row of B)
-SCALES_BLOCK = tl.constexpr(2)  # A per (row, 128-wide K block), B per (128 x 128) block
-
-
-@triton.jit
-def _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
-              SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """C[rows, cols] = acc * scales + bias, cast to C's dtype (block scales were applied per K step)."""
-    out = acc.to(tl.float32)
-    if SCALES == SCALES_TENSOR:
-        out = out * (tl.load(AScale) * tl.load(BScale))
-    elif SCALES == SCALES_ROW:
-        a_s = tl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
-        b_s = tl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
-        out = out * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
-
 
 @triton.jit
 def _scaled_matmul_kernel(
@@ -72,7 +51,7 @@ def _scaled_matmul_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // group_rows
 
     # Split-K: program_id(1) takes one of SPLIT_K equal runs of whole K blocks, so that a
-    # small M x N still fills the machine; the partial sums meet in _split_k_reduce_kernel.
+    # small M x N still fills the machine; the partial sums meet in matmul_epilogue.reduce_split_k.
     pid_k = tl.program_id(1)
     k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_run
@@ -117,29 +96,11 @@ def _scaled_matmul_kernel(
                 acc += part
 
     if SPLIT_K == 1:
-        _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+        scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
                   SCALES, HAS_BIAS)
     else:  # Partial is (SPLIT_K, M, N), contiguous, in the accumulator's type
         p_ptrs = Partial + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(p_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@triton.jit
-def _split_k_reduce_kernel(
-    Partial, C, AScale, BScale, Bias, M, N, stride_ps, stride_cm, stride_cn, stride_asm, stride_bsn,
-    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue.
-    Partial holds SPLIT_K row-major M x N sums, ``stride_ps`` elements apart."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rows[:, None] < M) & (cols[None, :] < N)
-    p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]
-    acc = tl.load(p_ptrs, mask=ok, other=0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptrs + s * stride_ps, mask=ok, other=0)
-    _epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
-              SCALES, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -233,11 +194,5 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         enable_fp_fusion=not is_int8,
     )
     if split_k > 1:
-        bm, bn = 32, 128
-        _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
-            partial, c, a_s, b_s, bias if bias is not None else c, m, n, m * n,
-            c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
-            SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=4, enable_fp_fusion=not is_int8,
-        )
+        reduce_split_k(partial, c, a_s, b_s, bias, m * n, scales_kind, exact=is_int8)
     return c

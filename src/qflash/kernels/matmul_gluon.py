@@ -28,7 +28,7 @@ tile is two 128-wide halves that take turns with one partial. Scales: per tensor
 A times per row of B (an output column), applied in the epilogue in the reference's order, with
 the launch's floating-point fusion off so that INT8 results are bit-exact; block scales (1 x 128
 for A, 128 x 128 for B) multiply each K step's partial. With split K each run's sum goes
-unscaled to a float32 (int32) buffer, and ``matmul._split_k_reduce_kernel`` adds the runs in a
+unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
 fixed order and applies the scales and bias.
 """
 
@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count, tma_compatible
+from qflash.kernels.matmul_epilogue import reduce_split_k
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -357,8 +358,6 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     memory and bulk copies where its rows are 16-byte aligned and the ring leaves room."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from qflash.kernels.matmul import _split_k_reduce_kernel
-
     m, k = a_q.shape
     n = b_q.shape[0]
     int8 = a_q.dtype == torch.int8
@@ -401,13 +400,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         enable_fp_fusion=False,
     )
-    if split_k > 1:
-        bm, bn = 32, 128
-        _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
-            target, c, a_s, b_s, bias if bias is not None else c, m, n, m_pad * n, c.stride(0), c.stride(1),
-            a_s.stride(0), b_s.stride(0), SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=4, enable_fp_fusion=False,
-        )
+    if split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
+        reduce_split_k(target, c, a_s, b_s, bias, m_pad * n, scales_kind, exact=True)
     return c
 
 

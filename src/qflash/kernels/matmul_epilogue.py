@@ -1,0 +1,74 @@
+"""The end of a scaled INT8 / FP8 product, shared by the tl kernel (``matmul.py``) and the Gluon
+kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the fixed-order sum of
+split-K partial products.
+
+The reference's order: C = acc * a_scale * b_scale + bias, each step rounded in float32 (with
+multiply-add fusion off, INT8 results are then bit-exact); block scales were applied to each K
+block's partial already, so only the bias is left.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels.common import cdiv
+
+# How scales are laid out (constexpr SCALES).
+SCALES_TENSOR = tl.constexpr(0)
+SCALES_ROW = tl.constexpr(1)  # A per row, B per output column (row of B)
+SCALES_BLOCK = tl.constexpr(2)  # A per (row, 128-wide K block), B per (128 x 128) block
+
+
+@triton.jit
+def scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+              SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """C[rows, cols] = acc * scales + bias, cast to C's dtype (block scales were applied per K step)."""
+    out = acc.to(tl.float32)
+    if SCALES == SCALES_TENSOR:
+        out = out * (tl.load(AScale) * tl.load(BScale))
+    elif SCALES == SCALES_ROW:
+        a_s = tl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
+        b_s = tl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+        out = out * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    Partial, C, AScale, BScale, Bias, M, N, stride_ps, stride_cm, stride_cn, stride_asm, stride_bsn,
+    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue.
+    Partial holds SPLIT_K row-major M x N sums, ``stride_ps`` elements apart."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.load(p_ptrs, mask=ok, other=0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptrs + s * stride_ps, mask=ok, other=0)
+    scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+              SCALES, HAS_BIAS)
+
+
+def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_s: torch.Tensor,
+                   bias: Optional[torch.Tensor], split_stride: int, scales_kind: int, exact: bool) -> None:
+    """c (M, N) = the sum of ``partial``'s split-K sums (``split_stride`` elements apart, in a fixed
+    order), then scales and bias. ``exact`` (INT8): no multiply-add fusion, so the float32 steps
+    round as the reference's do."""
+    m, n = c.shape
+    split_k = partial.numel() // split_stride if split_stride else 1
+    bm, bn = 32, 128
+    _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        partial, c, a_s, b_s, bias if bias is not None else c, m, n, split_stride, c.stride(0), c.stride(1),
+        a_s.stride(0), b_s.stride(0),
+        SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=4, enable_fp_fusion=not exact,
+    )
