@@ -288,8 +288,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
       quarter (8192^3, both with bulk stores: 1121 -> 1204 TFLOP/s; both with plain stores, 0.76-0.93
       -> 0.79-1.00x cuBLAS at M = 1024 / 8192, matmul_gluon_tiles_h200_2026-11-29_s9a.json);
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
-      tiles 1.5-1.8x faster at N = 4096-10240).
-
+      tiles 1.5-1.8x faster at N = 4096-10240);
     - split K into ``sms // tiles`` runs when the tiles fill less than half of the SMs (M = 128,
       N = 4096: 307 -> 378 TFLOP/s, K = 14336: 369 -> 576; it lost where the tiles fill half or
       more, ..._split_k_h200_2026-11-29_s9d.json).
@@ -307,8 +306,9 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 (tensor, row and block
     scales) from M = 128 with N and K from 4096, where it measured 1.22-1.71x the tl kernel with
     tensor and row scales (graphs, benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json, and
-    ..._split_k_..._s9d.json at M = 128). Not M = 16 (0.62-1.02x there), not INT8 (0.86-1.00x the
-    tl kernel in session 7)."""
+    ..._split_k_..._s9d.json at M = 128) and 1.02-2.60x with block scales
+    (..._fp8_block_..._s9e.json). Not M = 16 (0.62-1.02x there), not INT8 (0.86-1.00x the tl
+    kernel in session 7)."""
     return not int8 and m >= 128 and n >= 4096 and k >= 4096
 
 
