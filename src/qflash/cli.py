@@ -30,7 +30,7 @@ def _fast_path_status(cuda: bool) -> str:
     if not cuda or not is_hopper(torch.device("cuda", 0)):
         return "none here (the Gluon kernels need Hopper)"
     return ("Gluon forward: D = 64 / 128 / 256, causal or no mask, lengths multiple of 128; "
-            "Gluon FP8 matmul: tensor / row scales, M >= 128, N >= 8192, K >= 4096")
+            "Gluon FP8 matmul: tensor / row / block scales, M >= 128, N >= 4096, K >= 4096")
 
 
 def cmd_info(args) -> int:

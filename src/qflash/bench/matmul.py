@@ -66,9 +66,9 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
             b_s = b_s.reshape(-1, 1) if scales == "row" else b_s
             out[f"qflash gluon {method}"] = partial(scaled_matmul_gluon, a_q, b_q, a_s, b_s, None, torch.bfloat16,
                                                     scales)
-            tl_config = default_config(m, n, k, scales, method.startswith("int8"), a.device)
-            out[f"qflash tl {method}"] = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales,
-                                                 config=tl_config)
+            if method.startswith("fp8"):  # INT8's public path is the tl kernel already
+                out[f"qflash tl {method}"] = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16,
+                                                     scales, config=default_config(m, n, k, scales, False, a.device))
 
     a8, a8_s = q["int8 (row x col)"][0]()
     b8, b8_s = q["int8 (row x col)"][1]

@@ -363,7 +363,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     int8 = a_q.dtype == torch.int8
     if block_n is not None and (block_n not in (128, 256) or (int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
-    config = tile_config(m, n, k, int8, sm_count(a_q.device))
+    sms = sm_count(a_q.device)
+    config = tile_config(m, n, k, int8, sms)
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
@@ -375,24 +376,26 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     # kernel adds them in a fixed order and applies the scales and bias.
     target = c if split_k == 1 else torch.empty((split_k * m_pad, n), device=a_q.device,
                                                   dtype=torch.int32 if int8 else torch.float32)
-    c_bytes = 2 * SUB_M * 128 * target.element_size()  # one 64 x 128 block a consumer
-    tma_store = tma_store and tma_compatible(target) and stages * _slot_bytes(block_n) + c_bytes <= SMEM_BYTES
-    if stages * _slot_bytes(block_n) + (c_bytes if tma_store else 0) > SMEM_BYTES:
+    ring_bytes = stages * _slot_bytes(block_n)
+    if ring_bytes > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
+    c_bytes = 2 * SUB_M * 128 * target.element_size()  # one 64 x 128 block a consumer
+    tma_store = tma_store and tma_compatible(target) and ring_bytes + c_bytes <= SMEM_BYTES
 
     def desc(t: torch.Tensor, block: list, dtype) -> TensorDescriptor:
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(tuple(block), dtype))
 
     qdtype = _GL_DTYPES[a_q.dtype]
+    a_desc = desc(a_q, [SUB_M, BLOCK_K], qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = desc(target, [SUB_M, 128], _GL_OUT[target.dtype]) if tma_store else desc(a_q, [SUB_M, BLOCK_K], qdtype)
+    c_desc = desc(target, [SUB_M, 128], _GL_OUT[target.dtype]) if tma_store else a_desc
     # Per tensor (1, 1); per row (M, 1) and (N, 1); block (M, K / 128) and (N / 128, K / 128).
     a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
     b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     scales_kind = _SCALES[scales].value
-    _scaled_mm_ws_kernel[(min(items, sm_count(a_q.device)),)](
-        desc(a_q, [SUB_M, BLOCK_K], qdtype), desc(b_q, [block_n, BLOCK_K], qdtype), target, c_desc, a_s, b_s,
+    _scaled_mm_ws_kernel[(min(items, sms),)](
+        a_desc, desc(b_q, [block_n, BLOCK_K], qdtype), target, c_desc, a_s, b_s,
         bias if bias is not None else c, m, n, k, target.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0),
         b_s.stride(1), m_pad,
         SCALES=scales_kind, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store,
