@@ -1,6 +1,7 @@
-"""Host (Python) time of one forward call, on a problem too small for the GPU to matter.
+"""Host (Python) time of one call, on a problem too small for the GPU to matter.
 
-    python3 benchmarks/host_overhead.py --out host.json
+    python3 benchmarks/host_overhead.py --out host.json                # attention forward
+    python3 benchmarks/host_overhead.py --op matmul --out host.json    # FP8 matmul (M = 128, N = K = 512)
 
 At 512 tokens a forward kernel runs 0.1-0.2 ms; a launch path that costs as much on the CPU
 shows up in eager timings. Prints microseconds a call for each path, then where the public
@@ -33,22 +34,71 @@ def per_call_us(fn, calls: int = 500) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def triton_call(kernel):
+    """A stand-in for a ``CachedLauncher`` that takes Triton's own call every time (the launch
+    before the cache), to time both side by side."""
+    return lambda grid, *args, constexprs, **options: kernel[grid](*args, **constexprs, **options)
+
+
+def uncached(module, name: str, fn):
+    """``fn`` with ``module.name`` (a ``CachedLauncher``) swapped for Triton's own call."""
+    def call():
+        cached = getattr(module, name)
+        setattr(module, name, triton_call(cached.kernel))
+        try:
+            return fn()
+        finally:
+            setattr(module, name, cached)
+    return call
+
+
+def matmul_paths() -> tuple:
+    """Paths of an FP8 product small enough (128 x 512 x 512) that the host sets the pace."""
+    from qflash.kernels import matmul_gluon
+    from qflash.kernels.matmul import scaled_matmul
+
+    a = torch.randn(128, 512, device="cuda")
+    b = torch.randn(512, 512, device="cuda")
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "tensor")
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "tensor")
+    ones = torch.ones((), device="cuda")
+    gluon = lambda: matmul_gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", split_k=1)
+    paths = {
+        "matmul_gluon.launch (one launch)": gluon,
+        "matmul_gluon.launch (one launch, Triton's call)": uncached(matmul_gluon, "_launcher", gluon),
+        "matmul_gluon.launch (split K 4: two launches)":
+            lambda: matmul_gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", split_k=4),
+        "tl kernel (scaled_matmul)": lambda: scaled_matmul(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor"),
+        "qflash.fp8_matmul": lambda: qflash.fp8_matmul(a_q, b_q, a_s, b_s),
+        "torch._scaled_mm": lambda: torch._scaled_mm(a_q, b_q.t(), ones, ones, out_dtype=torch.bfloat16),
+    }
+    return paths, gluon
+
+
+def attention_paths() -> tuple:
     q, k, v = (torch.randn(1, 128, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     opts = AttnOptions(128**-0.5)
     cfg = default_config(128, q.dtype, q.device, causal=False, seqlen_k=128)
     paths = {
         "attention_gluon.launch": lambda: attention_gluon.launch(q, k, v, 128**-0.5, False, True),
+        "attention_gluon.launch (Triton's call)":
+            uncached(attention_gluon, "_fwd_launcher", lambda: attention_gluon.launch(q, k, v, 128**-0.5, False, True)),
         "attention_gluon.attention_forward_gluon": lambda: attention_gluon.attention_forward_gluon(q, k, v, 128**-0.5),
         "tl kernel (attention_forward, config)": lambda: attention_forward(q, k, v, opts, config=cfg),
         "qflash.flash_attn_func": lambda: qflash.flash_attn_func(q, k, v),
         "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(qt, kt, vt),
     }
-    result = {"env": environment(), "rows": []}
+    return paths, lambda: qflash.flash_attn_func(q, k, v)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=["attention", "matmul"], default="attention")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    paths, profiled = matmul_paths() if args.op == "matmul" else attention_paths()
+    result = {"env": environment(), "op": args.op, "rows": []}
     for name, fn in paths.items():
         us = per_call_us(fn)
         result["rows"].append({"path": name, "us_per_call": us})
@@ -56,11 +106,11 @@ def main() -> None:
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(200):
-        qflash.flash_attn_func(q, k, v)
+        profiled()
     profile.disable()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    result["profile_flash_attn_func_200_calls"] = text.getvalue()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    result["profile_200_calls"] = text.getvalue()
     print(text.getvalue())
     save_json(args.out, result)
 

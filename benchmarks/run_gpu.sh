@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
-#                                      [mlp] [quant] [qtiles]
+#                                      [mlp] [quant] [qtiles] [host]
 #                                      [flex] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
@@ -55,6 +55,8 @@ for stage in "${stages[@]}"; do
             timeout 300 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_gluon.json" \
               --providers "qflash int8 (row x col),qflash gluon int8 (row x col),torch._int_mm,qflash fp8 (tensor),qflash gluon fp8 (tensor),torch._scaled_mm (tensor),qflash fp8 (row x col),qflash gluon fp8 (row x col),torch._scaled_mm (row x col)" \
               2>&1 | tail -n 40 ;;
+    host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
+            timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
     matmul) timeout 480 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul.json" 2>&1 | tail -n 40 ;;
     mlp)    timeout 120 python3 -m qflash.cli bench matmul --mlp --out "$OUT/mlp.json" 2>&1 | tail -n 15 ;;
@@ -66,6 +68,6 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, demo, check, memory)"; exit 2 ;;
   esac
 done

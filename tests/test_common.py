@@ -1,10 +1,13 @@
 """Launch helpers of ``qflash.kernels.common``: the plain-Python grid arithmetic must agree
-with Triton's own, and tensor-descriptor eligibility must follow the TMA rules."""
+with Triton's own, tensor-descriptor eligibility must follow the TMA rules, and the cached
+launcher must launch what Triton's own call would."""
 
+import pytest
 import torch
 import triton
+import triton.language as tl
 
-from qflash.kernels.common import cdiv, next_power_of_2, tma_compatible
+from qflash.kernels.common import CachedLauncher, _arg_key, cdiv, next_power_of_2, tma_compatible
 
 
 def test_grid_arithmetic_matches_triton():
@@ -23,3 +26,55 @@ def test_tma_compatible():
     assert not tma_compatible(t[:, 1:])  # base not 16-byte aligned, row stride fine
     assert not tma_compatible(torch.zeros(64, 63, dtype=torch.float16))  # 126-byte rows
     assert not tma_compatible(torch.zeros(0, 64, dtype=torch.float16))
+
+
+@triton.jit
+def _axpy_kernel(X, Y, Out, n, stride, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs * stride, mask=offs < n)
+    y = tl.load(Y + offs * stride, mask=offs < n)
+    tl.store(Out + offs * stride, alpha * x + y, mask=offs < n)
+
+
+def _axpy(launcher, x, y, alpha, stride=1):
+    out = torch.full_like(x, float("nan"))
+    n = cdiv(x.numel(), stride)
+    launcher((cdiv(n, 64),), x, y, out, n, stride, alpha, constexprs=dict(BLOCK=64), num_warps=4)
+    return out
+
+
+def _check_axpy(launcher, device):
+    """Misses and hits, with the arguments Triton specializes on changing between calls: an
+    integer that becomes 1, a pointer that loses its 16-byte alignment, a stride."""
+    for n, offset, stride, alpha in [(1000, 0, 1, 2.0), (1000, 0, 1, -3.0), (1, 0, 1, 2.0), (999, 1, 1, 0.5),
+                                     (1000, 0, 3, 1.5), (1000, 0, 1, 2.0), (999, 1, 1, 4.0)]:
+        x = torch.randn(n + offset, device=device, dtype=torch.float64)[offset:]
+        y = torch.randn(n + offset, device=device, dtype=torch.float64)[offset:]
+        out = _axpy(launcher, x, y, alpha, stride)
+        want = alpha * x + y
+        assert torch.equal(out[::stride], want[::stride]), (n, offset, stride, alpha)
+
+
+def test_arg_key_tells_apart_what_triton_specializes():
+    x = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(x) != _arg_key(x[1:])  # 16-byte alignment
+    assert _arg_key(x) != _arg_key(x.to(torch.float16))
+    assert _arg_key(1) != _arg_key(16) and _arg_key(2.0) == _arg_key(3.0)  # floats by type, not value
+
+
+def test_cached_launcher_in_the_interpreter():
+    """Without compiled kernels (Triton's interpreter) every call takes Triton's own path."""
+    launcher = CachedLauncher(_axpy_kernel)
+    _check_axpy(launcher, "cpu")
+    assert not launcher.compiled
+    with pytest.raises(TypeError, match="constexprs"):
+        launcher((1,), torch.zeros(4), constexprs=dict(BLOCK=64))
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launcher_launches_the_right_kernel():
+    """Against the float64 result of every call: one compiled kernel a distinct specialization,
+    found again for a key it has seen."""
+    launcher = CachedLauncher(_axpy_kernel)
+    _check_axpy(launcher, "cuda")
+    assert len(launcher.compiled) == 4  # n = 1000 aligned, n = 1, misaligned, stride 3 (n = 334)

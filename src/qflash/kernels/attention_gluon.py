@@ -53,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
+from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
@@ -469,6 +469,9 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return launch(q, k, v, softmax_scale, causal, bottom_right)
 
 
+_fwd_launcher = CachedLauncher(_attn_fwd_ws_kernel)
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
            bottom_right: bool, heads_per_group: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward_gluon`` for a call that ``why_not`` has already accepted.
@@ -492,12 +495,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     if heads_per_group is None:
         heads_per_group = (causal_heads_per_group(batch * heads, num_m_blocks, grid[0], consumers * SUB_M, block_n,
                                                   seqlen_k, shift) if causal else 1)
-    _attn_fwd_ws_kernel[grid](
-        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
-        seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
-        softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal, num_warps=4,
-    )
+    _fwd_launcher(grid, desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
+                  seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
+                  softmax_scale * RCP_LN2.value,
+                  constexprs=dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers,
+                                  CAUSAL=causal), num_warps=4)
     return out, lse
 
 

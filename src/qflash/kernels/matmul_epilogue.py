@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import cdiv
+from qflash.kernels.common import CachedLauncher, cdiv
 
 # How scales are laid out (constexpr SCALES).
 SCALES_TENSOR = tl.constexpr(0)
@@ -58,6 +58,9 @@ def _split_k_reduce_kernel(
               SCALES, HAS_BIAS)
 
 
+_reduce_launcher = CachedLauncher(_split_k_reduce_kernel)
+
+
 def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_s: torch.Tensor,
                    bias: Optional[torch.Tensor], split_stride: int, scales_kind: int, exact: bool) -> None:
     """c (M, N) = the sum of ``partial``'s split-K sums (``split_stride`` elements apart, in a fixed
@@ -66,9 +69,8 @@ def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_
     m, n = c.shape
     split_k = partial.numel() // split_stride if split_stride else 1
     bm, bn = 32, 128
-    _split_k_reduce_kernel[(cdiv(m, bm), cdiv(n, bn))](
-        partial, c, a_s, b_s, bias if bias is not None else c, m, n, split_stride, c.stride(0), c.stride(1),
-        a_s.stride(0), b_s.stride(0),
-        SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=4, enable_fp_fusion=not exact,
-    )
+    _reduce_launcher((cdiv(m, bm), cdiv(n, bn)), partial, c, a_s, b_s, bias if bias is not None else c, m, n,
+                     split_stride, c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
+                     constexprs=dict(SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm,
+                                     BLOCK_N=bn),
+                     num_warps=4, enable_fp_fusion=not exact)

@@ -34,7 +34,8 @@ fixed order and applies the scales and bias.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 from triton.experimental import gluon
@@ -42,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from qflash.kernels.common import build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count, tma_compatible
+from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.kernels.matmul_epilogue import reduce_split_k
 from qflash.testing import new_output
 
@@ -213,8 +214,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     b_next = gl.load(b_ptr + (kk + 1) * stride_bsk, mask=more, other=0.0)
                     b_next_hi = gl.load(b_ptr + stride_bsn + (kk + 1) * stride_bsk, mask=more & hi_ok, other=0.0)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                if SCALES == SCALES_BLOCK:
-                    acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
+                if SCALES == SCALES_BLOCK:  # one rounding, one instruction: an explicit multiply-add
+                    acc = gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
                 else:
                     acc = acc + part
                 if WIDE:
@@ -222,7 +223,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     if SCALES == SCALES_BLOCK:
-                        acc_hi = acc_hi + part * gl.expand_dims(a_sc * b_sc_hi, 1)
+                        acc_hi = gl.fma(part, gl.expand_dims(a_sc * b_sc_hi, 1), acc_hi)
                     else:
                         acc_hi = acc_hi + part
                 mbarrier.arrive(empty.index(s), count=1)
@@ -348,6 +349,58 @@ def _slot_bytes(block_n: int) -> int:
     return (2 * SUB_M + block_n) * BLOCK_K  # two A halves and a B tile, one byte an element
 
 
+class _Plan(NamedTuple):
+    """What a launch needs that follows from the shapes and options alone (made once per key)."""
+    block_n: int
+    split_k: int
+    m_pad: int  # a split's rows in the partial sums: no tile crosses into the next split
+    grid: tuple
+    partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
+          block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
+          group_m: int, sms: int) -> _Plan:
+    config = tile_config(m, n, k, int8, sms)
+    block_n, stages = block_n or config[0], stages or config[1]
+    tma_store = config[2] if tma_store is None else tma_store
+    k_steps = cdiv(k, BLOCK_K)
+    split_k = min(split_k or config[3], k_steps)
+    split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
+    ring_bytes = stages * _slot_bytes(block_n)
+    if ring_bytes > SMEM_BYTES:
+        raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
+    # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
+    # kernel adds them in a fixed order and applies the scales and bias.
+    partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
+    c_size = (partial_dtype or out_dtype).itemsize
+    # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
+    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
+    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
+    constexprs = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
+                      TMA_STORE=tma_store, SPLIT_K=split_k)
+    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
+
+
+def _desc(t: torch.Tensor, rows: int, dtype):
+    """A host tensor descriptor of ``t`` in blocks of ``rows`` x 128 (C: 64 x 128)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, t.shape, t.stride(), [rows, 128], nvmma_layout((rows, 128), dtype))
+
+
+def _scale_strides(t: torch.Tensor) -> tuple:
+    """(row, column) strides of a scale tensor: () / (1,) per tensor, (M, 1) per row, 2-D per block."""
+    if t.dim() == 2:
+        return t.stride()
+    return (t.stride(0), 0) if t.numel() > 1 else (0, 0)
+
+
+_launcher = CachedLauncher(_scaled_mm_ws_kernel)
+
+
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
@@ -355,56 +408,31 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
-    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
+    calls are bound by this function's Python below about 0.1 ms of kernel: what follows from the
+    shapes is made once (``_plan``), and the kernel launches without Triton's argument binding."""
     m, k = a_q.shape
     n = b_q.shape[0]
-    int8 = a_q.dtype == torch.int8
-    if block_n is not None and (block_n not in (128, 256) or (int8 and block_n != 128)):
+    if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
-    sms = sm_count(a_q.device)
-    config = tile_config(m, n, k, int8, sms)
-    block_n, stages = block_n or config[0], stages or config[1]
-    tma_store = config[2] if tma_store is None else tma_store
-    k_steps = cdiv(k, BLOCK_K)
-    split_k = min(split_k or config[3], k_steps)
-    split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
+    plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    m_pad = cdiv(m, 2 * SUB_M) * 2 * SUB_M  # a split's rows in the partial sums: no tile crosses into the next
-    # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
-    # kernel adds them in a fixed order and applies the scales and bias.
-    target = c if split_k == 1 else torch.empty((split_k * m_pad, n), device=a_q.device,
-                                                  dtype=torch.int32 if int8 else torch.float32)
-    ring_bytes = stages * _slot_bytes(block_n)
-    if ring_bytes > SMEM_BYTES:
-        raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
-    c_bytes = 2 * SUB_M * 128 * target.element_size()  # one 64 x 128 block a consumer
-    tma_store = tma_store and tma_compatible(target) and ring_bytes + c_bytes <= SMEM_BYTES
-
-    def desc(t: torch.Tensor, block: list, dtype) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(tuple(block), dtype))
-
+    target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
+                                                              dtype=plan.partial_dtype)
     qdtype = _GL_DTYPES[a_q.dtype]
-    a_desc = desc(a_q, [SUB_M, BLOCK_K], qdtype)
+    a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = desc(target, [SUB_M, 128], _GL_OUT[target.dtype]) if tma_store else a_desc
-    # Per tensor (1, 1); per row (M, 1) and (N, 1); block (M, K / 128) and (N / 128, K / 128).
-    a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
-    b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
-    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
-    scales_kind = _SCALES[scales].value
-    _scaled_mm_ws_kernel[(min(items, sms),)](
-        a_desc, desc(b_q, [block_n, BLOCK_K], qdtype), target, c_desc, a_s, b_s,
-        bias if bias is not None else c, m, n, k, target.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0),
-        b_s.stride(1), m_pad,
-        SCALES=scales_kind, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages, TMA_STORE=tma_store,
-        SPLIT_K=split_k, num_warps=4,
-        # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
-        enable_fp_fusion=False,
-    )
-    if split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
-        reduce_split_k(target, c, a_s, b_s, bias, m_pad * n, scales_kind, exact=True)
+    c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
+    _launcher(plan.grid, a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale,
+              c if bias is None else bias, m, n, k, target.stride(0), *_scale_strides(a_scale),
+              *_scale_strides(b_scale), plan.m_pad, constexprs=plan.constexprs, num_warps=4,
+              # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
+              enable_fp_fusion=False)
+    if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
+        reduce_split_k(target, c, a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1),
+                       b_scale.reshape(n, -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1), bias,
+                       plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
 
