@@ -1,7 +1,9 @@
 """Time tile shapes of the Gluon FP8 matmul side by side with cuBLAS (``torch._scaled_mm``, float32
-accumulation) on one GPU, per tensor and per row, kernels replayed from CUDA graphs.
+accumulation) on one GPU, per tensor and per row (and block: against cuBLAS per tensor), kernels
+replayed from CUDA graphs.
 
     python3 benchmarks/gluon_mm_variants.py --m 128,1024 --variants 128x5t,128x5ts4,auto --out v.json
+    python3 benchmarks/gluon_mm_variants.py --scales block --variants 256x3t,128x5tf --out b.json
 
 Every variant's output is checked in the same run:
 - within float32 rounding of a float32 reference on the dequantized inputs;
@@ -19,11 +21,13 @@ import torch
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
 from qflash import quantize
+from qflash.reference.matmul import fp8_matmul_ref
 
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M; auto: tile_config's
+# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M, f: multiply-add fusion
+# (block scales); auto: tile_config's
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
@@ -32,11 +36,12 @@ def variant(text):
     tile_config's choice."""
     if text == "auto":
         return {}
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?(f?)", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
-    block_n, stages, tma, split, group = match.groups()
-    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
+        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN] [f], got {text!r}")
+    block_n, stages, tma, split, group, fma = match.groups()
+    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1),
+               fma=bool(fma))
     if group:
         out["group_m"] = int(group)
     return out
@@ -55,11 +60,27 @@ def cublas(a_q, b_q, a_k, b_k, scales):
                             out_dtype=torch.bfloat16)
 
 
+def operands(a, b, scales):
+    """(a_q, b_q, a_k, b_k, ref, cuBLAS's operands): block scales are 1 x 128 / 128 x 128, and cuBLAS
+    (which takes no block scales) runs the same product per tensor."""
+    if scales == "block":
+        a_q, a_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float32)
+        return a_q, b_q, a_k, b_k, ref, (*operands(a, b, "tensor")[:4], "tensor")
+    a_q, a_s = quantize(a, torch.float8_e4m3fn, scales)
+    b_q, b_s = quantize(b, torch.float8_e4m3fn, scales)
+    a_k, b_k = (a_s, b_s) if scales == "tensor" else (a_s.reshape(-1, 1), b_s.reshape(-1, 1))
+    ref = (a_q.float() * a_k) @ (b_q.float() * b_k).T
+    return a_q, b_q, a_k, b_k, ref, (a_q, b_q, a_k, b_k, scales)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
     p.add_argument("--no-cube", action="store_true", help="leave out 8192^3")
-    p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [gN], ...")
+    p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN] [f], ...")
+    p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     variants = [(v, variant(v)) for v in args.variants.split(",")]
@@ -68,12 +89,9 @@ def main():
     for name, m, n, k in shapes(map(int, args.m.split(",")), not args.no_cube):
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         flop = 2 * m * n * k
-        for scales in ("tensor", "row"):
-            a_q, a_s = quantize(a, torch.float8_e4m3fn, scales)
-            b_q, b_s = quantize(b, torch.float8_e4m3fn, scales)
-            a_k, b_k = (a_s, b_s) if scales == "tensor" else (a_s.reshape(-1, 1), b_s.reshape(-1, 1))
-            ref = (a_q.float() * a_k) @ (b_q.float() * b_k).T
-            cublas_ms = graph_ms(lambda: cublas(a_q, b_q, a_k, b_k, scales))
+        for scales in args.scales.split(","):
+            a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
+            cublas_ms = graph_ms(lambda: cublas(*peer))
             base = base16 = None
             for label, opts in variants:
                 out = g.launch(a_q, b_q, a_k, b_k, None, torch.float32, scales, **opts)

@@ -46,8 +46,9 @@ def _axpy(launcher, x, y, alpha, stride=1):
 def _check_axpy(launcher, device):
     """Misses and hits, with the arguments Triton specializes on changing between calls: an
     integer that becomes 1, a pointer that loses its 16-byte alignment, a stride."""
-    for n, offset, stride, alpha in [(1000, 0, 1, 2.0), (1000, 0, 1, -3.0), (1, 0, 1, 2.0), (999, 1, 1, 0.5),
-                                     (1000, 0, 3, 1.5), (1000, 0, 1, 2.0), (999, 1, 1, 4.0)]:
+    # Powers of two for alpha: alpha * x is exact, so a fused multiply-add rounds as torch does.
+    for n, offset, stride, alpha in [(1000, 0, 1, 2.0), (1000, 0, 1, -4.0), (1, 0, 1, 2.0), (999, 1, 1, 0.5),
+                                     (1000, 0, 3, 0.25), (1000, 0, 1, 8.0), (999, 1, 1, -2.0)]:
         x = torch.randn(n + offset, device=device, dtype=torch.float64)[offset:]
         y = torch.randn(n + offset, device=device, dtype=torch.float64)[offset:]
         out = _axpy(launcher, x, y, alpha, stride)
