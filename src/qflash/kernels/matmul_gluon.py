@@ -144,6 +144,17 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
+def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
+    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
+    for the tile's first and (``hi_ok``) second 128 columns."""
+    ok = kk < k_hi
+    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
+    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
+    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
+    return a_sc, b_sc, b_sc_hi
+
+
+@gluon.jit
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
@@ -191,7 +202,9 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
-                # before it joins the total; the next step's scales load while this one's runs.
+                # before it joins the total. The scales load two K steps ahead: a load issued one
+                # step ahead (about 500 cycles of tensor-core work) was still in flight when its
+                # multiply came, often enough to cost a quarter of the speed.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
                 a_ptrs = AScale + rows * stride_asm
                 b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
@@ -199,9 +212,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
                 else:
                     hi_ok = False
-                a_sc = gl.load(a_ptrs + k_lo * stride_ask, mask=rows < M, other=0.0)  # [SUB]
-                b_sc = gl.load(b_ptr + k_lo * stride_bsk)
-                b_sc_hi = gl.load(b_ptr + stride_bsn + k_lo * stride_bsk, mask=hi_ok, other=0.0)
+                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
+                                                   stride_bsn, stride_bsk)
+                a_sc1, b_sc1, b_sc_hi1 = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo + 1, k_hi, stride_ask,
+                                                      stride_bsn, stride_bsk)
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -209,10 +223,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
-                    more = kk + 1 < k_hi
-                    a_next = gl.load(a_ptrs + (kk + 1) * stride_ask, mask=(rows < M) & more, other=0.0)
-                    b_next = gl.load(b_ptr + (kk + 1) * stride_bsk, mask=more, other=0.0)
-                    b_next_hi = gl.load(b_ptr + stride_bsn + (kk + 1) * stride_bsk, mask=more & hi_ok, other=0.0)
+                    a_sc2, b_sc2, b_sc_hi2 = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi, stride_ask,
+                                                          stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 if SCALES == SCALES_BLOCK:
                     acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
@@ -228,7 +240,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                         acc_hi = acc_hi + part
                 mbarrier.arrive(empty.index(s), count=1)
                 if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
+                    a_sc, b_sc, b_sc_hi = a_sc1, b_sc1, b_sc_hi1
+                    a_sc1, b_sc1, b_sc_hi1 = a_sc2, b_sc2, b_sc_hi2
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
