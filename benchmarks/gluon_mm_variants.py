@@ -3,7 +3,7 @@ accumulation) on one GPU, per tensor and per row (and block: against cuBLAS per 
 replayed from CUDA graphs.
 
     python3 benchmarks/gluon_mm_variants.py --m 128,1024 --variants 128x5t,128x5ts4,auto --out v.json
-    python3 benchmarks/gluon_mm_variants.py --scales block --variants 256x3t,128x5tf --out b.json
+    python3 benchmarks/gluon_mm_variants.py --scales tensor,block --variants 256x3t,128x5t --out b.json
 
 Every variant's output is checked in the same run:
 - within float32 rounding of a float32 reference on the dequantized inputs;
@@ -26,8 +26,7 @@ from qflash.reference.matmul import fp8_matmul_ref
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M, f: multiply-add fusion
-# (block scales); auto: tile_config's
+# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M; auto: tile_config's
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
@@ -36,12 +35,11 @@ def variant(text):
     tile_config's choice."""
     if text == "auto":
         return {}
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?(f?)", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN] [f], got {text!r}")
-    block_n, stages, tma, split, group, fma = match.groups()
-    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1),
-               fma=bool(fma))
+        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
+    block_n, stages, tma, split, group = match.groups()
+    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
     if group:
         out["group_m"] = int(group)
     return out
@@ -79,7 +77,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
     p.add_argument("--no-cube", action="store_true", help="leave out 8192^3")
-    p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN] [f], ...")
+    p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN], ...")
     p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
     p.add_argument("--out", default=None)
     args = p.parse_args()

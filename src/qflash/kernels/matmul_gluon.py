@@ -202,9 +202,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
-                # before it joins the total. The scales load two K steps ahead: a load issued one
-                # step ahead (about 500 cycles of tensor-core work) was still in flight when its
-                # multiply came, often enough to cost a quarter of the speed.
+                # before it joins the total; the next step's scales load while this one's product runs.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
                 a_ptrs = AScale + rows * stride_asm
                 b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
@@ -214,8 +212,6 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     hi_ok = False
                 a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
-                a_sc1, b_sc1, b_sc_hi1 = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo + 1, k_hi, stride_ask,
-                                                      stride_bsn, stride_bsk)
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -223,8 +219,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
-                    a_sc2, b_sc2, b_sc_hi2 = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi, stride_ask,
-                                                          stride_bsn, stride_bsk)
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                             stride_ask, stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 if SCALES == SCALES_BLOCK:
                     acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
@@ -240,8 +236,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                         acc_hi = acc_hi + part
                 mbarrier.arrive(empty.index(s), count=1)
                 if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = a_sc1, b_sc1, b_sc_hi1
-                    a_sc1, b_sc1, b_sc_hi1 = a_sc2, b_sc2, b_sc_hi2
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
@@ -286,7 +281,6 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     ], [4, 1], [240, 24])
 
 
-BLOCK_SCALE_FMA = False  # block scales: each K step's partial * scale + total in one FFMA (see tile_config)
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
@@ -371,13 +365,12 @@ class _Plan(NamedTuple):
     grid: tuple
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
-    fma: bool  # multiply-add fusion (block scales only: their K step's partial * scale + total)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, fma: Optional[bool], sms: int) -> _Plan:
+          group_m: int, sms: int) -> _Plan:
     config = tile_config(m, n, k, int8, sms)
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -396,9 +389,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k)
-    fma = BLOCK_SCALE_FMA if fma is None else fma
-    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs,
-                 fma and scales == "block")
+    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
 def _desc(t: torch.Tensor, rows: int, dtype):
@@ -421,12 +412,11 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, fma: Optional[bool] = None) -> torch.Tensor:
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order, ``fma`` (block scales) the multiply-add fusion. C (or with split
-    K, the partial sums) goes out through shared memory and bulk copies where its rows are 16-byte
-    aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
+    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
+    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
     argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
@@ -434,7 +424,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, fma, sm_count(a_q.device))
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -446,6 +436,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
               c if bias is None else bias, m, n, k, target.stride(0), *_scale_strides(a_scale),
               *_scale_strides(b_scale), plan.m_pad, constexprs=plan.constexprs, num_warps=4,
               # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
+              # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
               enable_fp_fusion=False)
     if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
         reduce_split_k(target, c, a_scale.reshape(a_scale.shape[0] if a_scale.numel() > 1 else 1, -1),
@@ -456,7 +447,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, fma: bool = BLOCK_SCALE_FMA):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -473,4 +464,4 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
-    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=fma and scales == "block")
+    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
