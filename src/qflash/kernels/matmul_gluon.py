@@ -416,9 +416,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
-    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
-    follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
-    argument binding (``CachedLauncher``)."""
+    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
+    calls of short kernels are bound by the host: what follows from the shapes is made once
+    (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
