@@ -39,7 +39,7 @@ def _axpy_kernel(X, Y, Out, n, stride, alpha, BLOCK: tl.constexpr):
 def _axpy(launcher, x, y, alpha, stride=1):
     out = torch.full_like(x, float("nan"))
     n = cdiv(x.numel(), stride)
-    launcher((cdiv(n, 64),), x, y, out, n, stride, alpha, constexprs=dict(BLOCK=64), num_warps=4)
+    launcher[(cdiv(n, 64),)](x, y, out, n, stride, alpha, BLOCK=64, num_warps=4)
     return out
 
 
@@ -68,14 +68,33 @@ def test_cached_launcher_in_the_interpreter():
     launcher = CachedLauncher(_axpy_kernel)
     _check_axpy(launcher, "cpu")
     assert not launcher.compiled
-    with pytest.raises(TypeError, match="constexprs"):
-        launcher((1,), torch.zeros(4), constexprs=dict(BLOCK=64))
 
 
 @pytest.mark.gpu
 def test_gpu_cached_launcher_launches_the_right_kernel():
     """Against the float64 result of every call: one compiled kernel a distinct specialization,
-    found again for a key it has seen."""
+    found again for a key it has seen; a missing argument is named."""
     launcher = CachedLauncher(_axpy_kernel)
     _check_axpy(launcher, "cuda")
     assert len(launcher.compiled) == 4  # n = 1000 aligned, n = 1, misaligned, stride 3 (n = 334)
+    x = torch.zeros(4, device="cuda")
+    with pytest.raises(TypeError, match="missing argument 'Out'"):
+        launcher[(1,)](x, x, BLOCK=64)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fill_kernel(Out, n, seed, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Out + offs, (seed + offs).to(tl.float64), mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launcher_keys_loose_parameters_by_type():
+    """A ``do_not_specialize`` integer (a seed) takes one compiled kernel for every value of its
+    integer type, and each launch still gets its own value."""
+    launcher = CachedLauncher(_fill_kernel)
+    for seed in (1, 16, 12345, 7, 2**31 + 5):
+        out = torch.full((64,), float("nan"), device="cuda", dtype=torch.float64)
+        launcher[(1,)](out, 64, seed, BLOCK=64)
+        assert torch.equal(out, seed + torch.arange(64, device="cuda", dtype=torch.float64)), seed
+    assert len(launcher.compiled) == 2  # i32 seeds, one i64 seed

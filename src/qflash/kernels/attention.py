@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import (cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma, next_power_of_2,
-                                   tma_compatible)
+from qflash.kernels.common import (CachedLauncher, cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma,
+                                   next_power_of_2, tma_compatible)
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
@@ -298,7 +298,7 @@ def _attn_fwd_stretch(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Slopes,
     cu_seqlens_q, cu_seqlens_k,
@@ -575,6 +575,9 @@ def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             and lse.is_contiguous() and attention_gluon.bwd_why_not(q, k, v, out, dout) is None)
 
 
+_fwd_launcher = CachedLauncher(_attn_fwd_kernel)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
                       config: Optional[AttnFwdConfig] = None):
     """Launch the forward kernel. Inputs are already validated by the public op.
@@ -614,7 +617,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     grid = (num_m_blocks * batch * num_heads,)
     if grid[0] == 0:
         return out, lse
-    _attn_fwd_kernel[grid](
+    _fwd_launcher[grid](
         q, k, v, out, lse, *pointers,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
         *_bshd_strides(out, varlen), *_lse_strides(lse, varlen), *bias_strides, *slope_strides,
@@ -757,7 +760,7 @@ def _attn_bwd_dkdv_tile(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_bwd_dq_kernel(
     Q, K, V, dOut, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
@@ -843,7 +846,7 @@ def _attn_bwd_dq_kernel(
              dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_bwd_dkdv_kernel(
     Q, K, V, dOut, dK, dV, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
@@ -971,6 +974,11 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
     return AttnBwdConfig(64, 64, 4, 2, tma), AttnBwdConfig(64, 64, 4, 2, tma)
 
 
+_bwd_preprocess_launcher = CachedLauncher(_attn_bwd_preprocess_kernel)
+_bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_kernel)
+_bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_kernel)
+
+
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, opts: AttnOptions, configs=None):
     """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
@@ -1005,7 +1013,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tail = (*sl, *bias_strides, *slope_strides)
 
     num_m = cdiv(max(seqlen_q, 1), 64)
-    _attn_bwd_preprocess_kernel[(num_m * batch * num_heads,)](
+    _bwd_preprocess_launcher[(num_m * batch * num_heads,)](
         out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
@@ -1022,14 +1030,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
-    _attn_bwd_dq_kernel[(num_m * batch * num_heads,)](
+    _bwd_dq_launcher[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok, **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
-    _attn_bwd_dkdv_kernel[(num_n * batch * heads_kv,)](
+    _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
         q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
         *_bshd_strides(dv, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,

@@ -495,11 +495,12 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     if heads_per_group is None:
         heads_per_group = (causal_heads_per_group(batch * heads, num_m_blocks, grid[0], consumers * SUB_M, block_n,
                                                   seqlen_k, shift) if causal else 1)
-    _fwd_launcher(grid, desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
-                  seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
-                  softmax_scale * RCP_LN2.value,
-                  constexprs=dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers,
-                                  CAUSAL=causal), num_warps=4)
+    _fwd_launcher[grid](
+        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
+        seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
+        softmax_scale * RCP_LN2.value,
+        HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal, num_warps=4,
+    )
     return out, lse
 
 

@@ -122,55 +122,71 @@ def _arg_key(arg):
     return arg  # int, bool, None, constexpr values
 
 
+def _int_type(value: int) -> str:
+    """The integer type Triton gives a parameter it does not specialize (``do_not_specialize``)."""
+    return "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+
+
 class CachedLauncher:
-    """``kernel[grid](*args, **constexprs, **options)`` that skips Triton's per-call argument
-    binding for arguments it has seen before.
+    """``launcher[grid](*args, **kwargs)``: ``kernel[grid](...)`` without Triton's per-call
+    argument binding for arguments it has seen before.
 
     Each ``kernel[grid](...)`` call binds and specializes every argument and rebuilds the
     kernel's cache key: tens of microseconds of Python for a Gluon kernel with tensor
-    descriptors, as much as a short kernel runs. This launcher keys the compiled kernel that
-    Triton's call returned by everything Triton specializes on (``_arg_key``: dtypes, pointer
-    alignment, integer values) and launches it directly the next time the key comes back. A
-    miss takes Triton's own path, so compiling, caching on disk and checks stay Triton's."""
+    descriptors, as much as a short kernel runs. This launcher binds the arguments to the
+    kernel's parameters by name, keys the compiled kernel that Triton's call returned by
+    everything Triton specializes on (``_arg_key``: dtypes, pointer alignment, integer values,
+    constexprs, options; the type alone for ``do_not_specialize`` parameters) and launches it
+    directly the next time the key comes back. A miss takes Triton's own path, so compiling,
+    caching on disk and checks stay Triton's; so does every call in Triton's interpreter."""
 
     def __init__(self, kernel, maxsize: int = 512):
         self.kernel = kernel
         self.maxsize = maxsize
         self.compiled = collections.OrderedDict()
+        params = getattr(kernel, "params", [])  # (the interpreter's functions have none: not needed there)
+        self.names = [p.name for p in params]
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.loose = [i for i, p in enumerate(params) if p.do_not_specialize and not p.is_constexpr]
 
-    def __call__(self, grid: tuple, *args, constexprs: dict, **options):
+    def __getitem__(self, grid: tuple):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple, *args, **kwargs):
         if not hasattr(self.kernel, "device_caches"):  # Triton's interpreter: nothing compiled to keep
-            self._check_order(args, constexprs)
-            self.kernel[grid](*args, **constexprs, **options)
-            return
-        device = driver.active.get_current_device()
-        key = [device, *constexprs.values(), *options.items()]
-        for arg in args:  # _arg_key, with the common cases inline: this loop runs on every launch
-            kind = type(arg)
-            if kind is int:
-                key.append(arg)
-            elif kind is torch.Tensor:
-                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            return self.kernel[grid](*args, **kwargs)
+        values = list(args)  # every parameter in the kernel's order; what is left in kwargs are options
+        for name in self.names[len(args):]:
+            if name in kwargs:
+                values.append(kwargs.pop(name))
+            elif name in self.defaults:
+                values.append(self.defaults[name])
             else:
-                key.append(_arg_key(arg))
+                raise TypeError(f"{self.kernel.__name__}() missing argument {name!r}")
+        device = driver.active.get_current_device()
+        key = [device, *kwargs.items()]
+        base = len(key)
+        for value in values:  # _arg_key, with the common cases inline: this loop runs on every launch
+            kind = type(value)
+            if kind is int:
+                key.append(value)
+            elif kind is torch.Tensor:
+                key.append((value.dtype, value.data_ptr() % 16 == 0))
+            else:
+                key.append(_arg_key(value))
+        for i in self.loose:
+            key[base + i] = _int_type(values[i]) if type(values[i]) is int else key[base + i]
         key = tuple(key)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self._check_order(args, constexprs)
-            self.compiled[key] = self.kernel[grid](*args, **constexprs, **options)
+            self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
             if len(self.compiled) > self.maxsize:  # the oldest key goes first
                 self.compiled.popitem(last=False)
-            return
+            return compiled
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)
-        # The launcher takes every argument in the kernel's order and skips the constexprs.
-        args = (*args, *constexprs.values())
+        # The launcher takes every parameter in the kernel's order and skips the constexprs.
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *args), knobs.runtime.launch_enter_hook,
-                     knobs.runtime.launch_exit_hook, *args)
-
-    def _check_order(self, args: tuple, constexprs: dict) -> None:
-        """A hit passes ``args`` and then the constexprs' values by position: they must be the kernel's order."""
-        names = self.kernel.arg_names
-        if len(args) + len(constexprs) != len(names) or list(names[len(args):]) != list(constexprs):
-            raise TypeError(f"{self.kernel.__name__} takes {names}: the runtime arguments, then the constexprs")
+                     compiled.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
+                     knobs.runtime.launch_exit_hook, *values)
+        return compiled

@@ -184,14 +184,14 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
                           device=a_q.device) if split_k > 1 else c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split_k)
     scales_kind = {"tensor": 0, "row": 1, "block": 2}[scales]
-    _launcher(
-        grid, a_q, b_q, c, a_s, b_s, bias if bias is not None else c, partial,
+    _launcher[grid](
+        a_q, b_q, c, a_s, b_s, bias if bias is not None else c, partial,
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        constexprs=dict(SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot),
+        SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # INT8: no multiply-add fusion in the epilogue, so that the float32 rounding steps are
         # exactly the reference's (int32 * a_scale * b_scale + bias, each rounded).

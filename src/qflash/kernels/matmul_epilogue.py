@@ -69,8 +69,9 @@ def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_
     m, n = c.shape
     split_k = partial.numel() // split_stride if split_stride else 1
     bm, bn = 32, 128
-    _reduce_launcher((cdiv(m, bm), cdiv(n, bn)), partial, c, a_s, b_s, bias if bias is not None else c, m, n,
-                     split_stride, c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0),
-                     constexprs=dict(SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm,
-                                     BLOCK_N=bn),
-                     num_warps=4, enable_fp_fusion=not exact)
+    _reduce_launcher[(cdiv(m, bm), cdiv(n, bn))](
+        partial, c, a_s, b_s, bias if bias is not None else c, m, n, split_stride, c.stride(0), c.stride(1),
+        a_s.stride(0), b_s.stride(0),
+        SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=4, enable_fp_fusion=not exact,
+    )

@@ -432,12 +432,14 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
     c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
-    _launcher(plan.grid, a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale,
-              c if bias is None else bias, m, n, k, target.stride(0), *_scale_strides(a_scale),
-              *_scale_strides(b_scale), plan.m_pad, constexprs=plan.constexprs, num_warps=4,
-              # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
-              # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
-              enable_fp_fusion=False)
+    _launcher[plan.grid](
+        a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
+        m, n, k, target.stride(0), *_scale_strides(a_scale), *_scale_strides(b_scale), plan.m_pad,
+        **plan.constexprs, num_warps=4,
+        # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
+        # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
+        enable_fp_fusion=False,
+    )
     if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
         reduce_split_k(target, c, a_scale.reshape(a_scale.shape[0] if a_scale.numel() > 1 else 1, -1),
                        b_scale.reshape(b_scale.shape[0] if b_scale.numel() > 1 else 1, -1), bias,

@@ -286,8 +286,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         if static_scale is None:
             grid = (cdiv(m, bm), cdiv(n, bn))
             partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
-            _absmax_launcher(grid, x, partials, m, n, x.stride(0), x.stride(1), constexprs=dict(BLOCK_M=bm, BLOCK_N=bn),
-                             num_warps=8)
+            _absmax_launcher[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                                   num_warps=8)
             per_tensor = partials.amax()  # the absmax; +inf when any element is NaN or inf
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
@@ -297,11 +297,11 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     warps = TILE_WARPS if group in (GROUP_TILED, GROUP_TENSOR) else 8  # sweeps: 4096-element tiles
     grid = (cdiv(m, bm) if group != GROUP_COLUMN_SWEEP else 1,
             cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
-    _quantize_launcher(
-        grid, x, x_q, scale, per_tensor if group == GROUP_TENSOR else scale, m, n,
+    _quantize_launcher[grid](
+        x, x_q, scale, per_tensor if group == GROUP_TENSOR else scale, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
-        constexprs=dict(QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
-                        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static_scale is not None),
+        QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static_scale is not None,
         num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
