@@ -174,8 +174,9 @@ class CachedLauncher:
                 key.append((value.dtype, value.data_ptr() % 16 == 0))
             else:
                 key.append(_arg_key(value))
-        for i in self.loose:
-            key[base + i] = _int_type(values[i]) if type(values[i]) is int else key[base + i]
+        for i in self.loose:  # do_not_specialize: the value's integer type, not the value
+            if type(values[i]) is int:
+                key[base + i] = _int_type(values[i])
         key = tuple(key)
         compiled = self.compiled.get(key)
         if compiled is None:
