@@ -34,17 +34,22 @@ def per_call_us(fn, calls: int = 500) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def triton_call(kernel):
+class TritonCall:
     """A stand-in for a ``CachedLauncher`` that takes Triton's own call every time (the launch
     before the cache), to time both side by side."""
-    return type("TritonCall", (), {"__getitem__": lambda self, grid: kernel[grid]})()
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return self.kernel[grid]
 
 
 def uncached(module, name: str, fn):
     """``fn`` with ``module.name`` (a ``CachedLauncher``) swapped for Triton's own call."""
     def call():
         cached = getattr(module, name)
-        setattr(module, name, triton_call(cached.kernel))
+        setattr(module, name, TritonCall(cached.kernel))
         try:
             return fn()
         finally:

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from qflash.kernels.common import (CachedLauncher, cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma,
                                    tma_compatible)
-from qflash.kernels.matmul_epilogue import SCALES_BLOCK, reduce_split_k, scaled_epilogue
+from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, reduce_split_k, scale_strides, scaled_epilogue
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -97,8 +97,8 @@ def _scaled_matmul_kernel(
                 acc += part
 
     if SPLIT_K == 1:
-        scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
-                  SCALES, HAS_BIAS)
+        scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm,
+                        stride_bsn, SCALES, HAS_BIAS)
     else:  # Partial is (SPLIT_K, M, N), contiguous, in the accumulator's type
         p_ptrs = Partial + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(p_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
@@ -177,18 +177,16 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     use_tma = cfg.use_tma and tma_compatible(a_q, b_q)
     if use_tma:
         ensure_descriptor_allocator(a_q.device)
-    a_s = a_scale.reshape(m, -1) if a_scale.numel() > 1 else a_scale.reshape(1, 1)
-    b_s = b_scale.reshape(b_scale.shape[0], -1) if b_scale.numel() > 1 else b_scale.reshape(1, 1)
     split_k = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
     partial = torch.empty((split_k, m, n), dtype=torch.int32 if is_int8 else torch.float32,
                           device=a_q.device) if split_k > 1 else c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split_k)
-    scales_kind = {"tensor": 0, "row": 1, "block": 2}[scales]
+    scales_kind = SCALES_KIND[scales]
     _launcher[grid](
-        a_q, b_q, c, a_s, b_s, bias if bias is not None else c, partial,
+        a_q, b_q, c, a_scale, b_scale, bias if bias is not None else c, partial,
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        *scale_strides(a_scale), *scale_strides(b_scale),
         SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot,
@@ -198,5 +196,5 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         enable_fp_fusion=not is_int8,
     )
     if split_k > 1:
-        reduce_split_k(partial, c, a_s, b_s, bias, m * n, scales_kind, exact=is_int8)
+        reduce_split_k(partial, c, a_scale, b_scale, bias, m * n, scales_kind, exact=is_int8)
     return c

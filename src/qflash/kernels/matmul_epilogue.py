@@ -17,15 +17,24 @@ import triton.language as tl
 
 from qflash.kernels.common import CachedLauncher, cdiv
 
-# How scales are laid out (constexpr SCALES).
+# How scales are laid out (constexpr SCALES, the same in the tl and the Gluon kernels).
 SCALES_TENSOR = tl.constexpr(0)
 SCALES_ROW = tl.constexpr(1)  # A per row, B per output column (row of B)
 SCALES_BLOCK = tl.constexpr(2)  # A per (row, 128-wide K block), B per (128 x 128) block
+SCALES_KIND = {"tensor": SCALES_TENSOR.value, "row": SCALES_ROW.value, "block": SCALES_BLOCK.value}
+
+
+def scale_strides(t: torch.Tensor) -> tuple:
+    """(row, column) strides of a scale tensor as the kernels read it: () / (1,) per tensor (one
+    value), (M,) or (M, 1) per row, 2-D per block."""
+    if t.dim() == 2:
+        return t.stride()
+    return (t.stride(0), 0) if t.numel() > 1 else (0, 0)
 
 
 @triton.jit
 def scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
-              SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
     """C[rows, cols] = acc * scales + bias, cast to C's dtype (block scales were applied per K step)."""
     out = acc.to(tl.float32)
     if SCALES == SCALES_TENSOR:
@@ -55,7 +64,7 @@ def _split_k_reduce_kernel(
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p_ptrs + s * stride_ps, mask=ok, other=0)
     scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
-              SCALES, HAS_BIAS)
+                    SCALES, HAS_BIAS)
 
 
 _reduce_launcher = CachedLauncher(_split_k_reduce_kernel)
@@ -64,14 +73,14 @@ _reduce_launcher = CachedLauncher(_split_k_reduce_kernel)
 def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_s: torch.Tensor,
                    bias: Optional[torch.Tensor], split_stride: int, scales_kind: int, exact: bool) -> None:
     """c (M, N) = the sum of ``partial``'s split-K sums (``split_stride`` elements apart, in a fixed
-    order), then scales and bias. ``exact`` (INT8): no multiply-add fusion, so the float32 steps
-    round as the reference's do."""
+    order), then scales (laid out as ``scale_strides`` reads them) and bias. ``exact`` (INT8): no
+    multiply-add fusion, so the float32 steps round as the reference's do."""
     m, n = c.shape
     split_k = partial.numel() // split_stride if split_stride else 1
     bm, bn = 32, 128
     _reduce_launcher[(cdiv(m, bm), cdiv(n, bn))](
         partial, c, a_s, b_s, bias if bias is not None else c, m, n, split_stride, c.stride(0), c.stride(1),
-        a_s.stride(0), b_s.stride(0),
+        scale_strides(a_s)[0], scale_strides(b_s)[0],
         SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=4, enable_fp_fusion=not exact,
     )

@@ -44,18 +44,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
-from qflash.kernels.matmul_epilogue import reduce_split_k
+from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
+                                            scale_strides)
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_K = 128  # K step, and the FP8 promotion interval
 GROUP_M = 8
-SCALES_TENSOR = gl.constexpr(0)
-SCALES_ROW = gl.constexpr(1)  # A per row, B per output column (row of B)
-SCALES_BLOCK = gl.constexpr(2)  # FP8: A per row and 128-deep K block, B per 128 x 128 block
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
-_SCALES = {"tensor": SCALES_TENSOR, "row": SCALES_ROW, "block": SCALES_BLOCK}
 _GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, torch.int32: gl.int32}
 
 
@@ -387,7 +384,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
-    constexprs = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
+    constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
@@ -397,13 +394,6 @@ def _desc(t: torch.Tensor, rows: int, dtype):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor(t, t.shape, t.stride(), [rows, 128], nvmma_layout((rows, 128), dtype))
-
-
-def _scale_strides(t: torch.Tensor) -> tuple:
-    """(row, column) strides of a scale tensor: () / (1,) per tensor, (M, 1) per row, 2-D per block."""
-    if t.dim() == 2:
-        return t.stride()
-    return (t.stride(0), 0) if t.numel() > 1 else (0, 0)
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
@@ -434,16 +424,14 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
-        m, n, k, target.stride(0), *_scale_strides(a_scale), *_scale_strides(b_scale), plan.m_pad,
+        m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
         enable_fp_fusion=False,
     )
     if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
-        reduce_split_k(target, c, a_scale.reshape(a_scale.shape[0] if a_scale.numel() > 1 else 1, -1),
-                       b_scale.reshape(b_scale.shape[0] if b_scale.numel() > 1 else 1, -1), bias,
-                       plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
+        reduce_split_k(target, c, a_scale, b_scale, bias, plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
 
@@ -464,6 +452,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
-    constants = dict(SCALES=_SCALES[scales].value, HAS_BIAS=has_bias,
+    constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
