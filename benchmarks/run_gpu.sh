@@ -4,7 +4,8 @@
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles] [host]
 #                                      [flex] [demo] [check] [memory]
-#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them,
+#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
+#   MM_KINDS narrows mmtiles to some kinds of scaling,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
 #   picks the gluon stage's providers; BWD_VARY and TAG narrow and
 #   name the backward tile search)
@@ -26,7 +27,7 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
-    tests)  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -p no:cacheprovider -rf --durations=30 -n 8 ${TESTS_K:+-k "$TESTS_K"} \
+    tests)  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -p no:cacheprovider -rf --durations=30 -n "${TESTS_N:-8}" ${TESTS_K:+-k "$TESTS_K"} \
               2>&1 | grep -v "Warning\|warner" | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -n 60 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
@@ -36,7 +37,8 @@ for stage in "${stages[@]}"; do
     bwdtiles) timeout "${BWDTILES_TIMEOUT:-420}" python3 -m qflash.bench.attention --tiles --backward --seqlens 1024,8192 \
               --head-dims "${HEAD_DIMS:-64,128,256}" --vary "${BWD_VARY:-dq,dkdv}" \
               --out "$OUT/attention_bwd_tiles${TAG:-}.json" 2>&1 | tail -n 40 ;;
-    mmtiles) timeout 300 python3 -m qflash.cli bench matmul --tiles ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
+    mmtiles) timeout "${MMTILES_TIMEOUT:-300}" python3 -m qflash.cli bench matmul --tiles ${MM_SHAPES:+--shapes "$MM_SHAPES"} \
+              ${MM_KINDS:+--kinds "$MM_KINDS"} --out "$OUT/matmul_tiles.json" 2>&1 | tail -n 60 ;;
     bwd)    timeout 200 python3 -m qflash.cli bench attention-backward --seqlens 1024,4096,16384 \
               --out "$OUT/attention_bwd.json" 2>&1 | tail -n 30 ;;
     short)  timeout 200 python3 -m qflash.cli bench attention --providers qflash,sdpa_cudnn,sdpa_flash --graph \

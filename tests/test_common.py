@@ -61,6 +61,13 @@ def test_arg_key_tells_apart_what_triton_specializes():
     assert _arg_key(x) != _arg_key(x[1:])  # 16-byte alignment
     assert _arg_key(x) != _arg_key(x.to(torch.float16))
     assert _arg_key(1) != _arg_key(16) and _arg_key(2.0) == _arg_key(3.0)  # floats by type, not value
+    # Triton's (tl) host descriptors have no layout (Gluon's do): keyed by block and padding
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m = torch.zeros(32, 64, dtype=torch.float16)
+    desc = TensorDescriptor.from_tensor(m, [16, 64])
+    assert _arg_key(desc) == _arg_key(TensorDescriptor.from_tensor(m.clone(), [16, 64]))
+    assert _arg_key(desc) != _arg_key(TensorDescriptor.from_tensor(m, [32, 64]))
 
 
 def test_cached_launcher_in_the_interpreter():

@@ -1,6 +1,8 @@
 """Scaled INT8 / FP8 matmul kernels: INT8 bit-exact, FP8 within float32 rounding of the
 product of the dequantized inputs. Quantization error is reported apart from kernel error."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -52,7 +54,8 @@ def test_fp8_within_fp32_rounding(m, n, k, scales, qdtype):
 CPU_TILES = [MatmulConfig(32, 32, 32, 4, 1, use_tma=True), MatmulConfig(16, 64, 128, 4, 1, group_m=2, use_tma=True),
              MatmulConfig(64, 16, 128, 4, 1, group_m=1), MatmulConfig(32, 32, 32, 4, 1, split_k=3),
              MatmulConfig(16, 64, 128, 4, 1, split_k=2, use_tma=True), MatmulConfig(32, 32, 32, 4, 1, warp_specialize=True),
-             MatmulConfig(32, 32, 32, 4, 1, promote_in_dot=True)]
+             MatmulConfig(32, 32, 32, 4, 1, promote_in_dot=True), MatmulConfig(16, 64, 128, 4, 1, swap_ab=True),
+             MatmulConfig(16, 32, 128, 4, 1, split_k=3, swap_ab=True, use_tma=True)]
 
 
 # The H200's search grid is gpu-marked: `pytest -m gpu` on the H200 runs every candidate.
@@ -183,3 +186,67 @@ def test_split_k_reduce_with_padded_runs(int8):
         assert torch.equal(c, expect)
     else:
         assert rel_l2_err(c, expect) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 63])
+def test_gpu_decode_split_k_counts_reset(m, use_tma):
+    """Decode-sized M takes the transposed product with K split into runs that the last run of each
+    tile adds up: exact INT8 results launch after launch with fresh inputs (the arrival counts go
+    back to zero), on the default stream and on another one, and FP8 within float32 rounding; with
+    pointer loads and with tensor descriptors (the public functions take the default)."""
+    from dataclasses import replace
+
+    from qflash.kernels.matmul import _COUNTERS, default_config
+
+    n, k = 4096, 4096
+    cfg = default_config(m, n, k, "row", True, torch.device("cuda"))
+    assert cfg.swap_ab and cfg.split_k > 1, cfg
+    if cfg.use_tma != use_tma:
+        cfg = replace(cfg, use_tma=use_tma)
+        int8_mm = partial(scaled_matmul, out_dtype=torch.float32, scales="row", config=cfg)
+        fp8_mm = partial(scaled_matmul, out_dtype=torch.float32, scales="tensor", config=cfg)
+    else:
+        int8_mm = partial(qflash.int8_matmul, out_dtype=torch.float32)
+        fp8_mm = partial(qflash.fp8_matmul, out_dtype=torch.float32)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, side):
+        with torch.cuda.stream(stream):
+            a, b, bias = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(n, device="cuda")
+            a_q, a_s = qflash.quantize(a, torch.int8, "row")
+            b_q, b_s = qflash.quantize(b, torch.int8, "row")
+            with poisoned():
+                c = int8_mm(a_q, b_q, a_s.reshape(m, 1), b_s.reshape(n, 1), bias=bias)
+            cpu = [t.cpu() for t in (a_q, b_q, a_s, b_s, bias)]
+            assert torch.equal(c.cpu(), int8_matmul_ref(*cpu, torch.float32))
+            a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "tensor")
+            b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "tensor")
+            with poisoned():
+                c = fp8_mm(a_q, b_q, a_s, b_s, bias=bias)
+            cpu = [t.cpu() for t in (a_q, b_q, a_s, b_s, bias)]
+            assert rel_l2_err(c.cpu(), fp8_matmul_ref(*cpu, torch.float64)) < 1e-5 * k ** 0.5
+        stream.synchronize()
+    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+
+
+@pytest.mark.gpu
+def test_gpu_decode_split_k_in_a_cuda_graph():
+    """The split-K counts are made (and zeroed) during capture when the graph's stream has none yet;
+    replays with new inputs stay exact."""
+    m, n, k = 16, 4096, 4096
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a_q, a_s = qflash.quantize(a, torch.int8, "row")
+    b_q, b_s = qflash.quantize(b, torch.int8, "row")
+    qflash.int8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = qflash.int8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32)
+    for _ in range(2):
+        fresh_q, fresh_s = qflash.quantize(torch.randn(m, k, device="cuda"), torch.int8, "row")
+        a_q.copy_(fresh_q)
+        a_s.copy_(fresh_s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c.cpu(), int8_matmul_ref(a_q.cpu(), b_q.cpu(), a_s.cpu(), b_s.cpu(), None, torch.float32))

@@ -126,7 +126,7 @@ def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict
 
 
 # (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma[, warp_specialize[, split_k[,
-# promote_in_dot]]]) tried by --tiles on the H200;
+# promote_in_dot[, swap_ab]]]]) tried by --tiles on the H200;
 # benchmarks/results/matmul_tiles_*.json hold the rounds, the winners are
 # qflash.kernels.matmul.default_config.
 MATMUL_TILE_GRID = [
@@ -136,24 +136,36 @@ MATMUL_TILE_GRID = [
     (64, 64, 128, 4, 4, 8, False, False, 4), (64, 128, 128, 4, 4, 8, False, False, 8), (64, 32, 128, 4, 4, 8, False, False, 4),
     # FP8 promotion through tl.dot's max_num_imprecise_acc (exact; not faster in the full benchmark)
     (128, 128, 128, 8, 4, 8, True, False, 1, True), (128, 256, 128, 8, 3, 8, True, False, 1, True),
+    # M <= 64: the transposed product (B's rows on the 64-row side), split K summed in the kernel;
+    # pointer loads, then tensor descriptors (made on the host)
+    (16, 64, 128, 4, 6, 8, False, False, 1, False, True), (16, 64, 128, 4, 6, 8, False, False, 2, False, True),
+    (16, 64, 128, 4, 6, 8, False, False, 4, False, True), (16, 64, 128, 4, 4, 8, False, False, 4, False, True),
+    (16, 128, 128, 4, 4, 8, False, False, 1, False, True), (64, 64, 128, 4, 6, 8, False, False, 4, False, True),
+    (16, 64, 128, 4, 6, 8, True, False, 2, False, True), (16, 64, 128, 4, 6, 8, True, False, 4, False, True),
+    (16, 64, 128, 4, 4, 8, True, False, 4, False, True), (16, 128, 128, 4, 4, 8, True, False, 1, False, True),
+    (16, 128, 128, 4, 4, 8, True, False, 2, False, True), (64, 64, 128, 4, 6, 8, True, False, 4, False, True),
+    (64, 128, 128, 4, 4, 8, True, False, 2, False, True),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
 
 
-def run_tiles(shapes, device: str) -> List[dict]:
-    """Every MATMUL_TILE_GRID config on each kind of scaling, kernel only, quantized inputs."""
+def run_tiles(shapes, device: str, kinds: Optional[List[str]] = None) -> List[dict]:
+    """Every MATMUL_TILE_GRID config on each kind of scaling, kernel only, quantized inputs, and
+    ``torch._scaled_mm`` on the same FP8 operands (per tensor, per row) beside them."""
     import qflash
     from qflash.kernels.matmul import MatmulConfig, config_problem, scaled_matmul
 
     f8 = torch.float8_e4m3fn
-    kinds = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (f8, "tensor", None, None),
+    all_kinds = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (f8, "tensor", None, None),
              "fp8 row": (f8, "row", None, None), "fp8 block": (f8, "block", (1, 128), (128, 128))}
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         ref = a.float() @ b.float().T
-        for kind, (dtype, scales, block_a, block_b) in kinds.items():
+        for kind, (dtype, scales, block_a, block_b) in all_kinds.items():
+            if kinds and kind not in kinds:
+                continue
             a_q, a_s = qflash.quantize(a, dtype, scales, block_a)
             b_q, b_s = qflash.quantize(b, dtype, scales, block_b)
             if scales == "row":
@@ -161,8 +173,14 @@ def run_tiles(shapes, device: str) -> List[dict]:
             for cfg in (MatmulConfig(*t) for t in MATMUL_TILE_GRID):
                 if config_problem(cfg, scales, dtype == torch.int8):  # the launcher would refuse it
                     continue
+                if (cfg.swap_ab and m > 128) or (cfg.block_m > 64 and m <= 64):  # decode-sized tiles for decode-sized M
+                    continue
                 fn = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales, config=cfg)
                 rows.append(_time_row(f"qflash {kind}", fn, ref, m, n, k, device, config=cfg.__dict__))
+            if kind in ("fp8 tensor", "fp8 row"):
+                fn = partial(torch._scaled_mm, a_q, b_q.T, scale_a=a_s, scale_b=b_s.T if scales == "row" else b_s,
+                             out_dtype=torch.bfloat16)
+                rows.append(_time_row(f"torch._scaled_mm {kind[4:]}", fn, ref, m, n, k, device))
         del a, b, ref
     return rows
 
@@ -242,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--shapes", default=None, help="M,N,K[;M,N,K...] instead of the default shapes")
     parser.add_argument("--providers", default=None, help="comma-separated provider names to time (default: all)")
+    parser.add_argument("--kinds", default=None, help="--tiles: comma-separated kinds (int8 row, fp8 tensor, "
+                        "fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     chosen = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")] if args.shapes else None
     cuda = require_runnable(parser)
@@ -253,8 +273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiles:
         if not cuda:
             parser.error("--tiles measures a CUDA GPU; none is visible")
-        result["tiles"] = run_tiles(chosen or TILE_SHAPES, device)
-        console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "rel_err", "error"],
+        result["tiles"] = run_tiles(chosen or TILE_SHAPES, device, args.kinds.split(",") if args.kinds else None)
+        console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "tflops_graph",
+                                                   "rel_err", "error"],
                                  "qflash tile search, kernel only"))
     elif args.mlp:
         ms = [16, 1024, 8192] if cuda and not args.quick else [16]

@@ -14,6 +14,9 @@ schedule that ``tl`` cannot express in Triton 3.6 (benchmarks/NOTES.md, fourth r
 
     ring slot s:  loader --k_ready[s]--> consumers --k_empty[s] (all)--> loader   (same for V)
 
+Causal items with 64-key tiles: each consumer works through the tiles its own 64 rows see and
+lets the rest of the block's tiles go as they land (the diagonal costs half a tile less a block).
+
 Each consumer overlaps its own work (FlashAttention-3's intra-warpgroup pipelining): while the
 softmax of key tile j runs on the CUDA cores, the tensor cores compute P_{j-1} V_{j-1}:
 
@@ -235,6 +238,13 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             b, h, m0, n_full, n_tiles = _work_item(w, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
                                                    heads_per_group, CAUSAL, CONSUMERS * ROWS, BLOCK_N)
             m0 += which * ROWS
+            if CAUSAL:
+                # This consumer's own rows bound its tiles: with 64-key tiles the block's last tile
+                # is hidden from the first 64 rows, and the second 64 rows see one more unmasked.
+                n_mine = gl.minimum((gl.maximum(m0 + ROWS + shift, 0) + BLOCK_N - 1) // BLOCK_N, n_tiles)
+                n_full = gl.minimum(gl.maximum(m0 + 1 + shift, 0) // BLOCK_N, n_mine)
+            else:
+                n_mine = n_tiles
             rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
             l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
@@ -243,7 +253,7 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             q = q_smem.index(CONSUMERS * qb + which)
             q_free = q_empty.index(qb)
             mbarrier.wait(q_ready.index(qb), (i // Q_BUFFERS) & 1)
-            if n_tiles > 0:
+            if n_mine > 0:
                 # Tile 0 has no P V before it to overlap with.
                 s0 = c % STAGES
                 mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
@@ -251,22 +261,22 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
                                    gl.zeros((ROWS, BLOCK_N), gl.float32, s_layout), use_acc=False, is_async=True)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
-                mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
+                mbarrier.arrive(q_free, count=1, pred=n_mine == 1)
                 if n_full > 0:
                     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, False)
                 else:
                     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, 0, shift, qk_scale, True)
                 p_op = gl.convert_layout(p.to(v_ring.dtype), p_layout)
                 for j in range(1, n_full):
-                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring,
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_mine - 1, acc, p_op, m_i, l_i, q, k_ring,
                                                          v_ring, q_free, k_ready, v_ready, k_empty, v_empty, rows,
                                                          shift, qk_scale, s_layout, STAGES, False)
-                for j in range(gl.maximum(n_full, 1), n_tiles):
-                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_tiles - 1, acc, p_op, m_i, l_i, q, k_ring,
+                for j in range(gl.maximum(n_full, 1), n_mine):
+                    acc, p_op, m_i, l_i = _attn_fwd_tile(c + j, j, n_mine - 1, acc, p_op, m_i, l_i, q, k_ring,
                                                          v_ring, q_free, k_ready, v_ready, k_empty, v_empty, rows,
                                                          shift, qk_scale, s_layout, STAGES, True)
                 # The last tile's P V.
-                c += n_tiles
+                c += n_mine
                 last = (c - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((c - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
@@ -274,6 +284,15 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
                 mbarrier.arrive(v_empty.index(last), count=1)
             else:
                 mbarrier.arrive(q_free, count=1)
+            for j in range(n_mine, n_tiles):
+                # Tiles the loader brought for the other consumer's rows: once they have landed (so
+                # that this arrival cannot count toward the slot's next lap), let the slot go.
+                s = c % STAGES
+                mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(s), count=1)
+                mbarrier.wait(v_ready.index(s), (c // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(s), count=1)
+                c += 1
             i += 1
 
             # One division at the end; the log-sum-exp in natural log. Rows that see no key
@@ -368,7 +387,10 @@ def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple
     items divide 512 and 1k rows, 192-row ones leave a part-empty item: 354 / 402 TFLOP/s against
     319 / 381, even at 2k, ..._d64_short_h200_2026-11-29_s9a.json); causal with 64-key tiles and
     4 slots, less of the diagonal tile wasted (512 / 1k tokens: 192 / 255 TFLOP/s against
-    172 / 237; from 2k on 11-14% slower, ..._d64_tiles_h200_2026-11-29_s8h.json)."""
+    172 / 237; from 2k on 11-14% slower, ..._d64_tiles_h200_2026-11-29_s8h.json). With 64-key
+    tiles each causal consumer stops at its own rows' last tile (the loader still brings the
+    block's): D = 64 at 512 / 1k 195 / 255 -> 207 / 263 TFLOP/s from graphs, 1.24 -> 1.33x and
+    1.17 -> 1.21x flash-attn 2 (..._d64_short_..._s10g.json, ..._d64_causal_..._s11c.json)."""
     if head_dim <= 64:
         if seqlen_k <= SHORT_D64:
             return (2, 64, 4, 2) if causal else (2, 128, 3, 2)

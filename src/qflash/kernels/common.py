@@ -111,12 +111,12 @@ def ensure_descriptor_allocator(device: torch.device) -> None:
 
 def _arg_key(arg):
     """What Triton specializes a launch on, or finer: a tensor's dtype and 16-byte alignment, an
-    integer's value, a descriptor's tensor, shape, strides, block and layout."""
+    integer's value, a descriptor's tensor, shape, strides, block, padding and (Gluon's) layout."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if hasattr(arg, "block_shape"):  # a host tensor descriptor
+    if hasattr(arg, "block_shape"):  # a host tensor descriptor: Triton's (tl) or Gluon's, which has a layout
         return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
-                tuple(arg.block_shape), arg.layout)
+                tuple(arg.block_shape), getattr(arg, "padding", None), getattr(arg, "layout", None))
     if isinstance(arg, float):
         return float
     return arg  # int, bool, None, constexpr values

@@ -10,36 +10,45 @@ scale anyway.
 Scale layouts (float32): tensor () or (1,); row (M, 1) for A and (N, 1) for B; block
 (M, K/128) for A (1 x 128 groups) and (N/128, K/128) for B (128 x 128 groups).
 
+Decode-sized products (M <= 64: one token a sequence, a few sequences) only stream B. There the
+kernel computes the product transposed, C^T = B A^T (``swap_ab``): B's rows take the tensor cores'
+64-row side and A's few rows the narrow side (16 columns and up) instead of being padded to 64
+rows, and K is split into runs so that every SM streams part of B. Each run stores its float32
+(int32) sum; the last run of a tile to arrive, counted by an atomic, adds the runs in a fixed order
+and writes C (no second kernel; the same result whichever run arrives last).
+
 On Hopper, FP8 products from M = 128 (tensor, row or block scales) go to the warp-specialized
 Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``); ``QFLASH_GLUON=0`` keeps them
-here. Scales, bias and the split-K sum live in ``matmul_epilogue.py``, which both kernels share.
+here. Scales and bias live in ``matmul_epilogue.py``, which both kernels share (with the Gluon
+kernel's split-K sum).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import (CachedLauncher, cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma,
-                                   tma_compatible)
-from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, reduce_split_k, scale_strides, scaled_epilogue
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from qflash.kernels.common import CachedLauncher, cdiv, gluon_enabled, has_tma, sm_count, tma_compatible
+from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, scale_strides, scaled_epilogue
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
 
 @triton.jit
 def _scaled_matmul_kernel(
-    A, B, C, AScale, BScale, Bias, Partial,
+    A, B, C, AScale, BScale, Bias, Partial, Counters,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr, PROMOTE_IN_DOT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr, PROMOTE_IN_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
     pid = tl.program_id(0)
@@ -52,7 +61,7 @@ def _scaled_matmul_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // group_rows
 
     # Split-K: program_id(1) takes one of SPLIT_K equal runs of whole K blocks, so that a
-    # small M x N still fills the machine; the partial sums meet in matmul_epilogue.reduce_split_k.
+    # small M x N still fills the machine; the last run of a tile to finish adds them up (below).
     pid_k = tl.program_id(1)
     k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_run
@@ -61,21 +70,19 @@ def _scaled_matmul_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)
-    if USE_TMA:  # Hopper's copy engine fetches whole tiles, zero-filling past the edges
-        a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
+    if not USE_TMA:
         a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
         b_ptrs = B + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
-    if IS_INT8:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # exact: |sum| < K * 127^2
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # SWAP_AB (decode-sized M): the product is computed transposed, C^T = B A^T, so that B's rows
+    # fill the tensor cores' 64-row side and A's few rows the narrow one (down to 16 columns)
+    # instead of being padded to 64 rows. The accumulator is transposed back once, at the end.
+    ACC_SHAPE: tl.constexpr = [BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N]
+    acc = tl.zeros(ACC_SHAPE, dtype=tl.int32 if IS_INT8 else tl.float32)  # INT8 exact: |sum| < K * 127^2
     # Warp specialization: producer warps issue the loads while consumer warps multiply.
     for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-        if USE_TMA:
-            a = a_desc.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
-            b = b_desc.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
+        if USE_TMA:  # A and B are tensor descriptors: Hopper's copy engine fetches whole tiles, zero-filling past the edges
+            a = A.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
+            b = B.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
         else:
             a_ok = (rows[:, None] < M) & (k + offs_k[None, :] < K)
             b_ok = (cols[None, :] < N) & (k + offs_k[:, None] < K)
@@ -83,25 +90,56 @@ def _scaled_matmul_kernel(
             a = tl.load(a_ptrs + k * stride_ak, mask=a_ok, other=zero)
             b = tl.load(b_ptrs + k * stride_bk, mask=b_ok, other=zero)
         if IS_INT8:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            acc = _dot(a, b, acc, tl.int32, None, SWAP_AB)
+        elif PROMOTE_IN_DOT:  # the same promotion, every BLOCK_K products, left to the compiler
+            acc = _dot(a, b, acc, tl.float32, BLOCK_K, SWAP_AB)
         else:
-            if PROMOTE_IN_DOT:  # the same promotion, every BLOCK_K products, left to the compiler
-                acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-            else:
-                part = tl.dot(a, b, out_dtype=tl.float32)  # one K block, promoted to the fp32 total below
-                if SCALES == SCALES_BLOCK:
-                    kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
-                    a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
-                    b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
+            part = _dot(a, b, None, tl.float32, None, SWAP_AB)  # one K block, promoted to the fp32 total below
+            if SCALES == SCALES_BLOCK:
+                kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
+                a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)  # [BLOCK_M]
+                b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
+                if SWAP_AB:
+                    part = part * (a_s[None, :] * b_s)
+                else:
                     part = part * (a_s[:, None] * b_s)
-                acc += part
+            acc += part
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
     if SPLIT_K == 1:
         scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm,
                         stride_bsn, SCALES, HAS_BIAS)
-    else:  # Partial is (SPLIT_K, M, N), contiguous, in the accumulator's type
-        p_ptrs = Partial + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(p_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    else:
+        # Partial is (SPLIT_K, M, N), contiguous, in the accumulator's type. Each run stores its sum
+        # and counts itself in; the run that counts last adds the SPLIT_K sums in split order (the
+        # same order, so the same float32 result, whichever run is last), applies the epilogue and
+        # sets the count back to zero for the next launch. No second kernel.
+        ok = (rows[:, None] < M) & (cols[None, :] < N)
+        p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(p_ptrs + pid_k * M * N, acc, mask=ok)
+        tl.debug_barrier()  # every thread's stores are issued before the count goes up
+        counter = Counters + pid_m * num_n + pid_n
+        # acq_rel: the stores above are visible to whoever counts after, and theirs to us
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(p_ptrs, mask=ok, other=0, cache_modifier=".cg")  # .cg: from L2, not a stale L1
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(p_ptrs + s * M * N, mask=ok, other=0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            scaled_epilogue(total, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm,
+                            stride_bsn, SCALES, HAS_BIAS)
+
+
+@triton.jit
+def _dot(a, b, acc, out_dtype: tl.constexpr, max_imprecise: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + a @ b, with a [BLOCK_M, BLOCK_K] and b [BLOCK_K, BLOCK_N]; with SWAP_AB the transposed
+    product acc + b^T @ a^T ([BLOCK_N, BLOCK_M])."""
+    if SWAP_AB:
+        out = tl.dot(tl.trans(b), tl.trans(a), acc, out_dtype=out_dtype, max_num_imprecise_acc=max_imprecise)
+    else:
+        out = tl.dot(a, b, acc, out_dtype=out_dtype, max_num_imprecise_acc=max_imprecise)
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,11 +152,14 @@ class MatmulConfig:
     group_m: int = 8
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
     warp_specialize: bool = False
-    split_k: int = 1  # K cut into this many runs, summed by a second kernel (small M x N)
+    split_k: int = 1  # K cut into this many runs, summed by the last run of each tile (small M x N)
     # FP8 tensor/row scales: promote through tl.dot's max_num_imprecise_acc (the compiler adds each
     # K block's partial sum into the float32 total, without waiting for the next block's products)
     # instead of the explicit `acc += part`; the H200 tile tests check it is exact to float32.
     promote_in_dot: bool = False
+    # Decode-sized M: compute C^T = B A^T, B's block_n rows on the tensor cores' 64-row side and A's
+    # block_m (16 or more) rows on the narrow side.
+    swap_ab: bool = False
 
 
 def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torch.device) -> MatmulConfig:
@@ -126,6 +167,18 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
     if device.type != "cuda":
         return MatmulConfig(32, 32, QBLOCK if scales == "block" else 32, 4, 1)
     hopper = has_tma(device)
+    if m <= 64 and hopper:
+        # Decode-sized M reads B once and does little else: the transposed product on 64 rows of B
+        # a tile (128 where that already makes two tiles a SM), K split so that about two runs a SM
+        # stream B, each of at least 8 K steps; pointer loads (tensor descriptors timed the same).
+        # Tile searches: matmul_tiles_small_m_*_h200_2026-11-30_s11{a,b,e}.json; the public FP8
+        # path went from 0.58-0.80x torch._scaled_mm (per tensor, CUDA graphs) with the tiles
+        # below to 0.84-1.11x (matmul_fp8_small_m_h200_2026-11-30_s11c.json).
+        sms = sm_count(device)
+        block_n = 128 if cdiv(n, 64) > 2 * sms else 64
+        split_k = max(1, min(cdiv(k, QBLOCK) // 8, round(2 * sms / cdiv(n, block_n))))
+        return MatmulConfig(max(16, triton.next_power_of_2(m)), block_n, 128, 4, 6 if block_n == 64 else 4,
+                            split_k=split_k, swap_ab=True)
     if m <= 64:  # decode-sized M: narrow tiles give more programs to stream B with
         return MatmulConfig(64, 32, 128, 4, 4)
     if int8 or m <= 128:
@@ -175,26 +228,44 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     if problem:
         raise ValueError(f"{problem}, got {cfg}")
     use_tma = cfg.use_tma and tma_compatible(a_q, b_q)
-    if use_tma:
-        ensure_descriptor_allocator(a_q.device)
+    # Descriptors made on the host: made in the kernel they cost each program a global write and a
+    # fence before its first load (at M = 16, 4096^2, 16 x 64 tiles ran 8.2 us with them against
+    # 5.6-6.0 with pointer loads, matmul_tiles_small_m_h200_2026-11-30_s11a/b.json).
+    a_arg = TensorDescriptor.from_tensor(a_q, [cfg.block_m, cfg.block_k]) if use_tma else a_q
+    b_arg = TensorDescriptor.from_tensor(b_q, [cfg.block_n, cfg.block_k]) if use_tma else b_q
     split_k = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
-    partial = torch.empty((split_k, m, n), dtype=torch.int32 if is_int8 else torch.float32,
-                          device=a_q.device) if split_k > 1 else c
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split_k)
-    scales_kind = SCALES_KIND[scales]
-    _launcher[grid](
-        a_q, b_q, c, a_scale, b_scale, bias if bias is not None else c, partial,
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n), dtype=torch.int32 if is_int8 else torch.float32, device=a_q.device)
+        counters = split_k_counters(a_q.device, tiles)
+    else:
+        partial = counters = c  # not read
+    _launcher[(tiles, split_k)](
+        a_arg, b_arg, c, a_scale, b_scale, bias if bias is not None else c, partial, counters,
         m, n, k,
         a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1), c.stride(0), c.stride(1),
         *scale_strides(a_scale), *scale_strides(b_scale),
-        SCALES=scales_kind, IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
+        SCALES=SCALES_KIND[scales], IS_INT8=is_int8, HAS_BIAS=bias is not None, USE_TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_K=split_k, PROMOTE_IN_DOT=cfg.promote_in_dot, SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # INT8: no multiply-add fusion in the epilogue, so that the float32 rounding steps are
         # exactly the reference's (int32 * a_scale * b_scale + bias, each rounded).
         enable_fp_fusion=not is_int8,
     )
-    if split_k > 1:
-        reduce_split_k(partial, c, a_scale, b_scale, bias, m * n, scales_kind, exact=is_int8)
     return c
+
+
+_COUNTERS: Dict[tuple, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counts, one a tile, for split-K launches on the current stream. Each
+    launch leaves them at zero again (its last run resets its tile's count), so they are made once
+    per device and stream: launches in one stream run one after another, while two streams would
+    race on shared counts."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters
