@@ -4,7 +4,8 @@
         [--groups 1,auto,all] [--consumers 2] [--block-n 64 --stages 4]
 
 bf16, batch x seqlen = 16k tokens, heads x headdim = 2048 (the attention benchmark's shapes).
-Each order is timed on the same inputs in one process; the JSON keeps every row.
+Each order is checked against PyTorch's attention, then timed on the same inputs in one process;
+the JSON keeps every row.
 """
 
 import argparse
@@ -15,6 +16,13 @@ import torch
 from qflash.bench.harness import environment, save_json, time_ms
 from qflash.kernels import attention_gluon
 from qflash.kernels.common import sm_count
+
+
+def _sdpa(q, k, v, causal):
+    """PyTorch's attention on (batch, seqlen, heads, headdim) tensors."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=causal)
+    return out.transpose(1, 2)
 
 
 def main() -> None:
@@ -50,6 +58,10 @@ def main() -> None:
             auto = attention_gluon.causal_heads_per_group(batch * heads, m_blocks, grid, consumers * attention_gluon.SUB_M,
                                                           block_n, seqlen, 0)
             flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
+            # Each build is checked before it is timed: max error against a float32 reference
+            # within twice PyTorch's own bf16 attention's (plus a rounding floor).
+            ref = _sdpa(q.float(), k.float(), v.float(), causal)
+            torch_err = (_sdpa(q, k, v, causal).float() - ref).abs().max().item()
             line = []
             named = {"auto": auto, "all": batch * heads}
             for name in args.groups.split(",") if causal else ["all"]:
@@ -58,12 +70,14 @@ def main() -> None:
                     continue
                 fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, causal, True,  # noqa: E731
                                                             heads_per_group=g)
+                err = (fn()[0].float() - ref).abs().max().item()
+                check = "ok" if err <= 2 * torch_err + 1e-3 else "WRONG"
                 ms = time_ms(fn)["ms"]
                 tflops = flops / ms / 1e9
                 result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=causal, order=name,
                                            heads_per_group=group, consumers=consumers, block_n=block_n,
-                                           ms=ms, tflops=tflops))
-                line.append(f"{name} (G={group}) {tflops:6.1f}")
+                                           ms=ms, tflops=tflops, max_err=err, torch_max_err=torch_err, check=check))
+                line.append(f"{name} (G={group}) {tflops:6.1f} {check}")
             print(f"D={head_dim:3d} S={seqlen:5d}  " + "  ".join(line), flush=True)
             save_json(args.out, result)
     assert math.isfinite(sum(r["ms"] for r in result["rows"]))

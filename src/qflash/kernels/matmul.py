@@ -50,6 +50,9 @@ def _scaled_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, SPLIT_K: tl.constexpr, PROMOTE_IN_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
+    """C = (A * a_scale) @ (B * b_scale)^T + bias. A and B are pointers, or with USE_TMA host tensor
+    descriptors in [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K] blocks. With SPLIT_K > 1, Partial
+    (SPLIT_K, M, N) takes each run's sum and Counters (zeroed, one a tile) their arrivals."""
     # Grouped launch order: GROUP_M row blocks share each column block of B while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -80,7 +83,7 @@ def _scaled_matmul_kernel(
     acc = tl.zeros(ACC_SHAPE, dtype=tl.int32 if IS_INT8 else tl.float32)  # INT8 exact: |sum| < K * 127^2
     # Warp specialization: producer warps issue the loads while consumer warps multiply.
     for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-        if USE_TMA:  # A and B are tensor descriptors: Hopper's copy engine fetches whole tiles, zero-filling past the edges
+        if USE_TMA:  # A and B are descriptors: the copy engine fetches whole tiles, zero-filling past the edges
             a = A.load([pid_m * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]
             b = B.load([pid_n * BLOCK_N, k]).T  # [BLOCK_K, BLOCK_N]
         else:
@@ -263,7 +266,8 @@ def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counts, one a tile, for split-K launches on the current stream. Each
     launch leaves them at zero again (its last run resets its tile's count), so they are made once
     per device and stream: launches in one stream run one after another, while two streams would
-    race on shared counts."""
+    race on shared counts. (A CUDA graph captured on a stream keeps that stream's counts; graphs
+    whose capture streams shared a handle must not be replayed at the same time.)"""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:

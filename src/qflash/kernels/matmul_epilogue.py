@@ -1,6 +1,6 @@
 """The end of a scaled INT8 / FP8 product, shared by the tl kernel (``matmul.py``) and the Gluon
-kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the fixed-order sum of
-split-K partial products.
+kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the Gluon kernel's
+fixed-order sum of split-K partial products (the tl kernel adds its runs in the kernel).
 
 The reference's order: C = acc * a_scale * b_scale + bias, each step rounded in float32 (with
 multiply-add fusion off, INT8 results are then bit-exact); block scales were applied to each K
