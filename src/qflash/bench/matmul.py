@@ -144,7 +144,7 @@ MATMUL_TILE_GRID = [
     (16, 64, 128, 4, 6, 8, True, False, 2, False, True), (16, 64, 128, 4, 6, 8, True, False, 4, False, True),
     (16, 64, 128, 4, 4, 8, True, False, 4, False, True), (16, 128, 128, 4, 4, 8, True, False, 1, False, True),
     (16, 128, 128, 4, 4, 8, True, False, 2, False, True), (64, 64, 128, 4, 6, 8, True, False, 4, False, True),
-    (64, 128, 128, 4, 4, 8, True, False, 2, False, True),
+    (64, 128, 128, 4, 4, 8, True, False, 2, False, True), (64, 128, 128, 4, 4, 8, False, False, 4, False, True),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
 

@@ -956,9 +956,11 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
     if device.type != "cuda":
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     block_d = _block_d(head_dim)
-    if dtype == torch.float64 and block_d > 64:  # 8-byte tiles: shared memory (232 KB) sets the size
-        if block_d > 128:
-            return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
+    if dtype == torch.float64 and block_d > 128:  # 8-byte tiles: shared memory (232 KB) sets the size
+        return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
+    if dtype == torch.float64 and block_d > 64 or dtype == torch.float32 and block_d > 128:
+        # float32 at D = 256: its IEEE products are unrolled multiply-add loops, and with the tiles
+        # below both kernels took over five minutes to build for sm_90 (these: 22 s, offline).
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
