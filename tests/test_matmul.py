@@ -35,6 +35,23 @@ def test_int8_bit_exact(m, n, k, out_dtype, scales):
     assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, out_dtype))
 
 
+def test_scales_of_every_accepted_shape_go_through_as_they_are():
+    """One-element scales of any shape ((), (1,), (1, 1)) and per-row (M,) / (M, 1), float32 or
+    not, next to each other: INT8 bit-exact. Float32 scales reach the kernel without a copy."""
+    from qflash.ops.matmul import _scale
+
+    m, n, k = 33, 40, 96
+    a, b, bias = _operands(m, n, k)
+    a_q, a_s = qflash.quantize(a, torch.int8, "row")
+    b_q, b_s = qflash.quantize(b, torch.int8, "row")
+    one = torch.full((1, 1), 0.01, device=DEVICE)
+    for a_scale, b_scale in [(one, b_s.reshape(n)), (a_s.reshape(m, 1), one.reshape(1)), (one.reshape(()), one),
+                             (a_s.reshape(m).half(), b_s.reshape(n, 1))]:
+        c = qflash.int8_matmul(a_q, b_q, a_scale, b_scale, bias=bias, out_dtype=torch.float32)
+        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_scale.float(), b_scale.float(), bias, torch.float32))
+    assert _scale("a_scale", a_s, m, a_s.device) is a_s
+
+
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
 @pytest.mark.parametrize("m,n,k", SHAPES)

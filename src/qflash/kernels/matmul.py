@@ -25,6 +25,7 @@ kernel's split-K sum).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -165,8 +166,10 @@ class MatmulConfig:
     swap_ab: bool = False
 
 
+@functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torch.device) -> MatmulConfig:
-    """Tiles searched on the H200 (benchmarks/results/matmul_tiles_*); small ones for the interpreter."""
+    """Tiles searched on the H200 (benchmarks/results/matmul_tiles_*); small ones for the interpreter.
+    (Cached: eager calls of decode-sized products are bound by the host.)"""
     if device.type != "cuda":
         return MatmulConfig(32, 32, QBLOCK if scales == "block" else 32, 4, 1)
     hopper = has_tma(device)

@@ -25,11 +25,11 @@ SCALES_KIND = {"tensor": SCALES_TENSOR.value, "row": SCALES_ROW.value, "block": 
 
 
 def scale_strides(t: torch.Tensor) -> tuple:
-    """(row, column) strides of a scale tensor as the kernels read it: () / (1,) per tensor (one
-    value), (M,) or (M, 1) per row, 2-D per block."""
-    if t.dim() == 2:
-        return t.stride()
-    return (t.stride(0), 0) if t.numel() > 1 else (0, 0)
+    """(row, column) strides of a scale tensor as the kernels read it: one value of any shape (per
+    tensor: every row and K block reads it), (M,) or (M, 1) per row, 2-D per block."""
+    if t.numel() == 1:
+        return 0, 0
+    return t.stride() if t.dim() == 2 else (t.stride(0), 0)
 
 
 @triton.jit

@@ -53,17 +53,17 @@ def _check_operands(a_q, b_q, dtypes, bias, out_dtype):
 
 
 def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
-    """A per-tensor or per-row scale as float32 (rows, 1), zero-stride when per tensor."""
+    """A per-tensor (one element) or per-row ((rows,) or (rows, 1)) scale as float32. The kernels
+    read any of these layouts through its strides (``matmul_epilogue.scale_strides``), so a float32
+    scale goes on as it is: no copy, no reshape on every call."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor")
     if scale.device != device:
         raise ValueError(f"{name} is on {scale.device}, expected {device}")
-    if scale.numel() == 1:
-        return scale.reshape(1, 1).float().expand(rows, 1)
-    if tuple(scale.shape) not in ((rows,), (rows, 1)):
+    if scale.numel() != 1 and tuple(scale.shape) not in ((rows,), (rows, 1)):
         raise ValueError(f"{name} must have one element (per tensor) or shape ({rows},) / ({rows}, 1) "
                          f"(per row), got {tuple(scale.shape)}")
-    return scale.reshape(rows, 1).float()
+    return scale if scale.dtype == torch.float32 else scale.float()
 
 
 def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -76,11 +76,8 @@ def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_s
     m, n = a_q.shape[0], b_q.shape[0]
     from qflash.kernels.matmul import scaled_matmul
 
-    if a_scale.numel() == 1 and b_scale.numel() == 1:
-        a_s, b_s = _scale("a_scale", a_scale, 1, a_q.device), _scale("b_scale", b_scale, 1, a_q.device)
-        return scaled_matmul(a_q, b_q, a_s.reshape(()), b_s.reshape(()), bias, out_dtype, "tensor")
-    return scaled_matmul(a_q, b_q, _scale("a_scale", a_scale, m, a_q.device),
-                         _scale("b_scale", b_scale, n, a_q.device), bias, out_dtype, "row")
+    a_s, b_s = _scale("a_scale", a_scale, m, a_q.device), _scale("b_scale", b_scale, n, a_q.device)
+    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
 
 
 def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -105,8 +102,5 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
         if a_scale.device != a_q.device or b_scale.device != a_q.device:
             raise ValueError("a_scale and b_scale must be on a_q's device")
         return scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
-    if a_scale.numel() == 1 and b_scale.numel() == 1:
-        a_s, b_s = _scale("a_scale", a_scale, 1, a_q.device), _scale("b_scale", b_scale, 1, a_q.device)
-        return scaled_matmul(a_q, b_q, a_s.reshape(()), b_s.reshape(()), bias, out_dtype, "tensor")
-    return scaled_matmul(a_q, b_q, _scale("a_scale", a_scale, m, a_q.device),
-                         _scale("b_scale", b_scale, n, a_q.device), bias, out_dtype, "row")
+    a_s, b_s = _scale("a_scale", a_scale, m, a_q.device), _scale("b_scale", b_scale, n, a_q.device)
+    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
