@@ -120,19 +120,26 @@ def _scaled_matmul_kernel(
         # same order, so the same float32 result, whichever run is last), applies the epilogue and
         # sets the count back to zero for the next launch. No second kernel.
         ok = (rows[:, None] < M) & (cols[None, :] < N)
-        p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
-        tl.store(p_ptrs + pid_k * M * N, acc, mask=ok)
+        tl.store(_run_ptrs(Partial, pid_k, rows, cols, M, N), acc, mask=ok)
         tl.debug_barrier()  # every thread's stores are issued before the count goes up
         counter = Counters + pid_m * num_n + pid_n
         # acq_rel: the stores above are visible to whoever counts after, and theirs to us
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            total = tl.load(p_ptrs, mask=ok, other=0, cache_modifier=".cg")  # .cg: from L2, not a stale L1
+            # .cg: from L2, where the other runs' stores are, not from a stale L1 line
+            total = tl.load(_run_ptrs(Partial, 0, rows, cols, M, N), mask=ok, other=0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(p_ptrs + s * M * N, mask=ok, other=0, cache_modifier=".cg")
+                total += tl.load(_run_ptrs(Partial, s, rows, cols, M, N), mask=ok, other=0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             scaled_epilogue(total, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm,
                             stride_bsn, SCALES, HAS_BIAS)
+
+
+@triton.jit
+def _run_ptrs(Partial, run, rows, cols, M, N):
+    """Where split-K run ``run`` keeps its sum of C[rows, cols]: Partial is (SPLIT_K, M, N),
+    contiguous (64-bit offsets: SPLIT_K * M * N can pass 2^31)."""
+    return Partial + (run * M + rows[:, None]).to(tl.int64) * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
 
 
 @triton.jit
