@@ -66,6 +66,15 @@ def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
     return scale if scale.dtype == torch.float32 else scale.float()
 
 
+def _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype) -> torch.Tensor:
+    """The product with per-tensor scales (both one element) or per-row ones (either per row)."""
+    from qflash.kernels.matmul import scaled_matmul
+
+    a_s = _scale("a_scale", a_scale, a_q.shape[0], a_q.device)
+    b_s = _scale("b_scale", b_scale, b_q.shape[0], a_q.device)
+    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
+
+
 def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """s8 x s8 with exact int32 accumulation; scales and bias applied once, in the epilogue.
@@ -73,11 +82,7 @@ def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_s
     Per-tensor or per-row scales (see the module docstring). Returns (M, N) ``out_dtype``.
     """
     _check_operands(a_q, b_q, (torch.int8,), bias, out_dtype)
-    m, n = a_q.shape[0], b_q.shape[0]
-    from qflash.kernels.matmul import scaled_matmul
-
-    a_s, b_s = _scale("a_scale", a_scale, m, a_q.device), _scale("b_scale", b_scale, n, a_q.device)
-    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
+    return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
 def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -102,5 +107,4 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
         if a_scale.device != a_q.device or b_scale.device != a_q.device:
             raise ValueError("a_scale and b_scale must be on a_q's device")
         return scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
-    a_s, b_s = _scale("a_scale", a_scale, m, a_q.device), _scale("b_scale", b_scale, n, a_q.device)
-    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
+    return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)
