@@ -960,7 +960,8 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
         return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
     if dtype == torch.float64 and block_d > 64 or dtype == torch.float32 and block_d > 128:
         # float32 at D = 256: its IEEE products are unrolled multiply-add loops, and with the tiles
-        # below both kernels took over five minutes to build for sm_90 (these: 22 s, offline).
+        # below both kernels took over five minutes to build for sm_90 (these: 22 s, built offline;
+        # its H200 test then ran in 40 s, gpu_tests_wide_dtypes_h200_2026-11-30_s11h.log).
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
