@@ -102,10 +102,14 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
 
 
 @gluon.jit
-def _finish(acc, AScale, BScale, Bias, row0, col0, M, N, stride_asm, stride_bsn, SCALES: gl.constexpr,
-            HAS_BIAS: gl.constexpr, RAW: gl.constexpr):
-    """acc's block of C[row0:, col0:] in float32: acc * scales (+ bias), in the reference's order
-    (RAW, split K: acc as it is); with its rows and columns."""
+def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
+                 stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                 RAW: gl.constexpr):
+    """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
+    cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
+    from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
+    (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
+    clips rows and columns past C's bounds."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
@@ -123,81 +127,17 @@ def _finish(acc, AScale, BScale, Bias, row0, col0, M, N, stride_asm, stride_bsn,
         out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
     if HAS_BIAS and not RAW:
         out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    return out, rows, cols
-
-
-@gluon.jit
-def _store(out, C, rows, cols, c_row_base, M, N, stride_cm):
-    """A block of C by plain stores from registers, rows from ``c_row_base``, masked to M x N."""
-    ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-    gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
-
-
-@gluon.jit
-def _bulk_store_begin(c_buf):
-    tma.store_wait(0)  # the previous block's copy has read c_buf ...
-    gl.thread_barrier()  # ... before any of the 128 threads writes it again
-
-
-@gluon.jit
-def _bulk_store_end(c_desc, c_buf, row, col):
-    fence_async_shared()  # the writes, visible to the copy engine
-    gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
-    tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
-
-
-@gluon.jit
-def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
-                 stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                 RAW: gl.constexpr):
-    """C[row0:, col0:] (acc's 64 x 128 block) = acc * scales (+ bias) in float32, cast to C's
-    dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is, from row
-    c_row_base + row0. With TMA_STORE the block goes out through shared memory (``c_buf``) and
-    one bulk copy that runs on while the consumer starts its next tile; the copy clips rows and
-    columns past C's bounds."""
-    out, rows, cols = _finish(acc, AScale, BScale, Bias, row0, col0, M, N, stride_asm, stride_bsn, SCALES,
-                              HAS_BIAS, RAW)
     if TMA_STORE:
-        _bulk_store_begin(c_buf)
+        tma.store_wait(0)  # the previous block's copy has read c_buf ...
+        gl.thread_barrier()  # ... before any of the 128 threads writes it again
         c_buf.store(out.to(c_desc.dtype))
-        _bulk_store_end(c_desc, c_buf, c_row_base + row0, col0)
+        fence_async_shared()  # the writes, visible to the copy engine
+        gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
+        tma.async_copy_shared_to_global(c_desc, [c_row_base + row0, col0], c_buf)
     else:
-        _store(out, C, rows, cols, c_row_base, M, N, stride_cm)
-
-
-@gluon.jit
-def _mm_epilogue_pair(acc_l, acc_r, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N,
-                      stride_cm, stride_asm, stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      TMA_STORE: gl.constexpr, RAW: gl.constexpr):
-    """``_mm_epilogue`` for a 64 x 128 block of C held as two 64 x 64 quarters (QUARTERS): both
-    go into c_buf's halves and out in one bulk copy."""
-    W: gl.constexpr = acc_l.type.shape[1]
-    out_l, rows, cols_l = _finish(acc_l, AScale, BScale, Bias, row0, col0, M, N, stride_asm, stride_bsn, SCALES,
-                                  HAS_BIAS, RAW)
-    out_r, rows, cols_r = _finish(acc_r, AScale, BScale, Bias, row0, col0 + W, M, N, stride_asm, stride_bsn,
-                                  SCALES, HAS_BIAS, RAW)
-    if TMA_STORE:
-        _bulk_store_begin(c_buf)
-        c_buf.slice(0, W, dim=1).store(out_l.to(c_desc.dtype))
-        c_buf.slice(W, W, dim=1).store(out_r.to(c_desc.dtype))
-        _bulk_store_end(c_desc, c_buf, c_row_base + row0, col0)
-    else:
-        _store(out_l, C, rows, cols_l, c_row_base, M, N, stride_cm)
-        _store(out_r, C, rows, cols_r, c_row_base, M, N, stride_cm)
-
-
-@gluon.jit
-def _block_scale_ptrs(AScale, BScale, pid_m, pid_n, which, M, N, stride_asm, stride_bsn, SUB: gl.constexpr,
-                      BN: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
-    """Where a consumer's block scales start: its rows' of A (rows in ``layout``'s rows), and B's
-    for the tile's first 128 columns; ``hi_ok``: the tile's second 128 columns are inside B."""
-    rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
-    if BN == 2 * HALF:
-        hi_ok = pid_n * BN + HALF < N
-    else:
-        hi_ok = False
-    return rows, AScale + rows * stride_asm, BScale + pid_n * (BN // HALF) * stride_bsn, hi_ok
+        ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -215,12 +155,11 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, QUARTERS: gl.constexpr):
+                 SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
-    halves of 128, each with its own float32 total (QUARTERS, block scales: four quarters of 64).
-    With SPLIT_K > 1 an item's sum goes as it is to rows split * split_rows + row of a partial-sum
-    buffer, which a second kernel adds up."""
+    halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
+    to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
@@ -228,12 +167,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
     WIDE: gl.constexpr = BN == 2 * HALF
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
     gl.static_assert(BN == HALF or (WIDE and not IS_INT8), "tiles are 128 wide, or 256 for FP8")
-    gl.static_assert(not QUARTERS or (WIDE and SCALES == SCALES_BLOCK), "quarters are for 256-wide block-scaled tiles")
-    QUARTER: gl.constexpr = HALF // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, QUARTER, 32])
     num_m = gl.cdiv(M, 2 * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -253,45 +188,6 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 c += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_hi > k_lo)
-        elif QUARTERS:
-            # Block scales, a 256-wide tile as four 64-column wgmmas with two partials taking
-            # turns: while one partial gets its scales and joins its total, the next quarter's
-            # product runs (a 128-column partial has to be waited for whole before it is scaled).
-            rows, a_ptrs, b_ptr, hi_ok = _block_scale_ptrs(AScale, BScale, pid_m, pid_n, which, M, N, stride_asm,
-                                                           stride_bsn, SUB, BN, HALF, q_layout)
-            a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask, stride_bsn,
-                                               stride_bsk)
-            acc0 = gl.zeros((SUB, QUARTER), dtype=gl.float32, layout=q_layout)  # columns   0-63
-            acc1 = gl.zeros((SUB, QUARTER), dtype=gl.float32, layout=q_layout)  # columns  64-127
-            acc2 = gl.zeros((SUB, QUARTER), dtype=gl.float32, layout=q_layout)  # columns 128-191
-            acc3 = gl.zeros((SUB, QUARTER), dtype=gl.float32, layout=q_layout)  # columns 192-255
-            fresh = gl.zeros((SUB, QUARTER), dtype=gl.float32, layout=q_layout)
-            for kk in range(k_lo, k_hi):
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_ring.index(2 * s + which)
-                b = b_ring.index(s)
-                p0 = warpgroup_mma(a, b.slice(0, QUARTER).permute((1, 0)), fresh, use_acc=False, is_async=True)
-                p1 = warpgroup_mma(a, b.slice(QUARTER, QUARTER).permute((1, 0)), fresh, use_acc=False, is_async=True)
-                a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
-                                                         stride_bsn, stride_bsk)
-                s_lo = gl.expand_dims(a_sc * b_sc, 1)  # [SUB, 1]: columns 0-127's 128 x 128 block of B
-                s_hi = gl.expand_dims(a_sc * b_sc_hi, 1)  # [SUB, 1]: columns 128-255's
-                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                acc0 = acc0 + p0 * s_lo
-                p0 = warpgroup_mma(a, b.slice(2 * QUARTER, QUARTER).permute((1, 0)), fresh, use_acc=False,
-                                   is_async=True)
-                p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
-                acc1 = acc1 + p1 * s_lo
-                p1 = warpgroup_mma(a, b.slice(3 * QUARTER, QUARTER).permute((1, 0)), fresh, use_acc=False,
-                                   is_async=True)
-                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                acc2 = acc2 + p0 * s_hi
-                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                acc3 = acc3 + p1 * s_hi
-                mbarrier.arrive(empty.index(s), count=1)
-                a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
-                c += 1
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -304,8 +200,13 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
-                rows, a_ptrs, b_ptr, hi_ok = _block_scale_ptrs(AScale, BScale, pid_m, pid_n, which, M, N,
-                                                               stride_asm, stride_bsn, SUB, BN, HALF, acc_layout)
+                rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                a_ptrs = AScale + rows * stride_asm
+                b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
+                if WIDE:
+                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
+                else:
+                    hi_ok = False
                 a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
             for kk in range(k_lo, k_hi):
@@ -337,19 +238,11 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
         RAW: gl.constexpr = SPLIT_K > 1
-        if QUARTERS:
-            _mm_epilogue_pair(acc0, acc1, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows,
-                              M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
-            _mm_epilogue_pair(acc2, acc3, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF,
-                              split * split_rows, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS,
-                              TMA_STORE, RAW)
-        else:
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
-                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
-            if WIDE:
-                _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF,
-                             split * split_rows, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS,
-                             TMA_STORE, RAW)
+        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
+                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
+        if WIDE:
+            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
@@ -358,7 +251,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, QUARTERS: gl.constexpr):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -377,16 +270,15 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     gl.warp_specialize([
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, QUARTERS)),
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, QUARTERS)),
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
-QUARTERS = False  # 256-wide block-scaled tiles as four 64-column quarters (see _mm_consumer)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
 
@@ -475,7 +367,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, quarters: Optional[bool], sms: int) -> _Plan:
+          group_m: int, sms: int) -> _Plan:
     config = tile_config(m, n, k, int8, sms)
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -492,9 +384,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
-    quarters = block_n == 256 and scales == "block" and (QUARTERS if quarters is None else quarters)
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, QUARTERS=quarters)
+                      TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -511,10 +402,10 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, quarters: Optional[bool] = None) -> torch.Tensor:
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order, ``quarters`` (256-wide block-scaled tiles) ``QUARTERS``. C (or with split K, the partial sums) goes out through shared
+    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
     memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
@@ -523,7 +414,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, quarters, sm_count(a_q.device))
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -546,7 +437,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, quarters: bool = False):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -562,5 +453,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, QUARTERS=quarters)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
