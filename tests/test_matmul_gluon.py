@@ -167,12 +167,10 @@ def test_gpu_split_k(m, n, k):
             for qdtype in (torch.int8, torch.float8_e4m3fn):
                 a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
                 bias = torch.randn(n, device="cuda")
-                # One value each is a per-tensor scale for the reference (a_s * b_s first).
-                scales = "tensor" if m == n == 1 else "row"
                 for split_k, tma_store in [(2, True), (3, False), (4, True)]:
                     with poisoned():
-                        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32,
-                                         scales, stages=5, split_k=split_k, tma_store=tma_store)
+                        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                                         stages=5, split_k=split_k, tma_store=tma_store)
                     assert_written(c)
                     if qdtype == torch.int8:
                         assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
@@ -180,7 +178,7 @@ def test_gpu_split_k(m, n, k):
                         ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
                         assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
                         again = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32,
-                                             scales, stages=5, split_k=split_k, tma_store=tma_store)
+                                             "row", stages=5, split_k=split_k, tma_store=tma_store)
                         assert torch.equal(again, c), split_k
         stream.synchronize()
     assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())

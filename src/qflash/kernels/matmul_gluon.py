@@ -148,20 +148,12 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, 
 
 
 @gluon.jit
-def _here(x):
-    """x, computed where this call stands: a side-effecting move, which the compiler does not
-    hoist out of the work-item loop. (Offsets that do not depend on the item would be hoisted
-    to the kernel's start and spilled: 1.5 KB a thread, reloaded every item from L2.)"""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _run_block(acc, Partial, row0, col0, M, N):
     """Split K: where a run keeps its sum of acc's block C[row0:, col0:] in Partial (SPLIT_K runs
     of ``run_rows`` rows, N columns): the block's first element (64-bit) and the block's offsets
     from it and mask (32-bit: 64-bit pointers for a whole block would take 128 registers)."""
-    rows = _here(gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout)))
-    cols = _here(gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout)))
+    rows = gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+    cols = gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
     offs = gl.expand_dims(rows * N, 1) + gl.expand_dims(cols, 0)
     ok = gl.expand_dims(row0 + rows < M, 1) & gl.expand_dims(col0 + cols < N, 0)
     return Partial + row0.to(gl.int64) * N + col0, offs, ok
