@@ -71,7 +71,7 @@ def matmul_paths() -> tuple:
     paths = {
         "matmul_gluon.launch (one launch)": gluon,
         "matmul_gluon.launch (one launch, Triton's call)": uncached(matmul_gluon, "_launcher", gluon),
-        "matmul_gluon.launch (split K 4)":
+        "matmul_gluon.launch (split K 4: two launches)":
             lambda: matmul_gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", split_k=4),
         "tl kernel (scaled_matmul)": lambda: scaled_matmul(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor"),
         "qflash.fp8_matmul": lambda: qflash.fp8_matmul(a_q, b_q, a_s, b_s),

@@ -175,6 +175,36 @@ def test_gpu_int8_bit_exact_bf16_and_fp8_block(m, n, k):
     assert err < 1e-5 * k ** 0.5, f"fp8 block: rel err {err}, scales finite: {bool(a_s.isfinite().all())}"
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_split_k_reduce_with_padded_runs(int8):
+    """The split-K sum as the Gluon kernel leaves it: runs ``split_stride`` elements apart with
+    padding rows between them (which must not leak in), added in a fixed order, then row scales
+    and bias; INT8 exactly, as the reference rounds."""
+    from qflash.kernels.matmul_epilogue import SCALES_ROW, reduce_split_k
+
+    m, n, m_pad, split = 5, 24, 8, 3
+    g = torch.Generator().manual_seed(0)
+    if int8:
+        partial = torch.randint(-2**20, 2**20, (split * m_pad, n), generator=g, dtype=torch.int32)
+    else:
+        partial = torch.randn(split * m_pad, n, generator=g)
+    for s in range(split):  # padding rows: garbage that must not reach C
+        partial[s * m_pad + m:(s + 1) * m_pad] = 10**6
+    partial = partial.to(DEVICE)
+    a_s, b_s = torch.rand(m, 1, device=DEVICE) + 0.5, torch.rand(n, 1, device=DEVICE) + 0.5
+    bias = torch.randn(n, device=DEVICE)
+    with poisoned():
+        c = torch.full((m, n), float("nan"), device=DEVICE)
+        reduce_split_k(partial, c, a_s, b_s, bias, m_pad * n, SCALES_ROW.value, exact=int8)
+    runs = partial.view(split, m_pad, n)[:, :m]
+    total = runs[0] + runs[1] + runs[2]
+    expect = (total.float() * a_s * b_s.T + bias) if int8 else (total * a_s * b_s.T + bias)
+    if int8:
+        assert torch.equal(c, expect)
+    else:
+        assert rel_l2_err(c, expect) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 63])
@@ -185,8 +215,7 @@ def test_gpu_decode_split_k_counts_reset(m, use_tma):
     pointer loads and with tensor descriptors (the public functions take the default)."""
     from dataclasses import replace
 
-    from qflash.kernels.matmul import default_config
-    from qflash.kernels.matmul_epilogue import _COUNTERS
+    from qflash.kernels.matmul import _COUNTERS, default_config
 
     n, k = 4096, 4096
     cfg = default_config(m, n, k, "row", True, torch.device("cuda"))

@@ -155,33 +155,21 @@ def test_gpu_repeated_launches_bit_exact(split_k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(100, 384, 2000)])
 def test_gpu_split_k(m, n, k):
-    """K cut into runs whose partial sums the last run of each tile to arrive adds in a fixed order:
-    INT8 still bit-exact, FP8 within float32 rounding (another order of the same float32 adds)
-    and the same bits launch after launch, bias and scales once; every arrival count back at zero
-    afterwards; on the default stream and on another one (each has its own counts)."""
-    from qflash.kernels.matmul_epilogue import _COUNTERS
-
-    side = torch.cuda.Stream()
-    for stream in (torch.cuda.current_stream(), side):
-        with torch.cuda.stream(stream):
-            for qdtype in (torch.int8, torch.float8_e4m3fn):
-                a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
-                bias = torch.randn(n, device="cuda")
-                for split_k, tma_store in [(2, True), (3, False), (4, True)]:
-                    with poisoned():
-                        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
-                                         stages=5, split_k=split_k, tma_store=tma_store)
-                    assert_written(c)
-                    if qdtype == torch.int8:
-                        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
-                    else:
-                        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
-                        assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
-                        again = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32,
-                                             "row", stages=5, split_k=split_k, tma_store=tma_store)
-                        assert torch.equal(again, c), split_k
-        stream.synchronize()
-    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+    """K cut into runs whose partial sums a second kernel adds in a fixed order: INT8 still bit-exact,
+    FP8 within float32 rounding (another order of the same float32 adds), bias and scales once."""
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
+        bias = torch.randn(n, device="cuda")
+        for split_k, tma_store in [(2, True), (3, False), (4, True)]:
+            with poisoned():
+                c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                                 stages=5, split_k=split_k, tma_store=tma_store)
+            assert_written(c)
+            if qdtype == torch.int8:
+                assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+            else:
+                ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+                assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The end of a scaled INT8 / FP8 product, shared by the tl kernel (``matmul.py``) and the Gluon
-kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the arrival counts
-with which both kernels' split-K runs find the last of a tile's runs (which adds them all up).
+kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the Gluon kernel's
+fixed-order sum of split-K partial products (the tl kernel adds its runs in the kernel).
 
 The reference's order: C = acc * a_scale * b_scale + bias, each step rounded in float32 (with
 multiply-add fusion off, INT8 results are then bit-exact); block scales were applied to each K
@@ -9,12 +9,13 @@ block's partial already, so only the bias is left.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels.common import CachedLauncher, cdiv
 
 # How scales are laid out (constexpr SCALES, the same in the tl and the Gluon kernels).
 SCALES_TENSOR = tl.constexpr(0)
@@ -48,17 +49,38 @@ def scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, s
     tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-_COUNTERS: Dict[tuple, torch.Tensor] = {}
+@triton.jit
+def _split_k_reduce_kernel(
+    Partial, C, AScale, BScale, Bias, M, N, stride_ps, stride_cm, stride_cn, stride_asm, stride_bsn,
+    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the SPLIT_K partial products in a fixed order (int32 exactly), then the epilogue.
+    Partial holds SPLIT_K row-major M x N sums, ``stride_ps`` elements apart."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    p_ptrs = Partial + rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.load(p_ptrs, mask=ok, other=0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptrs + s * stride_ps, mask=ok, other=0)
+    scaled_epilogue(acc, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm, stride_bsn,
+                    SCALES, HAS_BIAS)
 
 
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counts, one a tile, for split-K launches on the current stream. Each
-    launch leaves them at zero again (its last run resets its tile's count), so they are made once
-    per device and stream: launches in one stream run one after another, while two streams would
-    race on shared counts. (A CUDA graph captured on a stream keeps that stream's counts; graphs
-    whose capture streams shared a handle must not be replayed at the same time.)"""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return counters
+_reduce_launcher = CachedLauncher(_split_k_reduce_kernel)
+
+
+def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_s: torch.Tensor,
+                   bias: Optional[torch.Tensor], split_stride: int, scales_kind: int, exact: bool) -> None:
+    """c (M, N) = the sum of ``partial``'s split-K sums (``split_stride`` elements apart, in a fixed
+    order), then scales (laid out as ``scale_strides`` reads them) and bias. ``exact`` (INT8): no
+    multiply-add fusion, so the float32 steps round as the reference's do."""
+    m, n = c.shape
+    split_k = partial.numel() // split_stride if split_stride else 1
+    bm, bn = 32, 128
+    _reduce_launcher[(cdiv(m, bm), cdiv(n, bn))](
+        partial, c, a_s, b_s, bias if bias is not None else c, m, n, split_stride, c.stride(0), c.stride(1),
+        scale_strides(a_s)[0], scale_strides(b_s)[0],
+        SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=4, enable_fp_fusion=not exact,
+    )

@@ -28,9 +28,8 @@ tile is two 128-wide halves that take turns with one partial. Scales: per tensor
 A times per row of B (an output column), applied in the epilogue in the reference's order, with
 the launch's floating-point fusion off so that INT8 results are bit-exact; block scales (1 x 128
 for A, 128 x 128 for B) multiply each K step's partial. With split K each run's sum goes
-unscaled to a float32 (int32) buffer; the last of a tile's runs to arrive (an atomic count for
-each 64 rows) adds the runs in a fixed order and applies the scales and bias, as the tl kernel
-does: no second kernel.
+unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
+fixed order and applies the scales and bias.
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
-from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, scale_strides, split_k_counters
+from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
+                                            scale_strides)
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -102,10 +102,22 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
 
 
 @gluon.jit
-def _finish(acc, AScale, BScale, Bias, rows, cols, M, N, stride_asm, stride_bsn, SCALES: gl.constexpr,
-            HAS_BIAS: gl.constexpr):
-    """acc's block of C[rows, cols] in float32: acc * scales (+ bias), in the reference's order."""
-    if SCALES == SCALES_BLOCK:  # applied K step by K step
+def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
+                 stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                 RAW: gl.constexpr):
+    """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
+    cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
+    from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
+    (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
+    clips rows and columns past C's bounds."""
+    BM: gl.constexpr = acc.type.shape[0]
+    BN: gl.constexpr = acc.type.shape[1]
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+    out = acc
+    if RAW:
+        pass
+    elif SCALES == SCALES_BLOCK:  # applied K step by K step
         out = acc.to(gl.float32)
     elif SCALES == SCALES_TENSOR:
         out = acc.to(gl.float32) * (gl.load(AScale) * gl.load(BScale))
@@ -113,90 +125,19 @@ def _finish(acc, AScale, BScale, Bias, rows, cols, M, N, stride_asm, stride_bsn,
         a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
         b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
         out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
-    if HAS_BIAS:
+    if HAS_BIAS and not RAW:
         out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    return out
-
-
-@gluon.jit
-def _block_ptrs(T, rows, cols, M, N, stride):
-    """Pointers to T[rows, cols] (64-bit row offsets) and where rows < M and cols < N."""
-    ptrs = T + gl.expand_dims(rows.to(gl.int64) * stride, 1) + gl.expand_dims(cols, 0)
-    return ptrs, gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-
-
-@gluon.jit
-def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, stride_cm, stride_asm, stride_bsn,
-                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr):
-    """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
-    cast to C's dtype. With TMA_STORE the block goes out through shared memory (``c_buf``) and
-    one bulk copy that runs on while the consumer starts its next tile; the copy clips rows and
-    columns past C's bounds."""
-    rows = row0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-    cols = col0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-    out = _finish(acc, AScale, BScale, Bias, rows, cols, M, N, stride_asm, stride_bsn, SCALES, HAS_BIAS)
     if TMA_STORE:
         tma.store_wait(0)  # the previous block's copy has read c_buf ...
         gl.thread_barrier()  # ... before any of the 128 threads writes it again
         c_buf.store(out.to(c_desc.dtype))
         fence_async_shared()  # the writes, visible to the copy engine
         gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
-        tma.async_copy_shared_to_global(c_desc, [row0, col0], c_buf)
+        tma.async_copy_shared_to_global(c_desc, [c_row_base + row0, col0], c_buf)
     else:
-        ptrs, ok = _block_ptrs(C, rows, cols, M, N, stride_cm)
+        ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
         gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
-
-
-@gluon.jit
-def _run_block(acc, Partial, row0, col0, M, N):
-    """Split K: where a run keeps its sum of acc's block C[row0:, col0:] in Partial (SPLIT_K runs
-    of ``run_rows`` rows, N columns): the block's first element (64-bit) and the block's offsets
-    from it and mask (32-bit: 64-bit pointers for a whole block would take 128 registers)."""
-    rows = gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-    cols = gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-    offs = gl.expand_dims(rows * N, 1) + gl.expand_dims(cols, 0)
-    ok = gl.expand_dims(row0 + rows < M, 1) & gl.expand_dims(col0 + cols < N, 0)
-    return Partial + row0.to(gl.int64) * N + col0, offs, ok
-
-
-@gluon.jit
-def _save_run(acc, Partial, run_rows, row0, col0, M, N):
-    """Split K: this run's sum of C[row0:, col0:] (acc's block), as it is, to its own rows."""
-    base, offs, ok = _run_block(acc, Partial, row0, col0, M, N)
-    gl.store(base + run_rows.to(gl.int64) * N + offs, acc, mask=ok)
-
-
-@gluon.jit
-def _sum_runs(acc, Partial, run_rows, row0, col0, M, N, SPLIT_K: gl.constexpr):
-    """All runs' sums of acc's block, added in split order (whichever run arrived last), read
-    from L2 (.cg: other SMs wrote them)."""
-    base, offs, ok = _run_block(acc, Partial, row0, col0, M, N)
-    total = gl.load(base + offs, mask=ok, other=0, cache_modifier=".cg")
-    for s in gl.static_range(1, SPLIT_K):
-        total += gl.load(base + (s * run_rows).to(gl.int64) * N + offs, mask=ok, other=0, cache_modifier=".cg")
-    return total
-
-
-@gluon.jit
-def _count_in(counter):
-    """Adds this warpgroup's arrival to ``counter`` (one thread, acq_rel at GPU scope, after a
-    barrier: every thread's partial-sum stores come before it) and returns the count before it,
-    to all 128 threads."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    lane = gl.arange(0, 128, layout=lanes)
-    first = lane == 0
-    gl.thread_barrier()
-    before = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, lanes), mask=first, sem="acq_rel",
-                           scope="gpu")
-    return gl.max(gl.where(first, before, 0), axis=0)
-
-
-@gluon.jit
-def _reset(counter):
-    """Sets ``counter`` back to zero for the next launch (one thread)."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    lane = gl.arange(0, 128, layout=lanes)
-    gl.atomic_xchg(counter + lane * 0, gl.zeros([128], gl.int32, lanes), mask=lane == 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -211,15 +152,14 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, Partial, Counters, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K,
-                 stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                 stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                  SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
-    to rows split * split_rows + row of Partial, and the last run of the tile to arrive adds them
-    up (Counters: one arrival count for each 64 rows of each tile, zero between launches)."""
+    to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
@@ -296,35 +236,20 @@ def _mm_consumer(C, c_desc, c_smem, Partial, Counters, AScale, BScale, Bias, a_r
                     a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
-        col0 = pid_n * BN
         c_buf = c_smem.index(which)
-        done = True
-        if SPLIT_K > 1:
-            # This run's sum goes to its own rows of Partial; the last of the tile's runs to
-            # arrive (for these 64 rows) adds all runs in split order and finishes the block.
-            _save_run(acc, Partial, split * split_rows, row0, col0, M, N)
-            if WIDE:
-                _save_run(acc_hi, Partial, split * split_rows, row0, col0 + HALF, M, N)
-            counter = Counters + (t // SPLIT_K) * 2 + which
-            done = _count_in(counter) == SPLIT_K - 1
-            if done:
-                acc = _sum_runs(acc, Partial, split_rows, row0, col0, M, N, SPLIT_K)
-                if WIDE:
-                    acc_hi = _sum_runs(acc_hi, Partial, split_rows, row0, col0 + HALF, M, N, SPLIT_K)
-                _reset(counter)
-        if done:
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, M, N, stride_cm, stride_asm,
-                         stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
-            if WIDE:
-                _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0 + HALF, M, N, stride_cm,
-                             stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE)
+        RAW: gl.constexpr = SPLIT_K > 1
+        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
+                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
+        if WIDE:
+            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, Partial, Counters, AScale, BScale, Bias, M, N, K, stride_cm,
-                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
+                         stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
@@ -343,12 +268,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, Partial, Counters, AScale, B
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, Partial, Counters, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M,
-                        N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                        SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_mm_consumer, (C, c_desc, c_smem, Partial, Counters, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M,
-                        N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
-                        SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
@@ -436,7 +361,6 @@ class _Plan(NamedTuple):
     m_pad: int  # a split's rows in the partial sums: no tile crosses into the next split
     grid: tuple
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
-    counts: int  # split K: arrival counts, one for each 64 rows of each tile
     constexprs: dict
 
 
@@ -453,17 +377,16 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     ring_bytes = stages * _slot_bytes(block_n)
     if ring_bytes > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
-    # With split K each run writes its float32 (int32) sum, and the last of a tile's runs adds them.
+    # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
+    # kernel adds them in a fixed order and applies the scales and bias.
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
-    c_size = out_dtype.itemsize
+    c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k)
-    counts = 2 * cdiv(m, 2 * SUB_M) * cdiv(n, block_n) if split_k > 1 else 0
-    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, counts,
-                 constexprs)
+    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
 def _desc(t: torch.Tensor, rows: int, dtype):
@@ -482,8 +405,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order. C goes out through shared memory and bulk copies where its rows
-    are 16-byte aligned and the ring leaves room; split K's partial sums by plain stores. Eager
+    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
+    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
@@ -493,23 +416,22 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
                  split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    if plan.split_k > 1:
-        partial = torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device, dtype=plan.partial_dtype)
-        counters = split_k_counters(a_q.device, plan.counts)
-    else:  # not read: C stands in
-        partial = counters = c
+    target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
+                                                              dtype=plan.partial_dtype)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = _desc(c, SUB_M, _GL_OUT[c.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
+    c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
     _launcher[plan.grid](
-        a_desc, _desc(b_q, plan.block_n, qdtype), c, c_desc, partial, counters, a_scale, b_scale,
-        c if bias is None else bias, m, n, k, c.stride(0), *scale_strides(a_scale), *scale_strides(b_scale),
-        plan.m_pad, **plan.constexprs, num_warps=4,
+        a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
+        m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
+        **plan.constexprs, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
         enable_fp_fusion=False,
     )
+    if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
+        reduce_split_k(target, c, a_scale, b_scale, bias, plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
 
@@ -520,15 +442,14 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
-    out, partial = names[out_dtype], "i32" if int8 else "fp32"
+    target = (torch.int32 if int8 else torch.float32) if split_k > 1 else out_dtype  # split K: partial sums
+    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
 
     def desc(rows: int, dtype=gdt, type_name=name) -> str:
         return f"tensordesc<{type_name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), dtype)!r}>"
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
-             "c_desc": desc(SUB_M, _GL_OUT[out_dtype], out) if tma_store else desc(SUB_M),
-             "Partial": f"*{partial}", "Counters": "*i32", "AScale": "*fp32",
+             "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
