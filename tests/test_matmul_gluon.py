@@ -79,7 +79,8 @@ GPU_SHAPES = [(1, 1, 16), (70, 90, 320), (300, 129, 64), (257, 1000, 4096), (102
 def test_gpu_int8_bit_exact(m, n, k, out_dtype, scales):
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
     bias = torch.randn(n, device="cuda")
-    kind = "tensor" if scales == "tensor" else "row"
+    # The reference reads one value each as per tensor scales ((a_s * b_s) first): so must the kernel.
+    kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
     a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
     b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
     with poisoned():
@@ -160,9 +161,10 @@ def test_gpu_split_k(m, n, k):
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
         bias = torch.randn(n, device="cuda")
+        scales = "tensor" if m == n == 1 else "row"  # the reference reads one value each as per tensor
         for split_k, tma_store in [(2, True), (3, False), (4, True)]:
             with poisoned():
-                c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, scales,
                                  stages=5, split_k=split_k, tma_store=tma_store)
             assert_written(c)
             if qdtype == torch.int8:
