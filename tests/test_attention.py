@@ -221,6 +221,17 @@ def test_sdpa_masks(kind, mask_shape):
     _check_sdpa(q, k, v, attn_mask=mask)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_softcap_with_and_without_mask(causal):
+    """qflash's extension of SDPA: Gemma 2's soft-capped scores, before the masks."""
+    q = torch.randn(2, 3, 29, 40, device=DEVICE).half() * 3
+    k, v = torch.randn(2, 3, 29, 40, device=DEVICE).half() * 3, torch.randn(2, 3, 29, 40, device=DEVICE).half()
+    mask = None if causal else torch.rand(2, 1, 29, 29, device=DEVICE) > 0.3
+    _check_sdpa(q, k, v, attn_mask=mask, is_causal=causal, softcap=5.0)
+    with pytest.raises(ValueError, match="softcap"):
+        qflash.sdpa(q, k, v, softcap=-1.0)
+
+
 def test_sdpa_fully_masked_rows_give_zero():
     q = torch.randn(1, 2, 8, 16, device=DEVICE).half()
     k, v = torch.randn(1, 2, 12, 16, device=DEVICE).half(), torch.randn(1, 2, 12, 16, device=DEVICE).half()

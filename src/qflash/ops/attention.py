@@ -476,6 +476,8 @@ def sdpa(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the same semantics, on qflash's kernel.
 
@@ -487,6 +489,8 @@ def sdpa(
         is_causal: top-left causal mask (query i sees keys j <= i); exclusive with attn_mask.
         scale: defaults to 1 / sqrt(headdim).
         enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
+        softcap: qflash's extension: > 0 makes the scaled scores ``softcap * tanh(scores /
+            softcap)`` before the masks (Gemma 2's logit soft-capping), as ``flash_attn_func``.
 
     Returns:
         (batch, heads, seqlen_q, headdim) in query's dtype. One difference from PyTorch:
@@ -526,8 +530,8 @@ def sdpa(
             ) from None
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
-        q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, 0.0, None, bias, None, None, seqlen_q,
-        seqlen_k, *_dropout(dropout_p), False,
+        q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, _check_softcap(softcap), None, bias, None,
+        None, seqlen_q, seqlen_k, *_dropout(dropout_p), False,
     )
     out = out.transpose(1, 2)
     return out.squeeze(0) if squeeze else out

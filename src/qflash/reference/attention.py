@@ -225,14 +225,17 @@ def sdpa_ref(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     *,
+    softcap: float = 0.0,
     upcast: bool = True,
 ):
     """``F.scaled_dot_product_attention`` semantics, written out.
 
     Layout (batch, heads, seqlen, headdim); causal aligned top-left (query i sees
     keys j <= i); ``attn_mask`` boolean (True = attend) or additive float,
-    broadcastable to (batch, heads, seqlen_q, seqlen_k). Unlike PyTorch, a row
-    whose every key is masked gives 0, not NaN. Returns the output only.
+    broadcastable to (batch, heads, seqlen_q, seqlen_k). ``softcap`` > 0 (qflash's
+    extension) makes the scaled scores ``softcap * tanh(scores / softcap)`` before
+    the masks. Unlike PyTorch, a row whose every key is masked gives 0, not NaN.
+    Returns the output only.
     """
     if dropout_p != 0.0:
         raise NotImplementedError("sdpa_ref: dropout_p must be 0")
@@ -248,6 +251,8 @@ def sdpa_ref(
         key = _repeat_kv(key.transpose(-2, -3), heads).transpose(-2, -3)
         value = _repeat_kv(value.transpose(-2, -3), heads).transpose(-2, -3)
     scores = (query @ key.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         visible = visible_mask(seqlen_q, seqlen_k, causal=True, bottom_right=False, device=query.device)
         scores = scores.masked_fill(~visible, -math.inf)

@@ -1,0 +1,191 @@
+"""Hugging Face models on qflash's attention (``attn_implementation="qf_attention"``): tiny models made
+from a config (random weights, nothing downloaded), each run with PyTorch's SDPA beside it.
+
+In float64 the two agree to float64 rounding, where transformers' own eager attention (softmax in
+float32) is 1e-8 off; the GPU test holds bfloat16 to the accuracy rule against float64."""
+
+import warnings
+
+import pytest
+import torch
+
+from qflash.testing import rel_l2_err
+
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+qhf = pytest.importorskip("qflash.integrations.transformers")
+
+NAME = qhf.register()
+
+
+def _llama(dtype=torch.float64, **overrides):
+    """Two layers, grouped-query heads (4 query heads on 2 key/value heads), head dim 16."""
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+    cfg.update(overrides)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(DEVICE, dtype).eval()
+
+
+def _logits(model, impl, ids, **kw):
+    model.set_attn_implementation(impl)
+    return model(ids, **kw).logits
+
+
+def test_registered_name_is_taken_for_neither_flash_attn_nor_sdpa():
+    """transformers takes a name with "flash" in it for a flash-attn package, and one with "sdpa"
+    only for models that declare SDPA support; ours has neither."""
+    assert NAME == "qf_attention" and "flash" not in NAME and "sdpa" not in NAME
+    assert transformers.AttentionInterface._global_mapping[NAME] is qhf.attention_forward
+    assert qhf.register() == NAME  # again: harmless
+
+
+@torch.no_grad()
+def test_logits_match_sdpa_without_padding(monkeypatch):
+    """A causal batch with no padding: transformers passes no mask and the causal flag; every layer
+    goes through qflash."""
+    calls = []
+    forward = qhf.attention_forward
+    monkeypatch.setattr(qhf, "attention_forward", lambda *a, **k: calls.append(a[4]) or forward(*a, **k))
+    qhf.register()
+    model = _llama()
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    out = _logits(model, NAME, ids)
+    assert len(calls) == 2 and all(mask is None for mask in calls)
+    assert rel_l2_err(out, ref) < 1e-12
+    eager = _logits(model, "eager", ids)
+    assert rel_l2_err(eager, ref) > 1e-10  # eager's float32 softmax: the comparison can tell
+    monkeypatch.undo()
+    qhf.register()
+
+
+@torch.no_grad()
+def test_left_padding_matches_sdpa():
+    """Left-padded prompts: the boolean mask transformers builds reaches the kernel; real tokens
+    match SDPA, and padding rows (which see no key) come out finite."""
+    model = _llama()
+    ids = torch.randint(0, 97, (3, 11), device=DEVICE)
+    mask = torch.ones(3, 11, dtype=torch.long, device=DEVICE)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ref = _logits(model, "sdpa", ids, attention_mask=mask)
+    out = _logits(model, NAME, ids, attention_mask=mask)
+    real = mask.bool()
+    assert out.isfinite().all()
+    assert rel_l2_err(out[real], ref[real]) < 1e-12
+
+
+@torch.no_grad()
+def test_greedy_generation_matches_sdpa():
+    """Prefill, then one query at a time against the cache."""
+    model = _llama()
+    ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model.set_attn_implementation(NAME)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_training_gradients_match_sdpa():
+    """Training: the loss's gradients through qflash's backward, every parameter."""
+    model = _llama()
+    model.train()
+    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
+    grads = {}
+    for impl in ("sdpa", NAME):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[NAME].keys() == grads["sdpa"].keys()
+    for name, g in grads["sdpa"].items():
+        assert rel_l2_err(grads[NAME][name], g) < 1e-10, name
+
+
+@torch.no_grad()
+def test_sliding_window_and_softcap_match_eager():
+    """Gemma 2: scores soft-capped (tanh) and every other layer on a sliding window shorter than
+    the prompt (then transformers passes a mask); SDPA takes no soft-capping, so the reference is
+    transformers' eager attention, whose float32 softmax bounds the agreement."""
+    cfg = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=None)
+    model = transformers.Gemma2ForCausalLM(cfg).to(DEVICE, torch.float64).eval()
+    with torch.no_grad():  # large projections: the soft-capping bites
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    ref = _logits(model, "eager", ids)
+    out = _logits(model, NAME, ids)
+    assert rel_l2_err(out, ref) < 1e-6
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    uncapped = _logits(model, NAME, ids)
+    assert rel_l2_err(uncapped, out) > 1e-3  # the soft-capping mattered
+
+
+def test_sliding_window_without_a_mask():
+    """Called with no mask and a window shorter than the keys (transformers passes a mask there
+    itself, but a model's own code may not): query i sees keys i - window < j <= i."""
+    from qflash.reference.attention import sdpa_ref
+
+    q, k, v = (torch.randn(2, 4, 13, 16, device=DEVICE, dtype=torch.float64) for _ in range(3))
+    out, _ = qhf.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=4, scaling=0.3)
+    i, j = torch.arange(13, device=DEVICE)[:, None], torch.arange(13, device=DEVICE)[None, :]
+    ref = sdpa_ref(q, k, v, attn_mask=(j <= i) & (j > i - 4), scale=0.3)
+    assert rel_l2_err(out, ref.transpose(1, 2)) < 1e-12
+
+
+def test_causal_alignment_without_a_mask():
+    """The docstring's picture: with more keys than queries and no mask, the keys past seqlen_q
+    are empty cache slots (garbage here) and left out; a single query sees every key."""
+    from qflash.reference.attention import sdpa_ref
+
+    q = torch.randn(1, 2, 3, 16, device=DEVICE, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 5, 16, device=DEVICE, dtype=torch.float64) for _ in range(2))
+    k[:, :, 3:], v[:, :, 3:] = 1e4, float("nan")
+    out, _ = qhf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
+    ref = sdpa_ref(q, k[:, :, :3], v[:, :, :3], is_causal=True)
+    assert rel_l2_err(out, ref.transpose(1, 2)) < 1e-12
+    k, v = (torch.randn(1, 2, 5, 16, device=DEVICE, dtype=torch.float64) for _ in range(2))
+    out, _ = qhf.attention_forward(torch.nn.Module(), q[:, :, :1], k, v, None, is_causal=True)
+    assert rel_l2_err(out, sdpa_ref(q[:, :, :1], k, v).transpose(1, 2)) < 1e-12
+
+
+def test_unsupported_arguments_raise():
+    q = torch.randn(1, 2, 5, 16, device=DEVICE)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        qhf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 5, 5))
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        qhf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, weights = qhf.attention_forward(module, q, q, q, None, output_attentions=True)
+    assert weights is None and out.shape == (1, 5, 2, 16) and "attention weights" in str(caught[0].message)
+
+
+def test_register_without_transformers_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match="qflash\\[integrations\\]"):
+        qhf.register()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_bf16_logits_within_the_accuracy_rule():
+    """bfloat16 on the GPU: logits against the float64 model, within twice SDPA's own bfloat16
+    error (plus a rounding floor)."""
+    model = _llama(torch.float64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, 97, (2, 300), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    model = model.to(torch.bfloat16)
+    out = _logits(model, NAME, ids).double()
+    pt = _logits(model, "sdpa", ids).double()
+    assert rel_l2_err(out, ref) <= 2 * rel_l2_err(pt, ref) + 1e-3
