@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import qflash
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import assert_flash_rule, assert_written, poisoned
+from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err
 
 from conftest import DEVICE, HAS_CUDA
 
@@ -230,6 +230,21 @@ def test_sdpa_softcap_with_and_without_mask(causal):
     _check_sdpa(q, k, v, attn_mask=mask, is_causal=causal, softcap=5.0)
     with pytest.raises(ValueError, match="softcap"):
         qflash.sdpa(q, k, v, softcap=-1.0)
+
+
+def test_sdpa_float64_boolean_mask_is_the_additive_one():
+    """float64 boolean masks go to the kernel as 0 / -inf added to the scores (Triton 3.6 cannot
+    build the boolean-mask kernel in float64 for sm_90): the same result, bit for bit."""
+    q, k, v = (torch.randn(2, 3, 21, 24, device=DEVICE, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 1, 21, 21, device=DEVICE) > 0.3
+    mask[0, 0, 5] = False  # a row that sees no key
+    additive = torch.zeros(mask.shape, dtype=torch.float64, device=DEVICE).masked_fill(~mask, float("-inf"))
+    with poisoned():
+        out = qflash.sdpa(q, k, v, attn_mask=mask)
+    assert_written(out)
+    assert rel_l2_err(out, sdpa_ref(q, k, v, attn_mask=mask)) < 1e-12
+    assert torch.equal(out, qflash.sdpa(q, k, v, attn_mask=additive))
+    assert mask.dtype == torch.bool  # the caller's mask is left as it was
 
 
 def test_sdpa_fully_masked_rows_give_zero():

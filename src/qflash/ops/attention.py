@@ -521,6 +521,11 @@ def sdpa(
             raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError("qflash.sdpa computes no gradient for attn_mask; pass attn_mask.detach()")
+        if attn_mask.dtype == torch.bool and query.dtype == torch.float64:
+            # Triton 3.6 cannot build the boolean-mask kernel in float64 for sm_90 (an assertion in
+            # its float64 MMA lowering); the same mask added as 0 / -inf gives the same result.
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attn_mask, -math.inf)
         try:
             bias = attn_mask.expand(batch, heads, seqlen_q, seqlen_k)  # a view: zero strides, no copy
         except RuntimeError:
