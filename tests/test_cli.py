@@ -22,7 +22,7 @@ def qflash(*args, timeout=300):
 def test_info():
     r = qflash("info")
     assert r.returncode == 0, r.stderr
-    for word in ("torch", "triton", "interpreter", "flash_attn_func"):
+    for word in ("torch", "triton", "interpreter", "flash_attn_func", "transformers"):
         assert word in r.stdout
 
 

@@ -33,6 +33,16 @@ def _fast_path_status(cuda: bool) -> str:
             "Gluon FP8 matmul: tensor / row / block scales, M >= 128, N >= 4096, K >= 4096")
 
 
+def _transformers_status() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return (f"transformers {version('transformers')}: qflash.integrations.transformers.register() adds "
+                "attn_implementation='qf_attention'")
+    except PackageNotFoundError:
+        return "transformers not installed (pip install 'qflash[integrations]')"
+
+
 def cmd_info(args) -> int:
     import platform
 
@@ -66,6 +76,7 @@ def cmd_info(args) -> int:
     for op in ("quantize", "int8_matmul", "fp8_matmul"):
         t.add_row(f"kernel: {op}", f"on {where}")
     t.add_row("Hopper fast paths (Gluon)", _fast_path_status(cuda and not interp))
+    t.add_row("Hugging Face transformers", _transformers_status())
     Console().print(t)
     return 0
 
