@@ -88,6 +88,21 @@ def test_greedy_generation_matches_sdpa():
     assert torch.equal(out, ref)
 
 
+@torch.no_grad()
+def test_torch_compile_fullgraph():
+    """A padded batch through ``torch.compile(fullgraph=True)``: the integration and the masks it
+    gets trace without a graph break, and give the eager logits."""
+    model = _llama(torch.float32)
+    model.set_attn_implementation(NAME)
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    mask[0, :3] = 0
+    eager = model(ids, attention_mask=mask).logits
+    compiled = torch.compile(lambda i, m: model(i, attention_mask=m).logits, fullgraph=True, backend="aot_eager")
+    real = mask.bool()
+    torch.testing.assert_close(compiled(ids, mask)[real], eager[real], rtol=0, atol=0)
+
+
 def test_training_gradients_match_sdpa():
     """Training: the loss's gradients through qflash's backward, every parameter."""
     model = _llama()
