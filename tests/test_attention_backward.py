@@ -41,7 +41,7 @@ def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
     ref = _grads(lambda *a: ref_fn(*a, upcast=True), ref_inputs, dout.double())
     pt_inputs = [t.detach().clone().requires_grad_() for t in inputs]
     pt = _grads(lambda *a: ref_fn(*a, upcast=False), pt_inputs, dout)
-    for name, g, r, p in zip("qkv", got, ref, pt):
+    for name, g, r, p in zip(("q", "k", "v", "attn_mask"), got, ref, pt):
         assert g.shape == r.shape and g.dtype == dtype
         # In float64, PyTorch's "same precision" gradients are the reference itself (error 0), so
         # the bound is the rounding of sums as long as the longest axis: 64 sqrt(n) steps of max |ref|
@@ -123,6 +123,47 @@ def test_sdpa(mask):
     check_grads(lambda q, k, v: qflash.sdpa(q, k, v, **kw), ref, inputs)
 
 
+@pytest.mark.parametrize("mask_shape,hkv", [((2, 1, 29, 45), 3), ((29, 45), 1), ((2, 3, 29, 45), 3)])
+def test_sdpa_float_mask_gets_its_gradient(mask_shape, hkv):
+    """A float attn_mask that requires grad (a learned bias) gets dL/dscores, summed over the
+    dimensions it was broadcast along (batch, heads); GQA; ragged lengths."""
+    q, k, v = _leaves((2, 3, 29, 32), (2, hkv, 45, 32), (2, hkv, 45, 32), dtype=torch.float16)
+    mask = (torch.randn(mask_shape, device=DEVICE) * 2).half().requires_grad_()
+    check_grads(lambda q, k, v, m: qflash.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
+                lambda q, k, v, m, upcast: sdpa_ref(q, k, v, attn_mask=m, enable_gqa=True, upcast=upcast),
+                [q, k, v, mask])
+
+
+def test_sdpa_mask_gradient_under_torch_compile():
+    """The custom op's backward returns the mask's gradient under torch.compile(fullgraph=True)
+    too, and none when the mask needs none."""
+    q, k, v = _leaves((2, 3, 17, 16), (2, 3, 17, 16), (2, 3, 17, 16), dtype=torch.float32)
+    mask = torch.randn(17, 17, device=DEVICE).requires_grad_()
+
+    def loss(q, k, v, m):
+        return qflash.sdpa(q, k, v, attn_mask=m).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    expected = torch.autograd.grad(loss(q, k, v, mask), (q, k, v, mask))
+    for a, b in zip(torch.autograd.grad(compiled(q, k, v, mask), (q, k, v, mask)), expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(torch.autograd.grad(compiled(q, k, v, mask.detach()), (q, k, v))) == 3
+
+
+def test_sdpa_mask_gradient_float64_with_softcap_and_fully_masked_rows():
+    """float64, tight: the mask's gradient is taken before soft-capping's chain rule; rows whose
+    keys are all masked (-inf) get zero gradients, not NaN."""
+    q, k, v = _leaves((1, 2, 21, 16), (1, 2, 19, 16), (1, 2, 19, 16), dtype=torch.float64, scale=2.0)
+    mask = torch.randn(1, 2, 21, 19, device=DEVICE, dtype=torch.float64)
+    mask[0, 1, 4] = float("-inf")
+    mask.requires_grad_()
+    check_grads(lambda q, k, v, m: qflash.sdpa(q, k, v, attn_mask=m, softcap=3.0),
+                lambda q, k, v, m, upcast: sdpa_ref(q, k, v, attn_mask=m, softcap=3.0, upcast=upcast),
+                [q, k, v, mask])
+    (g,) = torch.autograd.grad(qflash.sdpa(q, k, v, attn_mask=mask, softcap=3.0).sum(), (mask,))
+    assert g.isfinite().all() and torch.equal(g[0, 1, 4], torch.zeros_like(g[0, 1, 4]))
+
+
 def test_packed_qkv_gets_the_same_gradients():
     qkv = torch.randn(2, 33, 3, 4, 32, device=DEVICE).half().requires_grad_()
     dout = torch.randn(2, 33, 4, 32, device=DEVICE).half()
@@ -173,9 +214,6 @@ def test_bad_dout_and_mask_gradient():
     (g64,) = torch.autograd.grad(qflash.flash_attn_func(q, k, v), (q,), dout64)
     (g16,) = torch.autograd.grad(qflash.flash_attn_func(q, k, v), (q,), dout64.half())
     assert torch.equal(g64, g16)
-    mask = torch.randn(8, 8, device=DEVICE).half().requires_grad_()
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        qflash.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
 
 
 @pytest.mark.parametrize("which", ["dq", "dkdv", "both"])

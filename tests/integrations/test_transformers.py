@@ -171,13 +171,37 @@ def test_causal_alignment_without_a_mask():
     assert rel_l2_err(out, sdpa_ref(q[:, :, :1], k, v).transpose(1, 2)) < 1e-12
 
 
+def test_t5_position_bias_training_matches_sdpa():
+    """T5: a learned relative-position bias added to the scores of every layer (encoder, causal
+    decoder, cross-attention), with a padded encoder batch; the loss's gradients, the bias
+    tables' among them, through the float mask's gradient."""
+    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+                                d_ff=64, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+                                dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(cfg).to(DEVICE, torch.float64)
+    ids = torch.randint(1, 97, (2, 11), device=DEVICE)
+    mask = torch.ones(2, 11, dtype=torch.long, device=DEVICE)
+    mask[1, 8:] = 0
+    labels = torch.randint(1, 97, (2, 7), device=DEVICE)
+    runs = {}
+    for impl in ("sdpa", NAME):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        runs[impl] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (ref, ref_grads), (got, got_grads) = runs["sdpa"], runs[NAME]
+    assert rel_l2_err(got, ref) < 1e-12
+    assert sum("relative_attention_bias" in n for n in ref_grads) == 2
+    for name, g in ref_grads.items():
+        assert rel_l2_err(got_grads[name], g) < 1e-10, name
+
+
 def test_unsupported_arguments_raise():
     q = torch.randn(1, 2, 5, 16, device=DEVICE)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="position_bias"):
-        qhf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 5, 5))
     with pytest.raises(NotImplementedError, match="s_aux"):
-        qhf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+        qhf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, weights = qhf.attention_forward(module, q, q, q, None, output_attentions=True)

@@ -11,11 +11,11 @@ SDPA, with the same arguments, and transformers builds the same masks as for "sd
 the causal flag says everything (then the kernel masks by position), else a boolean mask (True =
 attend) of padding, sliding windows or packed sequences, which the kernel reads tile by tile.
 Inference (prefill and decoding with any cache) and training (gradients and attention dropout),
-grouped-query heads, sliding windows and logit soft-capping (Gemma 2).
+grouped-query heads, sliding windows, logit soft-capping (Gemma 2), and learned position biases
+added to the scores (T5), which get their gradients through ``qflash.sdpa``'s float mask.
 
-Not taken (a clear error instead): position biases added to the scores (T5-style models) and
-attention sinks (``s_aux``). ``output_attentions=True`` returns no attention weights, as with
-"sdpa".
+Not taken (a clear error instead): attention sinks (``s_aux``). ``output_attentions=True``
+returns no attention weights, as with "sdpa".
 
 The name has neither "flash" nor "sdpa" in it: transformers takes a name with "flash" in it for a
 flash-attn package (unpadded inputs, a kernel looked up by that name), and one with "sdpa" only
@@ -63,14 +63,16 @@ def attention_forward(
     """
     from qflash.ops.attention import flash_attn_func, sdpa
 
-    for arg in ("position_bias", "s_aux"):
-        if kwargs.get(arg) is not None:
-            raise NotImplementedError(f"qflash attention takes no {arg}: load this model with another "
-                                      "attn_implementation ('sdpa' or 'eager')")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("qflash attention takes no attention sinks (s_aux): load this model with another "
+                                  "attn_implementation ('sdpa' or 'eager')")
     if kwargs.get("output_attentions", False):
         warnings.warn("qflash attention returns no attention weights (output_attentions=True)", stacklevel=2)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # T5: one float mask of bias and mask together (as transformers' SDPA path)
+        attention_mask = _with_position_bias(position_bias, attention_mask, bool(causal) and q_len > 1, query, key)
     if attention_mask is None:
         causal = bool(causal) and q_len > 1
         if causal and kv_len > q_len:
@@ -85,6 +87,21 @@ def attention_forward(
     out = sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                enable_gqa=key.shape[1] != query.shape[1], softcap=softcap or 0.0)
     return out.transpose(1, 2), None  # a view of the kernel's (batch, seqlen_q, heads, headdim) output
+
+
+def _with_position_bias(position_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], causal: bool,
+                        query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The additive mask of a position bias (batch or 1, heads, seqlen_q, seqlen_k) and a mask:
+    -inf where the mask (or, without one, the top-left causal order) hides a key."""
+    if attention_mask is None:
+        if not causal:
+            return position_bias
+        q_len, kv_len = query.shape[2], key.shape[2]
+        rows = torch.arange(q_len, device=query.device)[:, None]
+        attention_mask = rows >= torch.arange(kv_len, device=query.device)[None, :]
+    if attention_mask.dtype == torch.bool:
+        return position_bias.masked_fill(~attention_mask, float("-inf"))
+    return position_bias + attention_mask
 
 
 def register(name: str = NAME) -> str:

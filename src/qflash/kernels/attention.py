@@ -682,7 +682,8 @@ def _attn_bwd_p_ds(
     """Recompute P for a [rows, cols] tile from the saved lse, and dS = dL/d(q.k) / scale.
 
     q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns the probabilities that
-    multiplied V in the forward pass (after dropout) and ds, both [BLOCK_M, BLOCK_N].
+    multiplied V in the forward pass (after dropout), ds, and the gradient of the final scores
+    (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N].
     """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
@@ -697,33 +698,40 @@ def _attn_bwd_p_ds(
     ds = p * (dp - delta[:, None])
     if HAS_DROPOUT:
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+    dbias = ds
     if HAS_SOFTCAP:  # d/dx [cap * tanh(x / cap)] = 1 - tanh^2
         t = _tanh(qk * qk_scale)
         ds = ds * (1.0 - t * t)
-    return p, ds
+    return p, ds, dbias
 
 
 @triton.jit
 def _attn_bwd_dq_tile(
     dq, q, do, lse_log2, delta, k_desc, v_desc, k_ptrs, v_ptrs, stride_ks, stride_vs, bias_base, stride_bm, stride_bn,
+    dbias_base, stride_dbm, stride_dbn,
     start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
-    """One K/V tile of the dQ sum: dq += dS @ K."""
+    """One K/V tile of the dQ sum: dq += dS @ K (and with HAS_DBIAS, the mask's gradient of the
+    tile: each (query, key) tile comes here once, so it is stored, not added)."""
     cols = start_n + offs_n  # [BLOCK_N]
     d_ok = offs_d < HEAD_DIM
     k = _load_tile(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
     v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-    p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
-                           seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                           slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                           MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                           DOT_PRECISION)
+    p, ds, dbias = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                                  seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                                  slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                                  MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                                  DOT_PRECISION)
+    if HAS_DBIAS:
+        ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+        ptrs = dbias_base + rows[:, None].to(tl.int64) * stride_dbm + cols[None, :] * stride_dbn
+        tl.store(ptrs, dbias.to(dbias_base.dtype.element_ty), mask=ok)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)  # [BLOCK_M, BLOCK_D]
 
 
@@ -750,11 +758,11 @@ def _attn_bwd_dkdv_tile(
     lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
     lse_log2 = lse * tl.full([], RCP_LN2, lse.dtype)  # [BLOCK_M]; the constant as precise as lse
     delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)  # [BLOCK_M]
-    p, ds = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
-                           seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
-                           slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                           MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                           DOT_PRECISION)
+    p, ds, _ = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+                              seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+                              slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+                              MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
+                              DOT_PRECISION)
     dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
     return dk, dv
@@ -762,7 +770,7 @@ def _attn_bwd_dkdv_tile(
 
 @triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_bwd_dq_kernel(
-    Q, K, V, dOut, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, dOut, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k, DBias,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -771,6 +779,7 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right, softmax_scale: tl.float64,
     dropout_p, dropout_seed, rng_rows, rng_cols,
@@ -778,7 +787,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -819,6 +828,7 @@ def _attn_bwd_dq_kernel(
     k_desc = _tile_source(k_base, seqlen_k, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     v_desc = _tile_source(v_base, seqlen_k, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     bias_base = Bias + b64 * stride_bb + h.to(tl.int64) * stride_bh
+    dbias_base = DBias + b64 * stride_dbb + h.to(tl.int64) * stride_dbh
     if HAS_ALIBI:
         slope_log2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(ACC) * RCP_LN2
     else:
@@ -837,10 +847,10 @@ def _attn_bwd_dq_kernel(
                 start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _attn_bwd_dq_tile(
                 dq, q, do, lse_log2, delta, k_desc, v_desc, k_ptrs, v_ptrs, stride_ks, stride_vs, bias_base,
-                stride_bm, stride_bn, start_n, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left,
-                window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-                HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA)
+                stride_bm, stride_bn, dbias_base, stride_dbm, stride_dbn, start_n, rows, offs_n, offs_d, seqlen_q,
+                seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p,
+                dropout_seed, rng_row0, rng_cols, HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                HAS_ALIBI, BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, USE_TMA, HAS_DBIAS)
     dq *= softmax_scale
     tl.store(dQ + b64 * stride_dqb + h * stride_dqh + r64 * stride_dqs + offs_d[None, :],
              dq.to(dQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -983,12 +993,14 @@ _bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_kernel)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, opts: AttnOptions, configs=None):
-    """Gradients (dq, dk, dv) of the forward pass, from its output and log-sum-exp.
+                       lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False):
+    """Gradients (dq, dk, dv, dbias) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
-    query heads of each GQA group. Without explicit ``configs``, calls that the Gluon backward
+    query heads of each GQA group. ``bias_grad`` (an additive ``opts.bias``, dense calls): dbias is
+    the gradient of the scores, (B, H, Sq, Sk) in the bias's dtype, written by the dQ kernel, which
+    visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the Gluon backward
     takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths multiple of
     128, not ``deterministic``) go there after the delta pass where ``bwd_preferred`` says so
     (nowhere yet: it measured no faster).
@@ -1004,8 +1016,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     heads_kv = k.shape[-2]
     dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device)
     acc = _acc_dtype(q.dtype)
+    dbias = None
+    if bias_grad:  # every entry is written or stays 0 (tiles the masks skip)
+        dbias = torch.zeros((batch, num_heads, seqlen_q, seqlen_k), dtype=opts.bias.dtype, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
-        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        return (*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dbias)
     delta = torch.empty_like(lse, dtype=acc)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
     block_d = _block_d(head_dim)
@@ -1024,8 +1039,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if configs is None and _fast_backward_fits(dout, q, k, v, out, lse, opts):
         from qflash.kernels import attention_gluon
 
-        return attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
-                                               causal=opts.window_right == 0, bottom_right=opts.bottom_right)
+        return (*attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
+                                                 causal=opts.window_right == 0, bottom_right=opts.bottom_right),
+                None)
     dq = new_output(q.shape, dtype=q.dtype, device=q.device)
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
@@ -1034,10 +1050,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         ensure_descriptor_allocator(q.device)
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _bwd_dq_launcher[(num_m * batch * num_heads,)](
-        q, k, v, dout, dq, lse, delta, *pointers, *strides, *_bshd_strides(dq, varlen), *tail,
+        q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
+        *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok, **shared,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
+        HAS_DBIAS=dbias is not None, **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
@@ -1048,7 +1066,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
         **shared,
     )
-    return dq, dk, dv
+    return dq, dk, dv, dbias
 
 
 @triton.jit

@@ -17,8 +17,8 @@ Two causal alignments exist and both are supported::
     q1    x  x  x  x                                 q1    x  x  .  .
 
 Gradients flow to q, k and v (and through the packed forms to qkv / kv); the
-log-sum-exp output is not differentiated, as in flash-attn. No gradient is
-computed for a float ``attn_mask`` (a clear error says so). Dropout draws its mask in the
+log-sum-exp output is not differentiated, as in flash-attn; a float ``attn_mask`` that
+requires grad gets the gradient of the scores (summed over what it was broadcast along). Dropout draws its mask in the
 kernel from a counter-based generator and regenerates it in the backward pass.
 """
 
@@ -99,12 +99,16 @@ def _attention_backward_impl(
     dropout_p: float,
     dropout_seed: int,
     deterministic: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_grad: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias); dbias has no elements unless ``bias_grad`` (a custom op returns tensors)."""
     from qflash.kernels.attention import AttnOptions, attention_backward
 
-    return attention_backward(dout, q, k, v, out, lse, AttnOptions(
+    dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, AttnOptions(
         softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic),
+        bias_grad=bias_grad)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 _attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
@@ -127,10 +131,13 @@ def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, *args):
+def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+      *args):
+    bias_grad = args[-1]
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            bias.new_empty(bias.shape) if bias_grad else q.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -140,7 +147,8 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic)
+    # An additive mask that requires grad (qflash.sdpa) gets the gradient of the scores.
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic, ctx.needs_input_grad[9])
 
 
 def _backward(ctx, dout, dlse):
@@ -150,9 +158,10 @@ def _backward(ctx, dout, dlse):
         raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
     backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
-    dq, dk, dv = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
-                          cu_seqlens_q, cu_seqlens_k, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 14
+    dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
+                                 cu_seqlens_q, cu_seqlens_k, *ctx.rest)
+    # Inputs: q, k, v, 6 options, bias, 7 more.
+    return (dq, dk, dv) + (None,) * 6 + (dbias if ctx.rest[-1] else None,) + (None,) * 7
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -176,7 +185,8 @@ def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) through the custom op under torch.compile, through ``_Attention`` otherwise."""
     if torch.compiler.is_compiling():
         return torch.ops.qflash.attention_forward(*args)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:3]):
+    differentiable = (*args[:3], args[9])  # q, k, v and the bias (qflash.sdpa's float attn_mask)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
         return _Attention.apply(*args)
     return _attention_forward_impl(*args)
 
@@ -485,7 +495,8 @@ def sdpa(
         query: (batch, heads, seqlen_q, headdim) or (heads, seqlen_q, headdim).
         key, value: (batch, heads_kv, seqlen_k, headdim), same leading dims.
         attn_mask: boolean (True = take part in attention) or additive float of
-            query's dtype, broadcastable to (batch, heads, seqlen_q, seqlen_k).
+            query's dtype, broadcastable to (batch, heads, seqlen_q, seqlen_k). A float mask
+            that requires grad (a learned bias) gets its gradient.
         is_causal: top-left causal mask (query i sees keys j <= i); exclusive with attn_mask.
         scale: defaults to 1 / sqrt(headdim).
         enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
@@ -519,8 +530,6 @@ def sdpa(
             raise TypeError(f"attn_mask must be bool or {query.dtype} (query's dtype), got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError("qflash.sdpa computes no gradient for attn_mask; pass attn_mask.detach()")
         if attn_mask.dtype == torch.bool and query.dtype == torch.float64:
             # Triton 3.6 cannot build the boolean-mask kernel in float64 for sm_90 (an assertion in
             # its float64 MMA lowering); the same mask added as 0 / -inf gives the same result.
