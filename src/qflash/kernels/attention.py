@@ -1000,10 +1000,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
     query heads of each GQA group. ``bias_grad`` (an additive ``opts.bias``, dense calls): dbias is
     the gradient of the scores, (B, H, Sq, Sk) in the bias's dtype, written by the dQ kernel, which
-    visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the Gluon backward
-    takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths multiple of
-    128, not ``deterministic``) go there after the delta pass where ``bwd_preferred`` says so
-    (nowhere yet: it measured no faster).
+    visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
+    Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths
+    multiple of 128, not ``deterministic``) go there after the delta pass where ``bwd_preferred``
+    says so (nowhere yet: it measured no faster).
     """
     varlen = opts.varlen
     if varlen:

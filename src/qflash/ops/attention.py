@@ -18,8 +18,9 @@ Two causal alignments exist and both are supported::
 
 Gradients flow to q, k and v (and through the packed forms to qkv / kv); the
 log-sum-exp output is not differentiated, as in flash-attn; a float ``attn_mask`` that
-requires grad gets the gradient of the scores (summed over what it was broadcast along). Dropout draws its mask in the
-kernel from a counter-based generator and regenerates it in the backward pass.
+requires grad gets the gradient of the scores (summed over what it was broadcast along).
+Dropout draws its mask in the kernel from a counter-based generator and regenerates it in the
+backward pass.
 """
 
 from __future__ import annotations
