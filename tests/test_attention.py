@@ -247,6 +247,18 @@ def test_sdpa_float64_boolean_mask_is_the_additive_one():
     assert mask.dtype == torch.bool  # the caller's mask is left as it was
 
 
+@gpu
+def test_gpu_sdpa_float64_boolean_mask():
+    """float64 with a boolean mask on the GPU (Triton 3.6 cannot build the boolean-mask kernel in
+    float64 for sm_90; qflash.sdpa sends the mask as 0 / -inf added)."""
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 1, 300, 300, device="cuda") > 0.3
+    with poisoned():
+        out = qflash.sdpa(q, k, v, attn_mask=mask)
+    assert_written(out)
+    assert rel_l2_err(out, sdpa_ref(q, k, v, attn_mask=mask)) < 1e-12
+
+
 def test_sdpa_fully_masked_rows_give_zero():
     q = torch.randn(1, 2, 8, 16, device=DEVICE).half()
     k, v = torch.randn(1, 2, 12, 16, device=DEVICE).half(), torch.randn(1, 2, 12, 16, device=DEVICE).half()

@@ -278,6 +278,18 @@ def test_gpu_sweep(dtype, d, causal, sq, sk):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_gpu_sdpa_mask_gradient(dtype):
+    """A learned float mask's gradient on the GPU, broadcast over batch and heads, ragged lengths,
+    GQA (float64: also the boolean-mask change's neighbour, an additive mask in float64)."""
+    q, k, v = _leaves((2, 8, 1000, 64), (2, 2, 1100, 64), (2, 2, 1100, 64), dtype=dtype)
+    mask = (torch.randn(1000, 1100, device="cuda") * 2).to(dtype).requires_grad_()
+    check_grads(lambda q, k, v, m: qflash.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
+                lambda q, k, v, m, upcast: sdpa_ref(q, k, v, attn_mask=m, enable_gqa=True, upcast=upcast),
+                [q, k, v, mask])
+
+
+@gpu
 def test_gpu_deterministic_and_mask_at_64_past_128():
     # seqlen % 128 == 64 with a mask: where cuDNN has returned NaN gradients.
     inputs = _leaves((2, 8, 1088, 128), (2, 8, 1088, 128), (2, 8, 1088, 128), dtype=torch.bfloat16)

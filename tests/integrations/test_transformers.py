@@ -218,12 +218,18 @@ def test_register_without_transformers_says_what_to_install(monkeypatch):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_gpu_bf16_logits_within_the_accuracy_rule():
-    """bfloat16 on the GPU: logits against the float64 model, within twice SDPA's own bfloat16
-    error (plus a rounding floor)."""
+    """bfloat16 on the GPU, without and with padding: logits against the float64 model, within
+    twice SDPA's own bfloat16 error (plus a rounding floor)."""
     model = _llama(torch.float64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     ids = torch.randint(0, 97, (2, 300), device=DEVICE)
     ref = _logits(model, "sdpa", ids)
+    mask = torch.ones(2, 300, dtype=torch.long, device=DEVICE)
+    mask[1, :37] = 0  # left padding: the boolean-mask path
+    ref_padded = _logits(model, "sdpa", ids, attention_mask=mask)[mask.bool()]
     model = model.to(torch.bfloat16)
     out = _logits(model, NAME, ids).double()
     pt = _logits(model, "sdpa", ids).double()
     assert rel_l2_err(out, ref) <= 2 * rel_l2_err(pt, ref) + 1e-3
+    out = _logits(model, NAME, ids, attention_mask=mask)[mask.bool()].double()
+    pt = _logits(model, "sdpa", ids, attention_mask=mask)[mask.bool()].double()
+    assert rel_l2_err(out, ref_padded) <= 2 * rel_l2_err(pt, ref_padded) + 1e-3
