@@ -112,6 +112,11 @@ def _attention_backward_impl(
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
+# Where the bias (qflash.sdpa's attn_mask, the one input besides q, k, v with a gradient) stands
+# among the forward op's 17 inputs.
+_BIAS = 9
+_NUM_INPUTS = 17
+
 _attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
     _attention_forward_impl)
 _attention_backward_op = torch.library.custom_op("qflash::attention_backward", mutates_args=())(
@@ -149,7 +154,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
     # An additive mask that requires grad (qflash.sdpa) gets the gradient of the scores.
-    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic, ctx.needs_input_grad[9])
+    ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic, ctx.needs_input_grad[_BIAS])
 
 
 def _backward(ctx, dout, dlse):
@@ -161,8 +166,9 @@ def _backward(ctx, dout, dlse):
     backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
     dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                                  cu_seqlens_q, cu_seqlens_k, *ctx.rest)
-    # Inputs: q, k, v, 6 options, bias, 7 more.
-    return (dq, dk, dv) + (None,) * 6 + (dbias if ctx.rest[-1] else None,) + (None,) * 7
+    grads = [dq, dk, dv] + [None] * (_NUM_INPUTS - 3)
+    grads[_BIAS] = dbias if ctx.rest[-1] else None
+    return tuple(grads)
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -186,7 +192,7 @@ def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) through the custom op under torch.compile, through ``_Attention`` otherwise."""
     if torch.compiler.is_compiling():
         return torch.ops.qflash.attention_forward(*args)
-    differentiable = (*args[:3], args[9])  # q, k, v and the bias (qflash.sdpa's float attn_mask)
+    differentiable = (*args[:3], args[_BIAS])
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
         return _Attention.apply(*args)
     return _attention_forward_impl(*args)
