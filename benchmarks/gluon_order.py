@@ -1,7 +1,7 @@
-"""Causal work order of the Gluon forward: heads per group of work items, timed side by side.
+"""Causal work order and output path of the Gluon forward, timed side by side.
 
     python3 benchmarks/gluon_order.py --out order.json [--head-dims 64,128,256] [--seqlens 512,...]
-        [--groups 1,auto,all] [--consumers 2] [--block-n 64 --stages 4]
+        [--groups 1,auto,all] [--consumers 2] [--block-n 64 --stages 4] [--tma-store on,off] [--graph]
 
 bf16, batch x seqlen = 16k tokens, heads x headdim = 2048 (the attention benchmark's shapes).
 Each order is checked against PyTorch's attention, then timed on the same inputs in one process;
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from qflash.bench.harness import environment, save_json, time_ms
+from qflash.bench.harness import environment, graph_ms, save_json, time_ms
 from qflash.kernels import attention_gluon
 from qflash.kernels.common import sm_count
 
@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None, help="K/V ring slots instead of tile_config's")
     parser.add_argument("--causal", choices=("true", "false"), default="true",
                         help="false: time the tiles without a mask (one order, --groups is ignored)")
+    parser.add_argument("--tma-store", default="default",
+                        help="output by bulk copies (on), plain stores (off) or stores_by_tma's choice (default); "
+                             "a comma-separated list times each")
+    parser.add_argument("--graph", action="store_true", help="also time each build replayed from a CUDA graph")
     args = parser.parse_args()
     tile_config = attention_gluon.tile_config
 
@@ -64,20 +68,28 @@ def main() -> None:
             torch_err = (_sdpa(q, k, v, causal).float() - ref).abs().max().item()
             line = []
             named = {"auto": auto, "all": batch * heads}
+            stores = {"on": True, "off": False, "default": None}
             for name in args.groups.split(",") if causal else ["all"]:
                 group = named.get(name) or int(name)
                 if group > batch * heads:
                     continue
-                fn = lambda g=group: attention_gluon.launch(q, k, v, head_dim**-0.5, causal, True,  # noqa: E731
-                                                            heads_per_group=g)
-                err = (fn()[0].float() - ref).abs().max().item()
-                check = "ok" if err <= 2 * torch_err + 1e-3 else "WRONG"
-                ms = time_ms(fn)["ms"]
-                tflops = flops / ms / 1e9
-                result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=causal, order=name,
-                                           heads_per_group=group, consumers=consumers, block_n=block_n,
-                                           ms=ms, tflops=tflops, max_err=err, torch_max_err=torch_err, check=check))
-                line.append(f"{name} (G={group}) {tflops:6.1f} {check}")
+                for store in args.tma_store.split(","):
+                    fn = lambda g=group, t=stores[store]: attention_gluon.launch(  # noqa: E731
+                        q, k, v, head_dim**-0.5, causal, True, heads_per_group=g, tma_store=t)
+                    out = fn()[0]
+                    err = (out.float() - ref).abs().max().item()
+                    check = "ok" if err <= 2 * torch_err + 1e-3 and torch.isfinite(out).all() else "WRONG"
+                    ms = time_ms(fn)["ms"]
+                    ms_graph = graph_ms(fn) if args.graph else None
+                    tflops = flops / ms / 1e9
+                    tflops_graph = flops / ms_graph / 1e9 if ms_graph else None
+                    result["rows"].append(dict(head_dim=head_dim, seqlen=seqlen, causal=causal, order=name,
+                                               heads_per_group=group, consumers=consumers, block_n=block_n,
+                                               tma_store=store, ms=ms, ms_graph=ms_graph, tflops=tflops,
+                                               tflops_graph=tflops_graph, max_err=err, torch_max_err=torch_err,
+                                               check=check))
+                    graph = f"/{tflops_graph:6.1f}" if tflops_graph else ""
+                    line.append(f"{name} (G={group}) store={store} {tflops:6.1f}{graph} {check}")
             print(f"D={head_dim:3d} S={seqlen:5d}  " + "  ".join(line), flush=True)
             save_json(args.out, result)
     assert math.isfinite(sum(r["ms"] for r in result["rows"]))

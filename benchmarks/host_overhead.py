@@ -1,6 +1,7 @@
 """Host (Python) time of one call, on a problem too small for the GPU to matter.
 
     python3 benchmarks/host_overhead.py --out host.json                # attention forward
+    python3 benchmarks/host_overhead.py --head-dim 64 --seqlen 512 --causal --out host.json
     python3 benchmarks/host_overhead.py --op matmul --out host.json    # FP8 matmul (M = 128, N = K = 512)
 
 At 512 tokens a forward kernel runs 0.1-0.2 ms; a launch path that costs as much on the CPU
@@ -80,30 +81,41 @@ def matmul_paths() -> tuple:
     return paths, gluon
 
 
-def attention_paths() -> tuple:
-    q, k, v = (torch.randn(1, 128, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False) -> tuple:
+    """One head of one sequence: the launch paths of the kernels that a (head_dim, seqlen,
+    causal) call at any batch x heads takes, with little for the GPU to do."""
+    q, k, v = (torch.randn(1, seqlen, 1, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    opts = AttnOptions(128**-0.5)
-    cfg = default_config(128, q.dtype, q.device, causal=False, seqlen_k=128)
+    scale = head_dim**-0.5
+    opts = AttnOptions(scale, window_right=0 if causal else -1)
+    cfg = default_config(head_dim, q.dtype, q.device, causal=causal, seqlen_k=seqlen)
+    gluon = lambda: attention_gluon.launch(q, k, v, scale, causal, True)  # noqa: E731
     paths = {
-        "attention_gluon.launch": lambda: attention_gluon.launch(q, k, v, 128**-0.5, False, True),
-        "attention_gluon.launch (Triton's call)":
-            uncached(attention_gluon, "_fwd_launcher", lambda: attention_gluon.launch(q, k, v, 128**-0.5, False, True)),
-        "attention_gluon.attention_forward_gluon": lambda: attention_gluon.attention_forward_gluon(q, k, v, 128**-0.5),
+        "attention_gluon.launch": gluon,
+        "attention_gluon.launch (Triton's call)": uncached(attention_gluon, "_fwd_launcher", gluon),
+        "attention_gluon.attention_forward_gluon":
+            lambda: attention_gluon.attention_forward_gluon(q, k, v, scale, causal=causal),
         "tl kernel (attention_forward, config)": lambda: attention_forward(q, k, v, opts, config=cfg),
-        "qflash.flash_attn_func": lambda: qflash.flash_attn_func(q, k, v),
-        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(qt, kt, vt),
+        "qflash.flash_attn_func": lambda: qflash.flash_attn_func(q, k, v, causal=causal),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
     }
-    return paths, lambda: qflash.flash_attn_func(q, k, v)
+    return paths, lambda: qflash.flash_attn_func(q, k, v, causal=causal)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=["attention", "matmul"], default="attention")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--head-dim", type=int, default=128, help="attention: the head dim whose kernels to launch")
+    parser.add_argument("--seqlen", type=int, default=128, help="attention: the length (sets the tiles)")
+    parser.add_argument("--causal", action="store_true", help="attention: the causal kernels")
     args = parser.parse_args()
-    paths, profiled = matmul_paths() if args.op == "matmul" else attention_paths()
-    result = {"env": environment(), "op": args.op, "rows": []}
+    if args.op == "matmul":
+        paths, profiled = matmul_paths()
+    else:
+        paths, profiled = attention_paths(args.head_dim, args.seqlen, args.causal)
+    result = {"env": environment(), "op": args.op, "rows": [],
+              "attention": dict(head_dim=args.head_dim, seqlen=args.seqlen, causal=args.causal)}
     for name, fn in paths.items():
         us = per_call_us(fn)
         result["rows"].append({"path": name, "us_per_call": us})

@@ -32,6 +32,8 @@ def test_builds_for_sm90(d, dtype, causal, seqlen_k):
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)  # S and P V stay asynchronous
+    # D <= 128: the output leaves by bulk copies from shared memory (D = 256 has no room for it)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == (d <= 128)
 
 
 def _qkv(b=1, sq=128, sk=None, h=2, hkv=None, d=64, dtype=torch.float16, device=DEVICE):
@@ -83,6 +85,7 @@ GPU_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, b
     (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last queries see every key
     (1, 256, 640, 4, 4, 64, True, False),
     (3, 256, 512, 8, 2, 64, False, True),
+    (2, 1408, 1408, 2, 2, 64, False, True),  # D = 64, 192-row items: the last one's rows 64-191 are past the end
     (2, 1024, 1024, 4, 4, 256, False, True),  # D = 256: 64-key tiles, one Q buffer
     (1, 640, 640, 4, 2, 256, True, True),
     (1, 384, 896, 2, 1, 256, True, False),
@@ -105,6 +108,24 @@ def test_gpu_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype
         assert torch.equal(seen.cpu(), torch.isfinite(lse).cpu())
         err = (lse.double() - ref_lse)[seen].abs().max().item()
         assert err <= 1e-4 * max(1.0, ref_lse[seen].abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,seqlen", [(64, False, 1408), (64, True, 1024), (64, False, 512), (128, True, 768),
+                                             (128, False, 640)])
+def test_gpu_output_paths_agree(d, causal, seqlen):
+    """The output through shared memory and bulk copies is bit for bit the one plain stores write
+    (the same registers, two ways out), every row of every batch written."""
+    q, k, v = _qkv(2, seqlen, seqlen, 3, 3, d, torch.bfloat16, "cuda")
+    results = []
+    for tma_store in (True, False):
+        with poisoned():
+            out, lse = gluon.launch(q, k, v, d ** -0.5, causal, True, tma_store=tma_store)
+        assert_written(out, "out")
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    ref, _, pt = _reference(q, k, v, causal, True, q.dtype)
+    assert_flash_rule(results[0][0], ref, pt)
 
 
 @pytest.mark.gpu
@@ -244,6 +265,7 @@ BWD_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, b
     (2, 1152, 384, 6, 1, 64, True, True),  # Sq > Sk: the first queries see no key (lse = +inf)
     (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last key blocks see no query
     (3, 256, 512, 8, 2, 64, False, True),
+    (2, 1408, 1408, 2, 2, 64, False, True),  # D = 64, 192-row items: the last one's rows 64-191 are past the end
 ]
 
 

@@ -27,6 +27,11 @@ The loader needs few registers (setmaxnreg gives it 24), so each consumer can ho
 float32 accumulator, the 64 x BLOCK_N scores of tile j and the probabilities of tile j - 1
 without spilling (232-248 registers with two consumers, 160-168 with three).
 
+At the end of an item (D = 64 / 128) a consumer writes its 64 x D output block to shared memory
+and one thread issues a bulk copy (TMA store); the consumer goes on to its next item while the
+copy runs, and waits for it only before it writes the buffer again (``stores_by_tma``; D = 256
+stores from registers: no shared memory is left for the block).
+
 Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom-right, 0
 top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k multiples of 128;
 MQA / GQA; (batch, seqlen, heads, headdim) tensors whose (batch * seqlen, heads * headdim) view
@@ -213,9 +218,10 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k
 
 
 @gluon.jit
-def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                       seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group, qk_scale, which,
-                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                       v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group, qk_scale,
+                       which, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                       CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup (consumer ``which``): for each work item, the online softmax over its K/V
     tiles for 64 query rows."""
     ROWS: gl.constexpr = q_smem.shape[1]
@@ -301,22 +307,37 @@ def _attn_fwd_consumer(Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             l_safe = gl.where(empty, 1.0, l_i)
             out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
             lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) / RCP_LN2)
-            # Straight from registers (shared memory is all rings and Q buffers): row r of head h
-            # sits at (b * seqlen_q + r) * heads * D + h * D. Rows past the sequence (items of 192
-            # rows) are left alone.
-            r_o = m0 + gl.arange(0, ROWS, layout=row_o)
-            o_rows = (b * seqlen_q + r_o).to(gl.int64) * (num_heads * HEAD_DIM)
-            o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_ok = gl.expand_dims(r_o < seqlen_q, 1) & gl.expand_dims(o_cols >= 0, 0)
-            gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty),
-                     mask=o_ok)
+            if TMA_STORE:
+                # Through shared memory and one bulk copy, which runs on while this consumer starts
+                # its next item (plain stores kept both consumers here at once, the tensor cores
+                # idle). Rows past the sequence (items of 192 rows) are a whole 64-row part: skipped.
+                if m0 < seqlen_q:
+                    o_buf = o_smem.index(which)
+                    tma.store_wait(0)  # the previous item's copy has read o_buf ...
+                    gl.thread_barrier()  # ... before any of the 128 threads writes it again
+                    o_buf.store(out.to(o_desc.dtype))
+                    fence_async_shared()  # the writes, visible to the copy engine
+                    gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
+                    tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + m0, h * HEAD_DIM], o_buf)
+            else:
+                # Straight from registers: row r of head h sits at (b * seqlen_q + r) * heads * D + h * D.
+                # Rows past the sequence (items of 192 rows) are left alone.
+                r_o = m0 + gl.arange(0, ROWS, layout=row_o)
+                o_rows = (b * seqlen_q + r_o).to(gl.int64) * (num_heads * HEAD_DIM)
+                o_cols = h * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                o_ok = gl.expand_dims(r_o < seqlen_q, 1) & gl.expand_dims(o_cols >= 0, 0)
+                gl.store(Out + gl.expand_dims(o_rows, 1) + gl.expand_dims(o_cols, 0), out.to(Out.dtype.element_ty),
+                         mask=o_ok)
             gl.store(Lse + (b * num_heads + h).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read o_smem before the CTA's shared memory goes away
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
-                        num_m_blocks, heads_per_group, qk_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group,
+                        num_bh, num_m_blocks, heads_per_group, qk_scale, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                        TMA_STORE: gl.constexpr):
     """Persistent: each CTA takes work items in rounds (a block of CONSUMERS x 64 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -324,6 +345,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFFERS, ROWS, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if TMA_STORE:  # a 64 x D block of the output for each consumer
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], o_desc.layout)
+    else:
+        o_smem = q_smem  # not used: the output goes out by plain stores
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -341,27 +366,32 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse, seqlen_q, seqlen_k, sh
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
-                                  qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
-                                  qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                  heads_per_group, qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
+                                  TMA_STORE)),
+            (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                  heads_per_group, qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
+                                  TMA_STORE)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 1], [232, 24])
     else:  # three consumers share the register file: 160 registers a thread each
         gl.warp_specialize([
-            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
-                                  qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
-                                  qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
-            (_attn_fwd_consumer, (Out, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                  v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group,
-                                  qk_scale, gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
+            (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                  heads_per_group, qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
+                                  TMA_STORE)),
+            (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                  heads_per_group, qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
+                                  TMA_STORE)),
+            (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
+                                  heads_per_group, qk_scale, gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
+                                  TMA_STORE)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
@@ -398,6 +428,16 @@ def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple
     if head_dim <= 128:
         return 2, 128, 2, 2
     return 2, 64, 2, 1
+
+
+def stores_by_tma(head_dim: int) -> bool:
+    """Whether the output leaves through shared memory and bulk copies (a 64 x D block a consumer
+    next to the rings and Q buffers of ``tile_config``: 24 KB at D = 64, 32 KB at D = 128, which
+    fills the H200's 227 KB) rather than by plain stores from registers (D = 256: no room).
+    Measured beside plain stores on the H200, from CUDA graphs: 1.00-1.16x at 512-16k tokens,
+    D = 64 / 128, causal or not; D = 64 causal 1k 261 -> 286 TFLOP/s
+    (attention_fwd_gluon_store_*_h200_2026-11-30_s13a.json)."""
+    return head_dim <= 128
 
 
 @functools.lru_cache(maxsize=256)
@@ -439,15 +479,32 @@ def _row_stride(t: torch.Tensor) -> Optional[int]:
     """The row stride of the (batch * seqlen, heads * headdim) view of a (B, S, H, D) tensor, or
     None if its strides do not allow one (heads must sit side by side; sequences one after another)."""
     batch, seqlen, heads, head_dim = t.shape
-    if t.stride(3) != 1 or t.stride(2) != head_dim or (batch > 1 and t.stride(0) != seqlen * t.stride(1)):
+    stride_b, stride_s, stride_h, stride_d = t.stride()
+    if stride_d != 1 or stride_h != head_dim or (batch > 1 and stride_b != seqlen * stride_s):
         return None
-    return t.stride(1)
+    return stride_s
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
     """That view (the tensor must have one: ``why_not`` checks)."""
     batch, seqlen, heads, head_dim = t.shape
     return t.as_strided((batch * seqlen, heads * head_dim), (_row_stride(t), 1))
+
+
+def _rows_descriptor(t: torch.Tensor, rows: int, layout):
+    """A tensor descriptor of ``t``'s (batch * seqlen, heads * headdim) view (one head = a column
+    band) in [rows, headdim] blocks, for a tensor that ``why_not`` has accepted (or an output we
+    made). It is made without the view and the constructor's checks, which ``why_not`` has made
+    already: with them, the four descriptors of a launch took ~50 us of Python on a 512-token
+    call whose kernel runs ~150 us (the descriptor reads the base's address and dtype, and the
+    lists here)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, seqlen, heads, head_dim = t.shape
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=[batch * seqlen, heads * head_dim], strides=[t.stride(1), 1],
+                         block_shape=[rows, head_dim], layout=layout, padding="zero")
+    return desc
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -495,9 +552,11 @@ _fwd_launcher = CachedLauncher(_attn_fwd_ws_kernel)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-           bottom_right: bool, heads_per_group: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           bottom_right: bool, heads_per_group: Optional[int] = None,
+           tma_store: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward_gluon`` for a call that ``why_not`` has already accepted.
-    ``heads_per_group`` overrides ``causal_heads_per_group`` (to measure other orders)."""
+    ``heads_per_group`` overrides ``causal_heads_per_group`` and ``tma_store`` ``stores_by_tma``
+    (to measure other choices)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, seqlen_q, heads, head_dim = q.shape
@@ -507,9 +566,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        view = _rows_view(t)  # one head = a column band of the 2-D view
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim],
-                                nvmma_layout((rows, head_dim), _GL_DTYPES[q.dtype]))
+        return _rows_descriptor(t, rows, nvmma_layout((rows, head_dim), _GL_DTYPES[q.dtype]))
 
     num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
     grid = (min(batch * heads * num_m_blocks, sm_count(q.device)),)
@@ -517,11 +574,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     if heads_per_group is None:
         heads_per_group = (causal_heads_per_group(batch * heads, num_m_blocks, grid[0], consumers * SUB_M, block_n,
                                                   seqlen_k, shift) if causal else 1)
+    if tma_store is None:
+        tma_store = stores_by_tma(head_dim)
     _fwd_launcher[grid](
-        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, lse,
+        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, desc(out, SUB_M), lse,
         seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
         softmax_scale * RCP_LN2.value,
-        HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal, num_warps=4,
+        HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal,
+        TMA_STORE=tma_store, num_warps=4,
     )
     return out, lse
 
@@ -539,11 +599,12 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
-             "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
+             "o_desc": desc(SUB_M), "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
              "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
              "qk_scale": "fp32"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
-                                                           CONSUMERS=consumers, CAUSAL=causal))
+                                                           CONSUMERS=consumers, CAUSAL=causal,
+                                                           TMA_STORE=stores_by_tma(head_dim)))
 
 
 # ----------------------------------------------------------------------------------------------
