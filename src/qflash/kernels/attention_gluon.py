@@ -27,10 +27,11 @@ The loader needs few registers (setmaxnreg gives it 24), so each consumer can ho
 float32 accumulator, the 64 x BLOCK_N scores of tile j and the probabilities of tile j - 1
 without spilling (232-248 registers with two consumers, 160-168 with three).
 
-At the end of an item (D = 64 / 128) a consumer writes its 64 x D output block to shared memory
-and one thread issues a bulk copy (TMA store); the consumer goes on to its next item while the
-copy runs, and waits for it only before it writes the buffer again (``stores_by_tma``; D = 256
-stores from registers: no shared memory is left for the block).
+At the end of an item a consumer writes its 64 x D output block to shared memory and one thread
+issues a bulk copy (TMA store); the consumer goes on to its next item while the copy runs, and
+waits for it only before it writes the buffer again (``stores_by_tma``; D = 256 goes out in two
+64 x 128 halves through one buffer, a 64 x 256 one a consumer does not fit, and only up to 1k
+keys: beyond, plain stores from registers measured faster).
 
 Scope: no mask or a causal one (``shift`` = seqlen_k - seqlen_q aligns it bottom-right, 0
 top-left); float16 / bfloat16; head dim 64, 128 or 256; seqlen_q and seqlen_k multiples of 128;
@@ -218,6 +219,18 @@ def _attn_fwd_tile(c, j, last, acc, p_op, m_i, l_i, q, k_ring, v_ring, q_free, k
 
 
 @gluon.jit
+def _store_block(block, o_desc, o_buf, row, col):
+    """Copy a block of the output to [row, col] of o_desc's view through o_buf and one bulk copy,
+    which runs on while the consumer goes on (it waits for the previous copy only here)."""
+    tma.store_wait(0)  # the previous copy has read o_buf ...
+    gl.thread_barrier()  # ... before any of the 128 threads writes it again
+    o_buf.store(block)
+    fence_async_shared()  # the writes, visible to the copy engine
+    gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
+    tma.async_copy_shared_to_global(o_desc, [row, col], o_buf)
+
+
+@gluon.jit
 def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                        v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group, qk_scale,
                        which, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -313,12 +326,14 @@ def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready
                 # idle). Rows past the sequence (items of 192 rows) are a whole 64-row part: skipped.
                 if m0 < seqlen_q:
                     o_buf = o_smem.index(which)
-                    tma.store_wait(0)  # the previous item's copy has read o_buf ...
-                    gl.thread_barrier()  # ... before any of the 128 threads writes it again
-                    o_buf.store(out.to(o_desc.dtype))
-                    fence_async_shared()  # the writes, visible to the copy engine
-                    gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
-                    tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + m0, h * HEAD_DIM], o_buf)
+                    o_16 = out.to(o_desc.dtype)
+                    if o_desc.block_type.shape[1] == HEAD_DIM:
+                        _store_block(o_16, o_desc, o_buf, b * seqlen_q + m0, h * HEAD_DIM)
+                    else:  # D = 256: two 64 x 128 halves through one 16 KB buffer, one after the other
+                        HALF: gl.constexpr = HEAD_DIM // 2
+                        lo, hi = gl.split(gl.permute(gl.reshape(o_16, [ROWS, 2, HALF]), (0, 2, 1)))
+                        _store_block(lo, o_desc, o_buf, b * seqlen_q + m0, h * HEAD_DIM)
+                        _store_block(hi, o_desc, o_buf, b * seqlen_q + m0, h * HEAD_DIM + HALF)
             else:
                 # Straight from registers: row r of head h sits at (b * seqlen_q + r) * heads * D + h * D.
                 # Rows past the sequence (items of 192 rows) are left alone.
@@ -346,7 +361,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     if TMA_STORE:  # a 64 x D block of the output for each consumer
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # not used: the output goes out by plain stores
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -430,14 +445,25 @@ def tile_config(head_dim: int, causal: bool = False, seqlen_k: int = 0) -> Tuple
     return 2, 64, 2, 1
 
 
-def stores_by_tma(head_dim: int) -> bool:
-    """Whether the output leaves through shared memory and bulk copies (a 64 x D block a consumer
-    next to the rings and Q buffers of ``tile_config``: 24 KB at D = 64, 32 KB at D = 128, which
-    fills the H200's 227 KB) rather than by plain stores from registers (D = 256: no room).
-    Measured beside plain stores on the H200, from CUDA graphs: 1.00-1.16x at 512-16k tokens,
-    D = 64 / 128, causal or not; D = 64 causal 1k 261 -> 286 TFLOP/s
-    (attention_fwd_gluon_store_*_h200_2026-11-30_s13a.json)."""
-    return head_dim <= 128
+BULK_STORE_D256_KEYS = 1024  # D = 256: the output by bulk copies up to this many keys
+
+
+def stores_by_tma(head_dim: int, seqlen_k: int = 0) -> bool:
+    """Whether the output leaves through shared memory and bulk copies (a 64 x 128 buffer or
+    smaller a consumer, next to the rings and Q buffers of ``tile_config``: 24 KB at D = 64, 32 KB
+    at D = 128 and 256, which fills the H200's 227 KB) rather than by plain stores from registers.
+    Measured beside plain stores on the H200, kernel alone from CUDA graphs: D = 64 / 128 1.00-1.16x
+    at 512-16k tokens, causal or not (D = 64 causal 1k 261 -> 286 TFLOP/s,
+    attention_fwd_gluon_store_*_h200_2026-11-30_s13a.json). D = 256, two halves: 1.10-1.26x at
+    512 / 1k keys (causal 512 273 -> 344), 1.00x at 2k causal, 0.92-0.96x at 16k
+    (..._store_d256_*_s13e.json), so only up to ``BULK_STORE_D256_KEYS``."""
+    return head_dim <= 128 or seqlen_k <= BULK_STORE_D256_KEYS
+
+
+def output_block_cols(head_dim: int) -> int:
+    """Columns of the output block a bulk copy moves: all of them up to D = 128; D = 256 goes out
+    in two halves through one 64 x 128 buffer (a 64 x 256 one a consumer does not fit)."""
+    return min(head_dim, 128)
 
 
 @functools.lru_cache(maxsize=256)
@@ -491,9 +517,9 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((batch * seqlen, heads * head_dim), (_row_stride(t), 1))
 
 
-def _rows_descriptor(t: torch.Tensor, rows: int, layout):
+def _rows_descriptor(t: torch.Tensor, rows: int, layout, cols: Optional[int] = None):
     """A tensor descriptor of ``t``'s (batch * seqlen, heads * headdim) view (one head = a column
-    band) in [rows, headdim] blocks, for a tensor that ``why_not`` has accepted (or an output we
+    band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has accepted (or an output we
     made). It is made without the view and the constructor's checks, which ``why_not`` has made
     already: with them, the four descriptors of a launch took ~50 us of Python on a 512-token
     call whose kernel runs ~150 us (the descriptor reads the base's address and dtype, and the
@@ -503,7 +529,7 @@ def _rows_descriptor(t: torch.Tensor, rows: int, layout):
     batch, seqlen, heads, head_dim = t.shape
     desc = TensorDescriptor.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=[batch * seqlen, heads * head_dim], strides=[t.stride(1), 1],
-                         block_shape=[rows, head_dim], layout=layout, padding="zero")
+                         block_shape=[rows, cols or head_dim], layout=layout, padding="zero")
     return desc
 
 
@@ -565,8 +591,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        return _rows_descriptor(t, rows, nvmma_layout((rows, head_dim), _GL_DTYPES[q.dtype]))
+    def desc(t: torch.Tensor, rows: int, cols: int = head_dim) -> TensorDescriptor:
+        return _rows_descriptor(t, rows, nvmma_layout((rows, cols), _GL_DTYPES[q.dtype]), cols)
 
     num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
     grid = (min(batch * heads * num_m_blocks, sm_count(q.device)),)
@@ -575,9 +601,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
         heads_per_group = (causal_heads_per_group(batch * heads, num_m_blocks, grid[0], consumers * SUB_M, block_n,
                                                   seqlen_k, shift) if causal else 1)
     if tma_store is None:
-        tma_store = stores_by_tma(head_dim)
+        tma_store = stores_by_tma(head_dim, seqlen_k)
     _fwd_launcher[grid](
-        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, desc(out, SUB_M), lse,
+        desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, desc(out, SUB_M, output_block_cols(head_dim)), lse,
         seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
         softmax_scale * RCP_LN2.value,
         HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal,
@@ -594,17 +620,17 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
         return _compile_backward_for_sm90(head_dim, dtype, causal)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def desc(rows: int) -> str:
-        return f"tensordesc<{name}[{rows}, {head_dim}],{nvmma_layout((rows, head_dim), _GL_DTYPES[dtype])!r}>"
+    def desc(rows: int, cols: int = head_dim) -> str:
+        return f"tensordesc<{name}[{rows}, {cols}],{nvmma_layout((rows, cols), _GL_DTYPES[dtype])!r}>"
 
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
-             "o_desc": desc(SUB_M), "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
+             "o_desc": desc(SUB_M, output_block_cols(head_dim)), "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
              "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
              "qk_scale": "fp32"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
                                                            CONSUMERS=consumers, CAUSAL=causal,
-                                                           TMA_STORE=stores_by_tma(head_dim)))
+                                                           TMA_STORE=stores_by_tma(head_dim, seqlen_k)))
 
 
 # ----------------------------------------------------------------------------------------------
