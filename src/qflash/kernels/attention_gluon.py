@@ -360,7 +360,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFFERS, ROWS, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    if TMA_STORE:  # a 64 x D block of the output for each consumer
+    if TMA_STORE:  # a block of the output for each consumer: 64 x D, or 64 x 128 at D = 256
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # not used: the output goes out by plain stores
@@ -519,11 +519,11 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 
 def _rows_descriptor(t: torch.Tensor, rows: int, layout, cols: Optional[int] = None):
     """A tensor descriptor of ``t``'s (batch * seqlen, heads * headdim) view (one head = a column
-    band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has accepted (or an output we
-    made). It is made without the view and the constructor's checks, which ``why_not`` has made
-    already: with them, the four descriptors of a launch took ~50 us of Python on a 512-token
-    call whose kernel runs ~150 us (the descriptor reads the base's address and dtype, and the
-    lists here)."""
+    band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has
+    accepted (or an output we made). It is made without the view and the constructor's checks,
+    which ``why_not`` has made already: with them, the four descriptors of a launch took ~50 us
+    of Python (CPU machine) on a 512-token call whose kernel runs ~150 us. The launcher reads the
+    base's address and dtype and the lists here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, seqlen, heads, head_dim = t.shape
@@ -625,9 +625,9 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
-             "o_desc": desc(SUB_M, output_block_cols(head_dim)), "Lse": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads": "i32",
-             "kv_group": "i32", "num_bh": "i32", "num_m_blocks": "i32", "heads_per_group": "i32",
-             "qk_scale": "fp32"}
+             "o_desc": desc(SUB_M, output_block_cols(head_dim)), "Lse": "*fp32", "seqlen_q": "i32",
+             "seqlen_k": "i32", "shift": "i32", "num_heads": "i32", "kv_group": "i32", "num_bh": "i32",
+             "num_m_blocks": "i32", "heads_per_group": "i32", "qk_scale": "fp32"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
                                                            CONSUMERS=consumers, CAUSAL=causal,
                                                            TMA_STORE=stores_by_tma(head_dim, seqlen_k)))
