@@ -244,15 +244,19 @@ def test_descriptor_loads(which, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------
-CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1))]
+CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1)),
+                 ((16, 64, 4, 1), (64, 16, 4, 1, False, True)), ((32, 32, 4, 1), (16, 32, 4, 1, False, True))]
 
 
 def _gpu_bwd_tiles():
-    """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 runs every candidate."""
+    """The H200 search grid, gpu-marked: `pytest -m gpu` on the H200 runs every candidate (a list
+    shorter than the other pairs its first entry with the rest)."""
+    from itertools import zip_longest
+
     from qflash.bench.attention import BWD_TILE_GRID
 
-    return [pytest.param(d, (dq, dkdv), marks=gpu)
-            for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip(grid["dq"], grid["dkdv"])]
+    return [pytest.param(d, (dq or grid["dq"][0], dkdv or grid["dkdv"][0]), marks=gpu)
+            for d, grid in BWD_TILE_GRID.items() for dq, dkdv in zip_longest(grid["dq"], grid["dkdv"])]
 
 
 @pytest.mark.parametrize("d,tiles", [(40, t) for t in CPU_BWD_TILES] + _gpu_bwd_tiles(), ids=str)
@@ -266,6 +270,31 @@ def test_every_tile_shape_splits_masked_blocks_right(d, tiles, window, monkeypat
     sq, sk = (113, 203) if DEVICE == "cpu" else (1023, 1500)
     check_flash_grads(2, sq, sk, 2, 1, d, window_size=window)
     check_flash_grads(1, sk, sq, 2, 2, d, window_size=window)
+
+
+TRANSPOSED_CASES = {
+    "softcap and ALiBi": lambda: test_softcap_and_alibi(),
+    "window": lambda: test_sliding_window((7, 3), 33, 90),
+    "empty rows": lambda: test_large_logits_and_empty_rows_stay_finite(),
+    "varlen": lambda: test_varlen(),
+    "boolean mask": lambda: test_sdpa("bool"),
+    "float mask": lambda: test_sdpa("float"),
+    "dropout": lambda: test_dropout_forward_and_gradients_match_the_same_mask(True, 1),
+    "GQA": lambda: test_gqa_sums_over_the_group(2),
+}
+
+
+@pytest.mark.parametrize("case", list(TRANSPOSED_CASES))
+def test_transposed_dkdv_takes_every_option(case, monkeypatch):
+    """The dK/dV kernel computing S^T and dP^T directly (``transposed``): every option's masks,
+    biases, dropout counters and lse / delta broadcasts run the other way round."""
+    import qflash.kernels.attention as kernels
+
+    configs = (kernels.AttnBwdConfig(32, 16, 4, 1), kernels.AttnBwdConfig(16, 32, 4, 1, transposed=True))
+    if DEVICE == "cuda":
+        configs = (kernels.AttnBwdConfig(64, 64, 4, 2, True), kernels.AttnBwdConfig(64, 128, 8, 1, True, True))
+    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args: configs)
+    TRANSPOSED_CASES[case]()
 
 
 @gpu

@@ -329,12 +329,18 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
 # (attention_bwd_tiles_*.json) chose the pointer defaults; here each default runs beside its
 # descriptor twin. Left out for good: dK/dV tiles of 32 query rows with 3 stages (dK errors of
 # 0.04-0.3 on the H200, gpu_tests_h200_2026-11-29_s3a.log) and, at D = 256, 32-row tiles
-# (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup).
+# (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup). A sixth entry True is
+# the transposed dK/dV kernel (S^T = K Q^T): with one stage it builds for sm_90 with no spill at
+# D = 64 on 128-key / 8-warp tiles (causal too; the default spills 80 B causal) and 40 / 88 B at
+# D = 128 (the same tiles untransposed: 288 / 872 B, and ptxas serializes their wgmma), read
+# offline with ptxas -v; more stages spill more (D = 64, 3 stages: 624 B).
 BWD_TILE_GRID = {
     64: {"dq": [(64, 64, 4, 3, True), (64, 64, 4, 3), (128, 64, 8, 2, True)],
-         "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True)]},
+         "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True), (64, 128, 8, 1, True, True),
+                  (64, 64, 4, 1, True, True)]},
     128: {"dq": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 2, True)],
-          "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True)]},
+          "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True), (64, 128, 8, 1, True, True),
+                   (64, 64, 4, 1, True, True)]},
     256: {"dq": [(64, 64, 8, 2, True), (64, 64, 8, 2)],
           "dkdv": [(128, 64, 8, 1, True), (128, 64, 8, 1)]},
 }

@@ -78,9 +78,11 @@ def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p):
-    """Which probabilities survive dropout in a [rows, cols] tile: counter-based (Philox), so
-    the backward pass regenerates exactly the forward's mask from (seed, position)."""
-    offsets = (rng_row0 + rows[:, None]).to(tl.int64) * rng_cols + cols[None, :]
+    """Which probabilities survive dropout in a tile: counter-based (Philox), so the backward
+    pass regenerates exactly the forward's mask from (seed, position). ``rows`` and ``cols``
+    are 2-D and broadcast to the tile: rows[:, None] and cols[None, :] for a [rows, cols] tile,
+    rows[None, :] and cols[:, None] for its transpose."""
+    offsets = (rng_row0 + rows).to(tl.int64) * rng_cols + cols
     return tl.rand(dropout_seed, offsets) >= dropout_p
 
 
@@ -156,7 +158,9 @@ def _scores_log2(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
 ):
-    """Raw products q.k of a [rows, cols] tile -> final scores in the log2 domain, -inf where hidden.
+    """Raw products q.k of a tile -> final scores in the log2 domain, -inf where hidden. ``rows``
+    (query rows) and ``cols`` (keys) are 2-D and broadcast to the tile: rows[:, None] and
+    cols[None, :] for a [rows, cols] tile, rows[None, :] and cols[:, None] for S^T.
 
     Order as in the reference: scale, softcap, ALiBi, mask/bias, then causal/window/bounds.
     """
@@ -165,21 +169,21 @@ def _scores_log2(
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
-        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(s.dtype)
+        s -= slope_log2 * tl.abs(rows + shift - cols).to(s.dtype)
     if BIAS_KIND != 0:
-        b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-        b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bm + cols[None, :] * stride_bn
+        b_ok = (rows < seqlen_q) & (cols < seqlen_k)
+        b_ptrs = bias_base + rows.to(tl.int64) * stride_bm + cols * stride_bn
         bias = tl.load(b_ptrs, mask=b_ok, other=0)
         if BIAS_KIND == 1:
             s = tl.where(bias != 0, s, float("-inf"))
         else:
             s += bias.to(s.dtype) * RCP_LN2
     if MASKED:
-        keep = (cols[None, :] < seqlen_k) & (rows[:, None] < seqlen_q)
+        keep = (cols < seqlen_k) & (rows < seqlen_q)
         if HAS_RIGHT:
-            keep &= cols[None, :] <= rows[:, None] + shift + window_right
+            keep &= cols <= rows + shift + window_right
         if HAS_LEFT:
-            keep &= cols[None, :] >= rows[:, None] + shift - window_left
+            keep &= cols >= rows + shift - window_left
         s = tl.where(keep, s, float("-inf"))
     return s
 
@@ -248,8 +252,8 @@ def _online_softmax(
         m_new_safe = m_new
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     else:
-        s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
-                         window_left, window_right, qk_scale, softcap_log2, slope_log2,
+        s = _scores_log2(qk, rows[:, None], cols[None, :], bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                         shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
@@ -259,7 +263,7 @@ def _online_softmax(
     alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
-        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows[:, None], cols[None, :], rng_cols, dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     return p, alpha, m_new, l_i
 
@@ -677,25 +681,38 @@ def _attn_bwd_p_ds(
     dropout_p, dropout_seed, rng_row0, rng_cols,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr = False,
 ):
     """Recompute P for a [rows, cols] tile from the saved lse, and dS = dL/d(q.k) / scale.
 
     q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns the probabilities that
     multiplied V in the forward pass (after dropout), ds, and the gradient of the final scores
-    (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N].
+    (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N]; with
+    TRANSPOSED all [BLOCK_N, BLOCK_M] (S^T = K Q^T and dP^T = V dO^T computed as such, so that
+    P^T and dS^T come out of the tensor cores' accumulators ready to be dK's and dV's left
+    operands, without a transpose through shared memory).
     """
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
-    s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+    if TRANSPOSED:
+        qk = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_N, BLOCK_M]
+        rows2, cols2 = rows[None, :], cols[:, None]
+        lse2, delta2 = lse_log2[None, :], delta[None, :]
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+        rows2, cols2 = rows[:, None], cols[None, :]
+        lse2, delta2 = lse_log2[:, None], delta[:, None]
+    s = _scores_log2(qk, rows2, cols2, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
                      window_left, window_right, qk_scale, softcap_log2, slope_log2,
                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
     # lse = +inf for rows that see no key (and padding rows): p = 0 there, never NaN.
-    p = tl.math.exp2(s - lse_log2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(s - lse2)
+    if TRANSPOSED:
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_N, BLOCK_M]
+    else:
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the same mask as the forward, regenerated from its counters
-        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows2, cols2, rng_cols, dropout_p)
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta2)
     if HAS_DROPOUT:
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     dbias = ds
@@ -742,9 +759,10 @@ def _attn_bwd_dkdv_tile(
     window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
-    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
+    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q (with TRANSPOSED, P^T and
+    dS^T computed as such)."""
     rows = start_m + offs_m  # [BLOCK_M]
     row_ok = rows < seqlen_q
     d_ok = offs_d < HEAD_DIM
@@ -762,9 +780,13 @@ def _attn_bwd_dkdv_tile(
                               seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
                               slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                              DOT_PRECISION)
-    dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
-    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
+                              DOT_PRECISION, TRANSPOSED)
+    if TRANSPOSED:  # p, ds: [BLOCK_N, BLOCK_M], P^T and dS^T already
+        p_t, ds_t = p, ds
+    else:
+        p_t, ds_t = tl.trans(p), tl.trans(ds)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
@@ -875,7 +897,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -943,7 +965,7 @@ def _attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
                     dropout_p, dropout_seed, rng_row0, rng_cols,
                     HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-                    HAS_DROPOUT, DOT_PRECISION, USE_TMA)
+                    HAS_DROPOUT, DOT_PRECISION, USE_TMA, TRANSPOSED)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -958,6 +980,9 @@ class AttnBwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
+    # dK/dV: compute S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T leave the accumulators as
+    # the left operands of dV and dK (no transpose through shared memory); ignored by dQ.
+    transposed: bool = False
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -1064,7 +1089,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        **shared,
+        TRANSPOSED=dkdv_cfg.transposed, **shared,
     )
     return dq, dk, dv, dbias
 
@@ -1076,7 +1101,7 @@ def _dropout_mask_kernel(Mask, dropout_p, dropout_seed, seqlen_q, seqlen_k, num_
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rng_row0 = _rng_row0(bh // num_heads, bh % num_heads, num_heads, 0, seqlen_q, False)
-    keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, seqlen_k, dropout_p)
+    keep = _dropout_keep(dropout_seed, rng_row0, rows[:, None], cols[None, :], seqlen_k, dropout_p)
     ptrs = Mask + bh.to(tl.int64) * seqlen_q * seqlen_k + rows[:, None].to(tl.int64) * seqlen_k + cols[None, :]
     tl.store(ptrs, keep, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
 
