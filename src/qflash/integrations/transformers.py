@@ -96,9 +96,10 @@ def _with_position_bias(position_bias: torch.Tensor, attention_mask: Optional[to
     if attention_mask is None:
         if not causal:
             return position_bias
-        q_len, kv_len = query.shape[2], key.shape[2]
-        rows = torch.arange(q_len, device=query.device)[:, None]
-        attention_mask = rows >= torch.arange(kv_len, device=query.device)[None, :]
+        from qflash.reference.attention import visible_mask
+
+        attention_mask = visible_mask(query.shape[2], key.shape[2], causal=True, bottom_right=False,
+                                      device=query.device)
     if attention_mask.dtype == torch.bool:
         return position_bias.masked_fill(~attention_mask, float("-inf"))
     return position_bias + attention_mask

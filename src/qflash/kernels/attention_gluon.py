@@ -583,15 +583,13 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     """``attention_forward_gluon`` for a call that ``why_not`` has already accepted.
     ``heads_per_group`` overrides ``causal_heads_per_group`` and ``tma_store`` ``stores_by_tma``
     (to measure other choices)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     consumers, block_n, stages, q_buffers = tile_config(head_dim, causal, seqlen_k)
 
-    def desc(t: torch.Tensor, rows: int, cols: int = head_dim) -> TensorDescriptor:
+    def desc(t: torch.Tensor, rows: int, cols: int = head_dim):
         return _rows_descriptor(t, rows, nvmma_layout((rows, cols), _GL_DTYPES[q.dtype]), cols)
 
     num_m_blocks = cdiv(seqlen_q, consumers * SUB_M)
