@@ -244,7 +244,8 @@ def test_descriptor_loads(which, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------
-CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1)),
+CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)),
+                 ((32, 32, 4, 1, False, False, True), (32, 32, 4, 1, False, False, True)),  # blocks launched last first
                  ((16, 64, 4, 1), (64, 16, 4, 1, False, True)), ((32, 32, 4, 1), (16, 32, 4, 1, False, True))]
 
 
@@ -329,6 +330,34 @@ def test_gpu_deterministic_and_mask_at_64_past_128():
     runs = [_grads(lambda *a: qflash.sdpa(*a, attn_mask=mask), inputs, dout) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_launch_order_and_second_stream_change_no_bit(causal):
+    """Blocks launched last to first, and dK/dV on a second stream beside dQ: the same programs
+    compute the same sums, so the gradients are the default's bit for bit, including when the
+    caller's stream is not the default one."""
+    import dataclasses
+
+    from qflash.kernels.attention import AttnOptions, attention_backward, attention_forward, default_bwd_configs
+
+    q, k, v, dout = (torch.randn(2, 1023, 4, 128, device="cuda").bfloat16() for _ in range(4))
+    opts = AttnOptions(128 ** -0.5, window_right=0 if causal else -1)
+    out, lse = attention_forward(q, k, v, opts)
+    dq_cfg, dkdv_cfg = default_bwd_configs(128, q.dtype, q.device)
+    flipped = tuple(dataclasses.replace(c, reverse=True) for c in (dq_cfg, dkdv_cfg))
+    ref = attention_backward(dout, q, k, v, out, lse, opts, configs=(dq_cfg, dkdv_cfg))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        runs = [attention_backward(dout, q, k, v, out, lse, opts, configs=cfg, overlap=overlap)
+                for cfg in ((dq_cfg, dkdv_cfg), flipped) for overlap in (False, True)]
+        runs = [tuple(g.clone() for g in run[:3]) for run in runs]  # read on the stream that made them
+    torch.cuda.current_stream().wait_stream(stream)
+    for run in runs:
+        for a, b in zip(run, ref[:3]):
             assert torch.equal(a, b)
 
 

@@ -28,6 +28,7 @@ gradients are bitwise identical from run to run.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -809,7 +810,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr, REVERSE: tl.constexpr = False,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -819,6 +820,8 @@ def _attn_bwd_dq_kernel(
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
     m_block = pid % num_m_blocks
+    if REVERSE:  # a head's last blocks first: under a causal mask they see the most keys
+        m_block = num_m_blocks - 1 - m_block
     bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
@@ -897,7 +900,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
+    USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr, REVERSE: tl.constexpr = False,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -909,6 +912,8 @@ def _attn_bwd_dkdv_kernel(
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
     n_block = pid % num_n_blocks
+    if REVERSE:
+        n_block = num_n_blocks - 1 - n_block
     bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
@@ -953,19 +958,23 @@ def _attn_bwd_dkdv_kernel(
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
         # Three stretches of query blocks: the diagonal / right window edge (masked), the
         # interior (no mask), the left window edge (masked). static_range unrolls them, so
-        # MASKED is a compile-time constant in each.
+        # MASKED is a compile-time constant in each. An edge's loop is built only where its
+        # window exists (rows past seqlen_q need no mask here): at D = 64 with a causal mask the
+        # never-run left-edge loop cost registers, at D = 128 spills. The edges are a block or
+        # two long, too short to pipeline.
         for part in tl.static_range(3):
-            start, end = _stretch(part, lo, full_lo, full_hi, hi)
-            for start_m in range(start, end, BLOCK_M):
-                if part == 1:
-                    start_m = tl.multiple_of(start_m, BLOCK_M)
-                dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
-                    stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
-                    seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
-                    dropout_p, dropout_seed, rng_row0, rng_cols,
-                    HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-                    HAS_DROPOUT, DOT_PRECISION, USE_TMA, TRANSPOSED)
+            if (part == 1) or (part == 0 and HAS_RIGHT) or (part == 2 and HAS_LEFT):
+                start, end = _stretch(part, lo, full_lo, full_hi, hi)
+                for start_m in tl.range(start, end, BLOCK_M, num_stages=None if part == 1 else 1):
+                    if part == 1:
+                        start_m = tl.multiple_of(start_m, BLOCK_M)
+                    dk, dv = _attn_bwd_dkdv_tile(
+                        dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
+                        stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
+                        seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
+                        dropout_p, dropout_seed, rng_row0, rng_cols,
+                        HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, TRANSPOSED)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -983,6 +992,11 @@ class AttnBwdConfig:
     # dK/dV: compute S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T leave the accumulators as
     # the left operands of dV and dK (no transpose through shared memory); ignored by dQ.
     transposed: bool = False
+    # Launch each head's blocks last to first. Under a causal mask the last query blocks see the
+    # most keys (dQ) and the first key blocks the most queries (dK/dV): the longest programs
+    # should start first, so the last wave is not one long program on an otherwise idle GPU.
+    reverse: bool = False
+    maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -1015,10 +1029,24 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
 _bwd_preprocess_launcher = CachedLauncher(_attn_bwd_preprocess_kernel)
 _bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_kernel)
 _bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_kernel)
+_side_streams = {}
+
+
+def _maxnreg(cfg: AttnBwdConfig) -> dict:
+    return {} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)
+
+
+def _side_stream(device: torch.device):
+    """One extra stream a device, made on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(index)
+    return _side_streams[index]
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False):
+                       lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False,
+                       overlap: bool = False):
     """Gradients (dq, dk, dv, dbias) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
@@ -1028,7 +1056,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths
     multiple of 128, not ``deterministic``) go there after the delta pass where ``bwd_preferred``
-    says so (nowhere yet: it measured no faster).
+    says so (nowhere yet: it measured no faster). ``overlap``: the dK/dV kernel runs on a second
+    stream beside the dQ kernel (they share no output), so each can fill the other's last wave.
     """
     varlen = opts.varlen
     if varlen:
@@ -1073,6 +1102,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
+    side = _side_stream(q.device) if overlap and q.is_cuda else None
+    if side is not None:  # fork: the side stream starts after everything queued so far
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
+        _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
+            q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
+            *_bshd_strides(dv, varlen), *tail,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
+            num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
+            TRANSPOSED=dkdv_cfg.transposed, REVERSE=dkdv_cfg.reverse,
+            **_maxnreg(dkdv_cfg), **shared,
+        )
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _bwd_dq_launcher[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
@@ -1080,17 +1123,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-        HAS_DBIAS=dbias is not None, **shared,
+        HAS_DBIAS=dbias is not None, REVERSE=dq_cfg.reverse, **_maxnreg(dq_cfg), **shared,
     )
-    num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
-    _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
-        q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
-        *_bshd_strides(dv, varlen), *tail,
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
-        num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        TRANSPOSED=dkdv_cfg.transposed, **shared,
-    )
+    if side is not None:  # join: whatever runs next on the caller's stream sees dk and dv
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv, dbias
 
 
