@@ -13,7 +13,7 @@ import qflash
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
 from qflash.testing import GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
 
-from conftest import DEVICE
+from conftest import DEVICE, ptxas_report, sm90_build
 
 gpu = pytest.mark.gpu
 
@@ -241,12 +241,22 @@ def test_descriptor_loads(which, monkeypatch):
                                                              reorder_ops=not upcast)[0], inputs)
 
 
+@pytest.mark.parametrize("d,causal", [(64, True), (128, True), (64, False)])
+def test_dkdv_builds_for_sm90_with_asynchronous_wgmma(d, causal):
+    """Built offline as the H200's default launch would be: no wgmma serialized by ptxas (C7515).
+    With its masked diagonal loop first, the causal dK/dV kernel had them all serialized and took
+    20-27 % longer (benchmarks/NOTES.md, fourteenth round)."""
+    kernel = sm90_build("qflash.kernels.attention", d, torch.bfloat16, causal=causal)
+    assert "wgmma.mma_async" in kernel["ptx"]
+    assert "serialized" not in ptxas_report(kernel["ptx"])
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------
-CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)),
-                 ((32, 32, 4, 1, False, False, True), (32, 32, 4, 1, False, False, True)),  # blocks launched last first
-                 ((16, 64, 4, 1), (64, 16, 4, 1, False, True)), ((32, 32, 4, 1), (16, 32, 4, 1, False, True))]
+# The CPU default visits dK/dV's interior before its masked edges (edges_last), as the H200's
+# does; these tiles visit the masked edges first.
+CPU_BWD_TILES = [((16, 64, 4, 1), (64, 16, 4, 1)), ((64, 16, 4, 1), (16, 64, 4, 1)), ((32, 32, 4, 1), (32, 32, 4, 1))]
 
 
 def _gpu_bwd_tiles():
@@ -271,31 +281,6 @@ def test_every_tile_shape_splits_masked_blocks_right(d, tiles, window, monkeypat
     sq, sk = (113, 203) if DEVICE == "cpu" else (1023, 1500)
     check_flash_grads(2, sq, sk, 2, 1, d, window_size=window)
     check_flash_grads(1, sk, sq, 2, 2, d, window_size=window)
-
-
-TRANSPOSED_CASES = {
-    "softcap and ALiBi": lambda: test_softcap_and_alibi(),
-    "window": lambda: test_sliding_window((7, 3), 33, 90),
-    "empty rows": lambda: test_large_logits_and_empty_rows_stay_finite(),
-    "varlen": lambda: test_varlen(),
-    "boolean mask": lambda: test_sdpa("bool"),
-    "float mask": lambda: test_sdpa("float"),
-    "dropout": lambda: test_dropout_forward_and_gradients_match_the_same_mask(True, 1),
-    "GQA": lambda: test_gqa_sums_over_the_group(2),
-}
-
-
-@pytest.mark.parametrize("case", list(TRANSPOSED_CASES))
-def test_transposed_dkdv_takes_every_option(case, monkeypatch):
-    """The dK/dV kernel computing S^T and dP^T directly (``transposed``): every option's masks,
-    biases, dropout counters and lse / delta broadcasts run the other way round."""
-    import qflash.kernels.attention as kernels
-
-    configs = (kernels.AttnBwdConfig(32, 16, 4, 1), kernels.AttnBwdConfig(16, 32, 4, 1, transposed=True))
-    if DEVICE == "cuda":
-        configs = (kernels.AttnBwdConfig(64, 64, 4, 2, True), kernels.AttnBwdConfig(64, 128, 8, 1, True, True))
-    monkeypatch.setattr(kernels, "default_bwd_configs", lambda *args: configs)
-    TRANSPOSED_CASES[case]()
 
 
 @gpu
@@ -330,34 +315,6 @@ def test_gpu_deterministic_and_mask_at_64_past_128():
     runs = [_grads(lambda *a: qflash.sdpa(*a, attn_mask=mask), inputs, dout) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
-            assert torch.equal(a, b)
-
-
-@gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_launch_order_and_second_stream_change_no_bit(causal):
-    """Blocks launched last to first, and dK/dV on a second stream beside dQ: the same programs
-    compute the same sums, so the gradients are the default's bit for bit, including when the
-    caller's stream is not the default one."""
-    import dataclasses
-
-    from qflash.kernels.attention import AttnOptions, attention_backward, attention_forward, default_bwd_configs
-
-    q, k, v, dout = (torch.randn(2, 1023, 4, 128, device="cuda").bfloat16() for _ in range(4))
-    opts = AttnOptions(128 ** -0.5, window_right=0 if causal else -1)
-    out, lse = attention_forward(q, k, v, opts)
-    dq_cfg, dkdv_cfg = default_bwd_configs(128, q.dtype, q.device)
-    flipped = tuple(dataclasses.replace(c, reverse=True) for c in (dq_cfg, dkdv_cfg))
-    ref = attention_backward(dout, q, k, v, out, lse, opts, configs=(dq_cfg, dkdv_cfg))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        runs = [attention_backward(dout, q, k, v, out, lse, opts, configs=cfg, overlap=overlap)
-                for cfg in ((dq_cfg, dkdv_cfg), flipped) for overlap in (False, True)]
-        runs = [tuple(g.clone() for g in run[:3]) for run in runs]  # read on the stream that made them
-    torch.cuda.current_stream().wait_stream(stream)
-    for run in runs:
-        for a, b in zip(run, ref[:3]):
             assert torch.equal(a, b)
 
 

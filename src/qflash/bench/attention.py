@@ -323,26 +323,22 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
     return rows
 
 
-# Backward tiles, (block_m, block_n, num_warps, num_stages[, use_tma]): the dQ kernel keeps
-# block_m query rows and streams K/V, the dK/dV kernel keeps block_n keys and streams Q/dO;
-# use_tma loads the streamed tiles through tensor descriptors. The earlier rounds' grids
-# (attention_bwd_tiles_*.json) chose the pointer defaults; here each default runs beside its
-# descriptor twin. Left out for good: dK/dV tiles of 32 query rows with 3 stages (dK errors of
-# 0.04-0.3 on the H200, gpu_tests_h200_2026-11-29_s3a.log) and, at D = 256, 32-row tiles
-# (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup). A sixth entry True is
-# the transposed dK/dV kernel (S^T = K Q^T): with one stage it builds for sm_90 with no spill at
-# D = 64 on 128-key / 8-warp tiles (causal too; the default spills 80 B causal) and 40 / 88 B at
-# D = 128 (the same tiles untransposed: 288 / 872 B, and ptxas serializes their wgmma), read
-# offline with ptxas -v; more stages spill more (D = 64, 3 stages: 624 B).
+# Backward tiles, (block_m, block_n, num_warps, num_stages[, use_tma, maxnreg, edges_last]) as
+# AttnBwdConfig takes them: the dQ kernel keeps block_m query rows and streams K/V, the dK/dV
+# kernel keeps block_n keys and streams Q/dO; use_tma loads the streamed tiles through tensor
+# descriptors; edges_last visits dK/dV's masked diagonal after its interior. The earlier rounds'
+# grids (attention_bwd_tiles_*.json) chose the defaults. Left out for good: dK/dV tiles of 32
+# query rows with 3 stages (dK errors of 0.04-0.3 on the H200, gpu_tests_h200_2026-11-29_s3a.log),
+# at D = 256 32-row tiles (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup),
+# and a dK/dV kernel computing S^T = K Q^T (slower at every point, ..._tiles_transposed_..._s14a).
 BWD_TILE_GRID = {
     64: {"dq": [(64, 64, 4, 3, True), (64, 64, 4, 3), (128, 64, 8, 2, True)],
-         "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True), (64, 128, 8, 1, True, True),
-                  (64, 64, 4, 1, True, True)]},
+         "dkdv": [(64, 64, 4, 3, True, None, True), (64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True),
+                  (64, 64, 4, 3, True, 168, True)]},
     128: {"dq": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 2, True)],
-          "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True), (64, 128, 8, 1, True, True),
-                   (64, 64, 4, 1, True, True)]},
+          "dkdv": [(64, 64, 4, 2, True, None, True), (64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True)]},
     256: {"dq": [(64, 64, 8, 2, True), (64, 64, 8, 2)],
-          "dkdv": [(128, 64, 8, 1, True), (128, 64, 8, 1)]},
+          "dkdv": [(128, 64, 8, 1, True, None, True), (128, 64, 8, 1)]},
 }
 
 

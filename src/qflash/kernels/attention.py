@@ -28,7 +28,6 @@ gradients are bitwise identical from run to run.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,9 +139,11 @@ def _query_blocks(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
-def _stretch(part: tl.constexpr, lo, full_lo, full_hi, hi):
+def _stretch(part: tl.constexpr, lo, full_lo, full_hi, hi, EDGES_LAST: tl.constexpr = False):
     """Bounds of stretch ``part`` of a block range: 0 = [lo, full_lo) and 2 = [full_hi, hi)
-    need the mask, 1 = [full_lo, full_hi) does not."""
+    need the mask, 1 = [full_lo, full_hi) does not. EDGES_LAST swaps 0 and 1."""
+    if EDGES_LAST and part < 2:
+        part = 1 - part
     if part == 0:
         return lo, full_lo
     elif part == 1:
@@ -682,34 +683,23 @@ def _attn_bwd_p_ds(
     dropout_p, dropout_seed, rng_row0, rng_cols,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Recompute P for a [rows, cols] tile from the saved lse, and dS = dL/d(q.k) / scale.
 
     q, do: [BLOCK_M, BLOCK_D]; k, v: [BLOCK_N, BLOCK_D]. Returns the probabilities that
     multiplied V in the forward pass (after dropout), ds, and the gradient of the final scores
-    (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N]; with
-    TRANSPOSED all [BLOCK_N, BLOCK_M] (S^T = K Q^T and dP^T = V dO^T computed as such, so that
-    P^T and dS^T come out of the tensor cores' accumulators ready to be dK's and dV's left
-    operands, without a transpose through shared memory).
+    (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N].
     """
-    if TRANSPOSED:
-        qk = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_N, BLOCK_M]
-        rows2, cols2 = rows[None, :], cols[:, None]
-        lse2, delta2 = lse_log2[None, :], delta[None, :]
-    else:
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
-        rows2, cols2 = rows[:, None], cols[None, :]
-        lse2, delta2 = lse_log2[:, None], delta[:, None]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    rows2, cols2 = rows[:, None], cols[None, :]
+    lse2, delta2 = lse_log2[:, None], delta[:, None]
     s = _scores_log2(qk, rows2, cols2, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
                      window_left, window_right, qk_scale, softcap_log2, slope_log2,
                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
     # lse = +inf for rows that see no key (and padding rows): p = 0 there, never NaN.
     p = tl.math.exp2(s - lse2)
-    if TRANSPOSED:
-        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_N, BLOCK_M]
-    else:
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the same mask as the forward, regenerated from its counters
         keep = _dropout_keep(dropout_seed, rng_row0, rows2, cols2, rng_cols, dropout_p)
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
@@ -760,10 +750,9 @@ def _attn_bwd_dkdv_tile(
     window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q (with TRANSPOSED, P^T and
-    dS^T computed as such)."""
+    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
     rows = start_m + offs_m  # [BLOCK_M]
     row_ok = rows < seqlen_q
     d_ok = offs_d < HEAD_DIM
@@ -781,11 +770,8 @@ def _attn_bwd_dkdv_tile(
                               seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
                               slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
-                              DOT_PRECISION, TRANSPOSED)
-    if TRANSPOSED:  # p, ds: [BLOCK_N, BLOCK_M], P^T and dS^T already
-        p_t, ds_t = p, ds
-    else:
-        p_t, ds_t = tl.trans(p), tl.trans(ds)
+                              DOT_PRECISION)
+    p_t, ds_t = tl.trans(p), tl.trans(ds)  # [BLOCK_N, BLOCK_M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
     return dk, dv
@@ -810,7 +796,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr, REVERSE: tl.constexpr = False,
+    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -820,8 +806,6 @@ def _attn_bwd_dq_kernel(
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
     m_block = pid % num_m_blocks
-    if REVERSE:  # a head's last blocks first: under a causal mask they see the most keys
-        m_block = num_m_blocks - 1 - m_block
     bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
@@ -900,7 +884,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, TRANSPOSED: tl.constexpr, REVERSE: tl.constexpr = False,
+    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -912,8 +896,6 @@ def _attn_bwd_dkdv_kernel(
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
     n_block = pid % num_n_blocks
-    if REVERSE:
-        n_block = num_n_blocks - 1 - n_block
     bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
@@ -957,24 +939,24 @@ def _attn_bwd_dkdv_kernel(
             slope_log2 = 0.0
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
         # Three stretches of query blocks: the diagonal / right window edge (masked), the
-        # interior (no mask), the left window edge (masked). static_range unrolls them, so
-        # MASKED is a compile-time constant in each. An edge's loop is built only where its
-        # window exists (rows past seqlen_q need no mask here): at D = 64 with a causal mask the
-        # never-run left-edge loop cost registers, at D = 128 spills. The edges are a block or
-        # two long, too short to pipeline.
-        for part in tl.static_range(3):
-            if (part == 1) or (part == 0 and HAS_RIGHT) or (part == 2 and HAS_LEFT):
-                start, end = _stretch(part, lo, full_lo, full_hi, hi)
-                for start_m in tl.range(start, end, BLOCK_M, num_stages=None if part == 1 else 1):
-                    if part == 1:
+        # interior (no mask), the left window edge (masked); static_range unrolls them, so
+        # MASKED is a compile-time constant in each. EDGES_LAST visits the interior first: when
+        # the masked loop came first, ptxas serialized every wgmma of the causal kernel (C7515).
+        # (Its left-edge loop is built only for a left window; leaving out the empty loop in the
+        # other order cost the unmasked D = 64 build its unserialized form.)
+        for i in tl.static_range(3):
+            if (i < 2) | HAS_LEFT | (EDGES_LAST == 0):  # constexpr operators: a compile-time if
+                start, end = _stretch(i, lo, full_lo, full_hi, hi, EDGES_LAST)
+                for start_m in range(start, end, BLOCK_M):
+                    if i == 1 - EDGES_LAST:  # the interior
                         start_m = tl.multiple_of(start_m, BLOCK_M)
                     dk, dv = _attn_bwd_dkdv_tile(
                         dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
                         stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
                         seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
                         dropout_p, dropout_seed, rng_row0, rng_cols,
-                        HEAD_DIM, BLOCK_D, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, TRANSPOSED)
+                        HEAD_DIM, BLOCK_D, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                        BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, USE_TMA)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -989,21 +971,15 @@ class AttnBwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
-    # dK/dV: compute S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T leave the accumulators as
-    # the left operands of dV and dK (no transpose through shared memory); ignored by dQ.
-    transposed: bool = False
-    # Launch each head's blocks last to first. Under a causal mask the last query blocks see the
-    # most keys (dQ) and the first key blocks the most queries (dK/dV): the longest programs
-    # should start first, so the last wave is not one long program on an otherwise idle GPU.
-    reverse: bool = False
     maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
+    edges_last: bool = False  # dK/dV: the interior stretch before the masked diagonal / window edge
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
     """(dQ config, dK/dV config), searched on the H200 for 16-bit types
     (benchmarks/results/attention_bwd_tiles_*); float32/64 are sized to fit shared memory."""
     if device.type != "cuda":
-        return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
+        return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1, edges_last=True)
     block_d = _block_d(head_dim)
     if dtype == torch.float64 and block_d > 128:  # 8-byte tiles: shared memory (232 KB) sets the size
         return AttnBwdConfig(16, 16, 4, 1), AttnBwdConfig(16, 16, 4, 1)
@@ -1014,39 +990,36 @@ def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device)
         return AttnBwdConfig(32, 16, 4, 1), AttnBwdConfig(16, 32, 4, 1)
     if dtype in (torch.float32, torch.float64):
         return AttnBwdConfig(64, 32, 4, 1), AttnBwdConfig(32, 64, 4, 1)
-    # Tensor descriptors for the streamed tiles (Hopper): their address arithmetic leaves the
-    # registers, and ptxas's spills drop (dK/dV at D = 128: 716 -> 180 bytes a thread).
-    tma = has_tma(device)
+    return _bwd_tiles(block_d, has_tma(device))
+
+
+def _bwd_tiles(block_d: int, tma: bool):
+    """The 16-bit defaults on a GPU. Tensor descriptors (``tma``, Hopper) for the streamed tiles:
+    their address arithmetic leaves the registers, and ptxas's spills drop (dK/dV at D = 128:
+    716 -> 180 bytes a thread)."""
     if block_d > 128:
         # Products of 64 rows a warpgroup, which Hopper's wgmma needs (the 32-row tiles used
         # before compiled to mma.sync): 104-116 -> 167-239 TFLOP/s (attention_bwd_tiles_*_s5).
-        return AttnBwdConfig(64, 64, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma)
+        return AttnBwdConfig(64, 64, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma, edges_last=True)
+    # dK/dV under a causal mask: the interior before the diagonal (edges_last). With the masked
+    # loop first, ptxas serialized every wgmma of the kernel (C7515). dK/dV time with a causal
+    # mask: -20 to -27 % at D = 64 / 128, -2 to -9 % at D = 256 (attention_bwd_kernels_*_s14e/f/h).
     if block_d <= 64:  # square 64 x 64 tiles, 3 stages: dK/dV +49% over (64, 128, 8 warps) at 8k
-        return AttnBwdConfig(64, 64, 4, 3, tma), AttnBwdConfig(64, 64, 4, 3, tma)
-    return AttnBwdConfig(64, 64, 4, 2, tma), AttnBwdConfig(64, 64, 4, 2, tma)
+        return AttnBwdConfig(64, 64, 4, 3, tma), AttnBwdConfig(64, 64, 4, 3, tma, edges_last=True)
+    return AttnBwdConfig(64, 64, 4, 2, tma), AttnBwdConfig(64, 64, 4, 2, tma, edges_last=True)
 
 
 _bwd_preprocess_launcher = CachedLauncher(_attn_bwd_preprocess_kernel)
 _bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_kernel)
 _bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_kernel)
-_side_streams = {}
 
 
 def _maxnreg(cfg: AttnBwdConfig) -> dict:
     return {} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)
 
 
-def _side_stream(device: torch.device):
-    """One extra stream a device, made on first use."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(index)
-    return _side_streams[index]
-
-
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False,
-                       overlap: bool = False):
+                       lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False):
     """Gradients (dq, dk, dv, dbias) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
@@ -1056,8 +1029,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths
     multiple of 128, not ``deterministic``) go there after the delta pass where ``bwd_preferred``
-    says so (nowhere yet: it measured no faster). ``overlap``: the dK/dV kernel runs on a second
-    stream beside the dQ kernel (they share no output), so each can fill the other's last wave.
+    says so (nowhere yet: it measured no faster).
     """
     varlen = opts.varlen
     if varlen:
@@ -1102,20 +1074,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
-    side = _side_stream(q.device) if overlap and q.is_cuda else None
-    if side is not None:  # fork: the side stream starts after everything queued so far
-        side.wait_stream(torch.cuda.current_stream(q.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
-        _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
-            q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
-            *_bshd_strides(dv, varlen), *tail,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
-            num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-            TRANSPOSED=dkdv_cfg.transposed, REVERSE=dkdv_cfg.reverse,
-            **_maxnreg(dkdv_cfg), **shared,
-        )
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
     _bwd_dq_launcher[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
@@ -1123,11 +1081,55 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-        HAS_DBIAS=dbias is not None, REVERSE=dq_cfg.reverse, **_maxnreg(dq_cfg), **shared,
+        HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
     )
-    if side is not None:  # join: whatever runs next on the caller's stream sees dk and dv
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
+    _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
+        q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
+        *_bshd_strides(dv, varlen), *tail,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
+        num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
+        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
+        **_maxnreg(dkdv_cfg), **shared,
+    )
     return dq, dk, dv, dbias
+
+
+def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
+                     kernel: str = "dkdv"):
+    """Build the backward's dQ or dK/dV kernel for sm_90 without a GPU (what the CPU tests read),
+    specialized as a launch of its default tiles on Hopper would be: contiguous (1, 16k,
+    2048 / head_dim, head_dim) q, k, v and dO, causal (top-left) or no mask, nothing else."""
+    from qflash.kernels.common import build_tl_for_sm90
+
+    dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
+    cfg = dq_cfg if kernel == "dq" else dkdv_cfg
+    fn = _attn_bwd_dq_kernel if kernel == "dq" else _attn_bwd_dkdv_kernel
+    seqlen, heads = 16384, 2048 // head_dim
+    strides = {"b": seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
+    lse_strides = {"b": heads * seqlen, "h": seqlen, "s": 1}
+    elem = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    args = dict(seqlen_q=seqlen, seqlen_k=seqlen, num_heads=heads, num_heads_kv=heads, kv_group=1,
+                num_m_blocks=seqlen // cfg.block_m, num_n_blocks=seqlen // cfg.block_n, window_left=-1,
+                window_right=0 if causal else -1, rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
+                dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
+                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32")
+    for name in fn.arg_names:
+        if name.startswith("stride_l"):
+            args[name] = lse_strides[name[-1]]
+        elif name.startswith(("stride_b", "stride_s", "stride_db")):  # bias, slopes, dbias: none
+            args[name] = 0
+        elif name.startswith("stride_"):
+            args[name] = strides[name[-1]]
+        elif name not in args and (name[0].isupper() or name in ("dOut", "dQ", "dK", "dV")):
+            args[name] = f"*{elem}"  # Bias, Slopes, DBias: the launch passes q in their place
+    constants = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                     HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                     BIAS_KIND=BIAS_NONE, IS_VARLEN=False, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
+                     HAS_DROPOUT=False, USE_TMA=cfg.use_tma)
+    constants.update(dict(HAS_DBIAS=False) if kernel == "dq" else dict(EDGES_LAST=cfg.edges_last and causal))
+    return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @triton.jit

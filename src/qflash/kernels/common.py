@@ -84,6 +84,35 @@ def build_for_sm90(fn, types: dict, constants: dict, **options):
                           options=dict(num_warps=4, **options))
 
 
+def build_tl_for_sm90(fn, args: dict, constants: dict, **options):
+    """Compile a ``tl`` kernel for sm_90 without a GPU, specialized as a launch with these arguments
+    would be: ``args`` gives each runtime argument as a type ("*bf16", "fp64", "i32") or an int
+    value (1 becomes a constant and multiples of 16 are marked divisible, as Triton does at
+    launch; pointers count as 16-byte aligned), ``constants`` each constexpr's value."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs, fixed = {}, {}, dict(constants)
+    for i, name in enumerate(fn.arg_names):
+        value = args.get(name)
+        if name in constants:
+            signature[name] = "constexpr"
+        elif isinstance(value, str):
+            signature[name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif value == 1:
+            signature[name] = "constexpr"
+            fixed[name] = 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    fixed = {(index[name],): value for name, value in fixed.items()}
+    return triton.compile(ASTSource(fn, signature, fixed, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need a unit last stride, every dimension > 0, a 16-byte aligned
     base and strides that are multiples of 16 bytes."""

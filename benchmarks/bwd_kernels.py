@@ -1,9 +1,11 @@
-"""Where the tl backward's time goes under a causal mask, and two ways to shorten its last wave.
+"""Where the tl backward's time goes: the delta, dQ and dK/dV kernels timed apart
+(torch.profiler), and whole backwards (`attention_backward`, delta pass included) with variants
+of the dK/dV config side by side with SDPA's cuDNN and flash-attn 2 backends. TFLOP/s count
+2.5 x the forward's FLOPs.
 
-For each shape: the delta, dQ and dK/dV kernels timed apart (torch.profiler), then whole backwards
-(`attention_backward`, delta pass included) side by side with SDPA's cuDNN and flash-attn 2
-backends: the default configs, dQ's blocks launched last to first (`reverse`), the dK/dV kernel on
-a second stream beside dQ (`overlap`), and both. TFLOP/s count 2.5 x the forward's FLOPs.
+Session 14's first run of this script (`attention_bwd_order_h200_2026-11-30_s14b.json`, commit
+4d4802f) timed two launch-order variants since removed: dQ's blocks launched last to first, and
+the dK/dV kernel on a second stream beside dQ.
 """
 
 import argparse
@@ -41,6 +43,8 @@ def main():
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--rounds", type=int, default=2, help="times each variant this often, interleaved; keeps the best")
+    p.add_argument("--dkdv", default="", help="dK/dV configs beside the default: 'name=field:value,...;...' "
+                                              "(e.g. 'regs168=maxnreg:168;stages2=num_stages:2')")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -53,19 +57,19 @@ def main():
         o, lse = attention_forward(q, k, v, opts)
         flops = BACKWARD_FLOPS * attention_flops(b, h, n, n, d, causal)
         dq_cfg, dkdv_cfg = default_bwd_configs(d, q.dtype, q.device)
-        reversed_dq = (dataclasses.replace(dq_cfg, reverse=True), dkdv_cfg)
-        variants = {
-            "default": lambda: attention_backward(do, q, k, v, o, lse, opts, configs=(dq_cfg, dkdv_cfg)),
-            "reverse dq": lambda: attention_backward(do, q, k, v, o, lse, opts, configs=reversed_dq),
-            "overlap": lambda: attention_backward(do, q, k, v, o, lse, opts, configs=(dq_cfg, dkdv_cfg), overlap=True),
-            "reverse dq + overlap": lambda: attention_backward(do, q, k, v, o, lse, opts, configs=reversed_dq,
-                                                               overlap=True),
-        }
+        candidates = {"default": dkdv_cfg}
+        for spec in filter(None, args.dkdv.split(";")):  # name=field:value,field:value
+            name, fields = spec.split("=")
+            changes = {f: int(x) for f, x in (kv.split(":") for kv in fields.split(","))}
+            candidates[name] = dataclasses.replace(dkdv_cfg, **changes)
+        variants = {name: (lambda c=c: attention_backward(do, q, k, v, o, lse, opts, configs=(dq_cfg, c)))
+                    for name, c in candidates.items()}
         ref = variants["default"]()
-        for name, fn in variants.items():  # every variant computes the same gradients, bit for bit
+        for name, fn in variants.items():  # the same gradients, up to the order of the sums
             got = fn()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(got[:3], ref[:3])), name
+            err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                      for a, b in zip(got[:3], ref[:3]))
+            assert err < 1e-2, (name, err)
         for peer in ("sdpa_cudnn", "sdpa_flash"):
             variants[peer] = backward_of(PROVIDERS[peer])(q, k, v, causal)
         best = {}
@@ -73,14 +77,14 @@ def main():
             for name, fn in variants.items():
                 ms = triton.testing.do_bench(fn, rep=60)
                 best[name] = min(best.get(name, ms), ms)
-        kernels = {name: kernel_times(variants[name]) for name in ("default", "reverse dq")}
+        kernels = {name: kernel_times(variants[name]) for name in candidates}
         row = dict(head_dim=d, seqlen=n, causal=causal, batch=b, heads=h,
                    tflops={name: flops / ms * 1e-9 for name, ms in best.items()}, ms=best, kernels_ms=kernels)
         rows.append(row)
         print(d, n, "causal" if causal else "full ",
               " ".join(f"{name}={t:.0f}" for name, t in row["tflops"].items()),
-              "| kernels ms:", {k2: round(t, 3) for k2, t in kernels["default"].items()},
-              "dq reversed", round(kernels["reverse dq"].get("dq", float("nan")), 3), flush=True)
+              "| kernels ms:", {name: {k2: round(t, 3) for k2, t in ks.items()} for name, ks in kernels.items()},
+              flush=True)
         del variants, ref
         torch.cuda.empty_cache()
     if args.out:
