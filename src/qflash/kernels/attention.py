@@ -1097,14 +1097,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     kernel: str = "dkdv"):
+                     kernel: str = "dkdv", config: Optional[AttnBwdConfig] = None):
     """Build the backward's dQ or dK/dV kernel for sm_90 without a GPU (what the CPU tests read),
-    specialized as a launch of its default tiles on Hopper would be: contiguous (1, 16k,
-    2048 / head_dim, head_dim) q, k, v and dO, causal (top-left) or no mask, nothing else."""
+    specialized as a launch of its default tiles (or ``config``) on Hopper would be: contiguous
+    (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal (top-left) or no mask, nothing else."""
     from qflash.kernels.common import build_tl_for_sm90
 
     dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
-    cfg = dq_cfg if kernel == "dq" else dkdv_cfg
+    cfg = config or (dq_cfg if kernel == "dq" else dkdv_cfg)
     fn = _attn_bwd_dq_kernel if kernel == "dq" else _attn_bwd_dkdv_kernel
     seqlen, heads = 16384, 2048 // head_dim
     strides = {"b": seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
@@ -1129,7 +1129,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=False, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=False, USE_TMA=cfg.use_tma)
     constants.update(dict(HAS_DBIAS=False) if kernel == "dq" else dict(EDGES_LAST=cfg.edges_last and causal))
-    return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             **_maxnreg(cfg))
 
 
 @triton.jit
