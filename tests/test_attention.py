@@ -15,7 +15,7 @@ import qflash
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err
 
-from conftest import DEVICE, HAS_CUDA
+from conftest import DEVICE, HAS_CUDA, ptxas_report, sm90_build
 
 CPU_DTYPES = [torch.float16, torch.float32]
 gpu = pytest.mark.gpu
@@ -90,6 +90,17 @@ def test_dtypes(dtype):
 def test_sliding_window(window, sq, sk):
     q, k, v = _qkv(1, sq, sk, 2, 2, 32)
     check_flash(q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("causal,window_left", [(True, 256), (False, 256)])
+def test_window_forward_builds_for_sm90_with_asynchronous_wgmma(causal, window_left):
+    """The tl forward with a left window edge (the Gluon forward takes no windows), built offline
+    for sm_90 as the default D = 64 launch would be: ptxas must not serialize its wgmma (C7515),
+    which it did while the left edge's loop came before the interior."""
+    kernel = sm90_build("qflash.kernels.attention", 64, torch.bfloat16, causal=causal, kernel="fwd",
+                        window_left=window_left)
+    assert "wgmma.mma_async" in kernel["ptx"]
+    assert "serialized" not in ptxas_report(kernel["ptx"])
 
 
 def test_causal_with_window():

@@ -323,7 +323,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
@@ -390,13 +390,15 @@ def _attn_fwd_kernel(
 
     # Three stretches: left window edge (masked), interior (no mask), diagonal / right window
     # edge / sequence end (masked); static_range makes MASKED a compile-time constant in each.
-    for part in tl.static_range(3):
-        start, end = _stretch(part, lo, full_lo, full_hi, hi)
+    # EDGES_LAST (windows with a left edge) visits the interior first: with the left edge's loop
+    # first, ptxas serialized the D = 64 build's wgmma (C7515), as it did the backward's dK/dV.
+    for i in tl.static_range(3):
+        start, end = _stretch(i, lo, full_lo, full_hi, hi, EDGES_LAST)
         acc, m_i, l_i = _attn_fwd_stretch(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            HEAD_DIM, BLOCK_D, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
+            HEAD_DIM, BLOCK_D, BLOCK_N, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
             HAS_DROPOUT, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
@@ -441,7 +443,10 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, caus
     interpret on CPU."""
     if device.type != "cuda":
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    hopper = has_tma(device)
+    return _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k)
+
+
+def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int]) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
@@ -637,6 +642,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         HEAVY_FIRST=opts.window_right >= 0,
+        EDGES_LAST=opts.window_left >= 0,  # see the stretch loop
         USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -1014,8 +1020,10 @@ _bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_kernel)
 _bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_kernel)
 
 
-def _maxnreg(cfg: AttnBwdConfig) -> dict:
-    return {} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)
+def _maxnreg(cfg) -> dict:
+    """The launch option for a config's register cap, if it has one."""
+    cap = getattr(cfg, "maxnreg", None)
+    return {} if cap is None else dict(maxnreg=cap)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -1097,22 +1105,26 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     kernel: str = "dkdv", config: Optional[AttnBwdConfig] = None):
-    """Build the backward's dQ or dK/dV kernel for sm_90 without a GPU (what the CPU tests read),
-    specialized as a launch of its default tiles (or ``config``) on Hopper would be: contiguous
-    (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal (top-left) or no mask, nothing else."""
+                     kernel: str = "dkdv", config=None, window_left: int = -1):
+    """Build the ``tl`` forward ("fwd") or the backward's "dq" / "dkdv" kernel for sm_90 without a
+    GPU (what the CPU tests read), specialized as a launch of its default tiles (or ``config``) on
+    Hopper would be: contiguous (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal
+    (top-left) or no mask, a left window edge if ``window_left`` >= 0, nothing else."""
     from qflash.kernels.common import build_tl_for_sm90
 
-    dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
-    cfg = config or (dq_cfg if kernel == "dq" else dkdv_cfg)
-    fn = _attn_bwd_dq_kernel if kernel == "dq" else _attn_bwd_dkdv_kernel
     seqlen, heads = 16384, 2048 // head_dim
+    dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
+    defaults = dict(fwd=_fwd_tiles(head_dim, dtype, True, seqlen), dq=dq_cfg, dkdv=dkdv_cfg)
+    cfg = config or defaults[kernel]
+    fn = dict(fwd=_attn_fwd_kernel, dq=_attn_bwd_dq_kernel, dkdv=_attn_bwd_dkdv_kernel)[kernel]
+    has_left = window_left >= 0
     strides = {"b": seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
     lse_strides = {"b": heads * seqlen, "h": seqlen, "s": 1}
     elem = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     args = dict(seqlen_q=seqlen, seqlen_k=seqlen, num_heads=heads, num_heads_kv=heads, kv_group=1,
-                num_m_blocks=seqlen // cfg.block_m, num_n_blocks=seqlen // cfg.block_n, window_left=-1,
-                window_right=0 if causal else -1, rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
+                num_m_blocks=seqlen // cfg.block_m, num_n_blocks=seqlen // cfg.block_n,
+                window_left=window_left if has_left else -1, window_right=0 if causal else -1,
+                rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
                 Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32")
     for name in fn.arg_names:
@@ -1125,10 +1137,15 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
         elif name not in args and (name[0].isupper() or name in ("dOut", "dQ", "dK", "dV")):
             args[name] = f"*{elem}"  # Bias, Slopes, DBias: the launch passes q in their place
     constants = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                     HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                     HAS_LEFT=has_left, HAS_RIGHT=causal, BOTTOM_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=False, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=False, USE_TMA=cfg.use_tma)
-    constants.update(dict(HAS_DBIAS=False) if kernel == "dq" else dict(EDGES_LAST=cfg.edges_last and causal))
+    if kernel == "fwd":
+        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
+    elif kernel == "dq":
+        constants.update(HAS_DBIAS=False)
+    else:
+        constants.update(EDGES_LAST=cfg.edges_last and causal)
     return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              **_maxnreg(cfg))
 
