@@ -67,8 +67,8 @@ def main():
         ref = variants["default"]()
         for name, fn in variants.items():  # the same gradients, up to the order of the sums
             got = fn()
-            err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                      for a, b in zip(got[:3], ref[:3]))
+            err = max(float((x.float() - y.float()).abs().max() / y.float().abs().max())
+                      for x, y in zip(got[:3], ref[:3]))
             assert err < 1e-2, (name, err)
         for peer in ("sdpa_cudnn", "sdpa_flash"):
             variants[peer] = backward_of(PROVIDERS[peer])(q, k, v, causal)
