@@ -379,6 +379,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
         mbarrier.init(k_empty.index(s), count=CONSUMERS)
         mbarrier.init(v_empty.index(s), count=CONSUMERS)
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
+    # The lists are spelled out: Triton 3.6's Gluon frontend rejects an argument tuple built once
+    # and reused (constexprs inside it lose their constness, tuples holding them do not lower).
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
