@@ -78,11 +78,9 @@ def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p):
-    """Which probabilities survive dropout in a tile: counter-based (Philox), so the backward
-    pass regenerates exactly the forward's mask from (seed, position). ``rows`` and ``cols``
-    are 2-D and broadcast to the tile: rows[:, None] and cols[None, :] for a [rows, cols] tile,
-    rows[None, :] and cols[:, None] for its transpose."""
-    offsets = (rng_row0 + rows).to(tl.int64) * rng_cols + cols
+    """Which probabilities survive dropout in a [rows, cols] tile: counter-based (Philox), so
+    the backward pass regenerates exactly the forward's mask from (seed, position)."""
+    offsets = (rng_row0 + rows[:, None]).to(tl.int64) * rng_cols + cols[None, :]
     return tl.rand(dropout_seed, offsets) >= dropout_p
 
 
@@ -160,9 +158,7 @@ def _scores_log2(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
 ):
-    """Raw products q.k of a tile -> final scores in the log2 domain, -inf where hidden. ``rows``
-    (query rows) and ``cols`` (keys) are 2-D and broadcast to the tile: rows[:, None] and
-    cols[None, :] for a [rows, cols] tile, rows[None, :] and cols[:, None] for S^T.
+    """Raw products q.k of a [rows, cols] tile -> final scores in the log2 domain, -inf where hidden.
 
     Order as in the reference: scale, softcap, ALiBi, mask/bias, then causal/window/bounds.
     """
@@ -171,21 +167,21 @@ def _scores_log2(
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
-        s -= slope_log2 * tl.abs(rows + shift - cols).to(s.dtype)
+        s -= slope_log2 * tl.abs(rows[:, None] + shift - cols[None, :]).to(s.dtype)
     if BIAS_KIND != 0:
-        b_ok = (rows < seqlen_q) & (cols < seqlen_k)
-        b_ptrs = bias_base + rows.to(tl.int64) * stride_bm + cols * stride_bn
+        b_ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+        b_ptrs = bias_base + rows[:, None].to(tl.int64) * stride_bm + cols[None, :] * stride_bn
         bias = tl.load(b_ptrs, mask=b_ok, other=0)
         if BIAS_KIND == 1:
             s = tl.where(bias != 0, s, float("-inf"))
         else:
             s += bias.to(s.dtype) * RCP_LN2
     if MASKED:
-        keep = (cols < seqlen_k) & (rows < seqlen_q)
+        keep = (cols[None, :] < seqlen_k) & (rows[:, None] < seqlen_q)
         if HAS_RIGHT:
-            keep &= cols <= rows + shift + window_right
+            keep &= cols[None, :] <= rows[:, None] + shift + window_right
         if HAS_LEFT:
-            keep &= cols >= rows + shift - window_left
+            keep &= cols[None, :] >= rows[:, None] + shift - window_left
         s = tl.where(keep, s, float("-inf"))
     return s
 
@@ -254,8 +250,8 @@ def _online_softmax(
         m_new_safe = m_new
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     else:
-        s = _scores_log2(qk, rows[:, None], cols[None, :], bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                         shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
+        s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+                         window_left, window_right, qk_scale, softcap_log2, slope_log2,
                          MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet has m = -inf: shift by 0 instead,
@@ -265,7 +261,7 @@ def _online_softmax(
     alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
-        keep = _dropout_keep(dropout_seed, rng_row0, rows[:, None], cols[None, :], rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     return p, alpha, m_new, l_i
 
@@ -698,18 +694,16 @@ def _attn_bwd_p_ds(
     (of an additive mask: ds before soft-capping's chain rule), all [BLOCK_M, BLOCK_N].
     """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
-    rows2, cols2 = rows[:, None], cols[None, :]
-    lse2, delta2 = lse_log2[:, None], delta[:, None]
-    s = _scores_log2(qk, rows2, cols2, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+    s = _scores_log2(qk, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
                      window_left, window_right, qk_scale, softcap_log2, slope_log2,
                      MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND)
     # lse = +inf for rows that see no key (and padding rows): p = 0 there, never NaN.
-    p = tl.math.exp2(s - lse2)
+    p = tl.math.exp2(s - lse_log2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the same mask as the forward, regenerated from its counters
-        keep = _dropout_keep(dropout_seed, rng_row0, rows2, cols2, rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
-    ds = p * (dp - delta2)
+    ds = p * (dp - delta[:, None])
     if HAS_DROPOUT:
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     dbias = ds
@@ -1157,7 +1151,7 @@ def _dropout_mask_kernel(Mask, dropout_p, dropout_seed, seqlen_q, seqlen_k, num_
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rng_row0 = _rng_row0(bh // num_heads, bh % num_heads, num_heads, 0, seqlen_q, False)
-    keep = _dropout_keep(dropout_seed, rng_row0, rows[:, None], cols[None, :], seqlen_k, dropout_p)
+    keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, seqlen_k, dropout_p)
     ptrs = Mask + bh.to(tl.int64) * seqlen_q * seqlen_k + rows[:, None].to(tl.int64) * seqlen_k + cols[None, :]
     tl.store(ptrs, keep, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
 
