@@ -3,7 +3,7 @@
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles] [host]
-#                                      [flex] [demo] [check] [memory]
+#                                      [flex] [window] [demo] [check] [memory]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
@@ -66,10 +66,11 @@ for stage in "${stages[@]}"; do
     qtiles) timeout 150 python3 -m qflash.cli bench quantize --tiles --out "$OUT/quantize_tiles.json" 2>&1 | tail -n 60 ;;
     flex)   timeout 120 python3 -m qflash.cli bench attention --providers qflash,flex --seqlens 2048,8192 \
               --head-dims 64,128 --out "$OUT/attention_flex.json" 2>&1 | tail -n 12 ;;
+    window) timeout 150 python3 benchmarks/window_fwd.py --out "$OUT/attention_fwd_window.json" 2>&1 | tail -n 30 ;;
     demo)   timeout 120 python3 -m qflash.cli demo --plot "$OUT/demo.png" 2>&1 | tail -n 30 ;;
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, demo, check, memory)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, window, demo, check, memory)"; exit 2 ;;
   esac
 done

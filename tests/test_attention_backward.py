@@ -251,6 +251,16 @@ def test_dkdv_builds_for_sm90_with_asynchronous_wgmma(d, causal):
     assert "serialized" not in ptxas_report(kernel["ptx"])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_d256_dq_tiles_fit_and_keep_asynchronous_wgmma(causal):
+    """D = 256's dQ tiles (128 rows, 32 keys, two stages) built for sm_90 as the H200 launches them:
+    inside the 227 KB of shared memory a block may have, and no wgmma serialized by ptxas."""
+    kernel = sm90_build("qflash.kernels.attention", 256, torch.bfloat16, causal=causal, kernel="dq")
+    assert kernel["shared"] <= 227 * 1024
+    assert "wgmma.mma_async" in kernel["ptx"]
+    assert "serialized" not in ptxas_report(kernel["ptx"])
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU (H200)
 # ----------------------------------------------------------------------------------------------

@@ -330,15 +330,18 @@ def run_tiles(seqlens, head_dims, causals, dtype, *, rows: List[dict], progress=
 # grids (attention_bwd_tiles_*.json) chose the defaults. Left out for good: dK/dV tiles of 32
 # query rows with 3 stages (dK errors of 0.04-0.3 on the H200, gpu_tests_h200_2026-11-29_s3a.log),
 # at D = 256 32-row tiles (they compile to mma.sync: Hopper's wgmma needs 64 rows a warpgroup),
-# and a dK/dV kernel computing S^T = K Q^T (slower at every point, ..._tiles_transposed_..._s14a).
+# a dK/dV kernel computing S^T = K Q^T (slower at every point, ..._tiles_transposed_..._s14a), and
+# a dK/dV kernel that also adds dS @ K into a float32 dQ with atomics (five products a tile pair
+# instead of seven, no dQ kernel): never faster; at D = 128 the whole backward took 1.9-2.2 x as
+# long through the copy engine's reduce-add, 2.2-3.0 x through pointer atomics
+# (attention_bwd_fused_dq_..._s15a, ..._pointer_..._s15b).
 BWD_TILE_GRID = {
-    64: {"dq": [(64, 64, 4, 3, True), (64, 64, 4, 3), (128, 64, 8, 2, True)],
-         "dkdv": [(64, 64, 4, 3, True, None, True), (64, 64, 4, 3, True), (64, 64, 4, 3), (64, 128, 8, 2, True),
-                  (64, 64, 4, 3, True, 168, True)]},
-    128: {"dq": [(64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 2, True)],
-          "dkdv": [(64, 64, 4, 2, True, None, True), (64, 64, 4, 2, True), (64, 64, 4, 2), (128, 64, 8, 1, True)]},
-    256: {"dq": [(64, 64, 8, 2, True), (64, 64, 8, 2)],
-          "dkdv": [(128, 64, 8, 1, True, None, True), (128, 64, 8, 1)]},
+    64: {"dq": [(64, 64, 4, 3, True), (64, 32, 4, 4, True), (128, 32, 8, 3, True)],
+         "dkdv": [(64, 64, 4, 3, True, None, True), (64, 64, 4, 3, True), (64, 128, 8, 2, True)]},
+    128: {"dq": [(64, 64, 4, 2, True), (64, 32, 4, 3, True), (128, 32, 8, 3, True)],
+          "dkdv": [(64, 64, 4, 2, True, None, True), (64, 64, 4, 2, True), (128, 64, 8, 1, True)]},
+    256: {"dq": [(128, 32, 8, 2, True), (64, 64, 8, 2, True), (128, 16, 8, 3, True)],
+          "dkdv": [(128, 64, 8, 1, True, None, True), (64, 64, 8, 2, True, None, True), (128, 64, 8, 1)]},
 }
 
 

@@ -746,14 +746,13 @@ def _attn_bwd_dq_tile(
 @triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
-    dq_dst, dq_ptrs, stride_dqs, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+    bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
     window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q. With FUSED_DQ also this
-    key block's share of dQ, dS @ K, added into the float32 sum ``dq_dst`` (atomics)."""
+    """One Q/dO tile of the dK, dV sums: dv += P^T @ dO, dk += dS^T @ Q."""
     rows = start_m + offs_m  # [BLOCK_M]
     row_ok = rows < seqlen_q
     d_ok = offs_d < HEAD_DIM
@@ -775,13 +774,6 @@ def _attn_bwd_dkdv_tile(
     p_t, ds_t = tl.trans(p), tl.trans(ds)  # [BLOCK_N, BLOCK_M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)  # [BLOCK_N, BLOCK_D]
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_N, BLOCK_D]
-    if FUSED_DQ:
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=dk.dtype)  # [BLOCK_M, BLOCK_D]
-        if USE_TMA:
-            dq_dst.atomic_add([start_m, 0], dq)
-        else:
-            ptrs = dq_ptrs + tl.cast(start_m, tl.int64) * stride_dqs
-            tl.atomic_add(ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -875,14 +867,13 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, dK, dV, dQ, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, dOut, dK, dV, Lse, Delta, Bias, Slopes, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
@@ -893,7 +884,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
+    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -947,13 +938,6 @@ def _attn_bwd_dkdv_kernel(
         else:
             slope_log2 = 0.0
         rng_row0 = _rng_row0(b, h, num_heads_kv * kv_group, q_start, rng_rows, IS_VARLEN)
-        if FUSED_DQ:
-            dq_base = dQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqs
-            dq_ptrs = dq_base + offs_m[:, None].to(tl.int64) * stride_dqs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
-            dq_dst = _tile_source(dq_base, seqlen_q, stride_dqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
-        else:
-            dq_ptrs = dQ
-            dq_dst = dQ
         # Three stretches of query blocks: the diagonal / right window edge (masked), the
         # interior (no mask), the left window edge (masked); static_range unrolls them, so
         # MASKED is a compile-time constant in each. EDGES_LAST visits the interior first: when
@@ -968,11 +952,11 @@ def _attn_bwd_dkdv_kernel(
                         start_m = tl.multiple_of(start_m, BLOCK_M)
                     dk, dv = _attn_bwd_dkdv_tile(
                         dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
-                        stride_dos, stride_ls, dq_dst, dq_ptrs, stride_dqs, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
+                        stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
                         seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
                         dropout_p, dropout_seed, rng_row0, rng_cols,
                         HEAD_DIM, BLOCK_D, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                        BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, USE_TMA, FUSED_DQ)
+                        BIAS_KIND, HAS_DROPOUT, DOT_PRECISION, USE_TMA)
     dk *= softmax_scale
     tl.store(dK + b64 * stride_dkb + h_kv * stride_dkh + c64 * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
@@ -989,7 +973,6 @@ class AttnBwdConfig:
     use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
     maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
     edges_last: bool = False  # dK/dV: the interior stretch before the masked diagonal / window edge
-    fused_dq: bool = False  # dK/dV: also dQ, by float32 atomics (no dQ kernel; not deterministic)
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -1017,7 +1000,9 @@ def _bwd_tiles(block_d: int, tma: bool):
     if block_d > 128:
         # Products of 64 rows a warpgroup, which Hopper's wgmma needs (the 32-row tiles used
         # before compiled to mma.sync): 104-116 -> 167-239 TFLOP/s (attention_bwd_tiles_*_s5).
-        return AttnBwdConfig(64, 64, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma, edges_last=True)
+        # dQ: 128 query rows, 32-key tiles (two stages fit 196 KB): +22-28 % dQ over (64, 64) tiles
+        # (attention_bwd_tiles_dq_..._s15b).
+        return AttnBwdConfig(128, 32, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma, edges_last=True)
     # dK/dV under a causal mask: the interior before the diagonal (edges_last). With the masked
     # loop first, ptxas serialized every wgmma of the kernel (C7515). dK/dV time with a causal
     # mask: -20 to -27 % at D = 64 / 128, -2 to -9 % at D = 256 (attention_bwd_kernels_*_s14e/f/h).
@@ -1087,37 +1072,31 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return (*attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
                                                  causal=opts.window_right == 0, bottom_right=opts.bottom_right),
                 None)
-    fused = (dkdv_cfg.fused_dq and dbias is None and not opts.deterministic
-             and not torch.are_deterministic_algorithms_enabled())
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if fused else new_output(q.shape, dtype=q.dtype,
-                                                                                    device=q.device)
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
-    if not fused:
-        num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
-        _bwd_dq_launcher[(num_m * batch * num_heads,)](
-            q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides,
-            *_bshd_strides(dq, varlen), *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
-            num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-            HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
-        )
+    num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    _bwd_dq_launcher[(num_m * batch * num_heads,)](
+        q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
+        *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
+        num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
+        HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
+    )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
-        q, k, v, dout, dk, dv, dq, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
-        *_bshd_strides(dv, varlen), *_bshd_strides(dq, varlen), *tail,
+        q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
+        *_bshd_strides(dv, varlen), *tail,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0, FUSED_DQ=fused,
+        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
         **_maxnreg(dkdv_cfg), **shared,
     )
-    if fused:
-        dq = dq.mul_(opts.softmax_scale).to(q.dtype)
     return dq, dk, dv, dbias
 
 
@@ -1162,9 +1141,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:
-        constants.update(EDGES_LAST=cfg.edges_last and causal, FUSED_DQ=cfg.fused_dq)
-        if cfg.fused_dq:
-            args.update(dQ="*fp32")
+        constants.update(EDGES_LAST=cfg.edges_last and causal)
     return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              **_maxnreg(cfg))
 
