@@ -1000,8 +1000,8 @@ def _bwd_tiles(block_d: int, tma: bool):
     if block_d > 128:
         # Products of 64 rows a warpgroup, which Hopper's wgmma needs (the 32-row tiles used
         # before compiled to mma.sync): 104-116 -> 167-239 TFLOP/s (attention_bwd_tiles_*_s5).
-        # dQ: 128 query rows, 32-key tiles (two stages fit 196 KB): +22-28 % dQ over (64, 64) tiles
-        # (attention_bwd_tiles_dq_..._s15b).
+        # dQ: 128 query rows, 32-key tiles (two stages fit 196 KB): the whole backward +17-28 % over
+        # (64, 64) dQ tiles (attention_bwd_tiles_dq_..._s15b).
         return AttnBwdConfig(128, 32, 8, 2, tma), AttnBwdConfig(128, 64, 8, 1, tma, edges_last=True)
     # dK/dV under a causal mask: the interior before the diagonal (edges_last). With the masked
     # loop first, ptxas serialized every wgmma of the kernel (C7515). dK/dV time with a causal
