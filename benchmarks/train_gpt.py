@@ -99,14 +99,97 @@ def train(attention: str, seed: int, data: torch.Tensor, steps: int, batch: int,
     return {"attention": attention, "seed": seed, "loss": losses, "step_ms_median": 1e3 * settled[len(settled) // 2]}
 
 
+def profile_steps(attention: str, data: torch.Tensor, steps: int, batch: int, seqlen: int) -> str:
+    """Where a training step's time goes: torch.profiler over ``steps`` steps after a warm-up,
+    the ops and kernels by device time and by host time, and the step's wall time beside its
+    device time (a step whose wall time exceeds its device time waits on the host)."""
+    torch.manual_seed(0)
+    model = GPT(seqlen=seqlen, attention=attention).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    idx = torch.stack([data[s : s + seqlen] for s in range(0, batch * 997, 997)])
+    tgt = torch.stack([data[s + 1 : s + seqlen + 1] for s in range(0, batch * 997, 997)])
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(idx).float().view(-1, 512), tgt.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    # Host time (until the step's last launch returns) against wall time (until the GPU is done).
+    host, wall = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t0)
+    host_ms, plain_ms = 1e3 * sorted(host)[10], 1e3 * sorted(wall)[10]
+    # The attention op alone at this shape: host time of a forward and of its backward.
+    qkv = torch.randn(batch, seqlen, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    import qflash
+
+    def attend(t):
+        if attention == "qflash":
+            return qflash.flash_attn_qkvpacked_func(t, causal=True)
+        return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t.unbind(2)), is_causal=True)
+
+    fwd_us, bwd_us = [], []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = attend(qkv)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        fwd_us.append((t1 - t0) * 1e6)
+        bwd_us.append((t2 - t1) * 1e6)
+    op = f"attention op: forward {sorted(fwd_us)[15]:.0f} us, backward {sorted(bwd_us)[15]:.0f} us of host time\n"
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops above them
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    head = (f"{attention}: {plain_ms:.2f} ms a step, {host_ms:.2f} ms of it until the last launch returned; "
+            f"profiled: {wall_ms:.2f} ms a step, kernels {device_ms:.2f} ms a step\n" + op)
+    # The host's Python, function by function (cProfile), over the same number of steps.
+    import cProfile
+    import io
+    import pstats
+
+    with cProfile.Profile() as python:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(30)
+    return (head + events.table(sort_by="self_cuda_time_total", row_limit=25) + "\n"
+            + events.table(sort_by="cpu_time_total", row_limit=25) + "\n" + text.getvalue())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seqlen", type=int, default=1024)
     p.add_argument("--out", default="train_gpt.json")
+    p.add_argument("--profile", type=int, default=0, help="instead of training: profile this many steps of each")
     args = p.parse_args()
     data = bigram_stream(512, 400_000, seed=0, device="cuda")
+    if args.profile:
+        report = "\n".join(profile_steps(a, data, args.profile, args.batch, args.seqlen) for a in ("sdpa", "qflash"))
+        with open(args.out, "w") as f:
+            f.write(report)
+        print(report)
+        return
     runs = [train(a, s, data, args.steps, args.batch, args.seqlen) for a, s in (("sdpa", 0), ("qflash", 0), ("sdpa", 1))]
     sdpa, qf, other = (r["loss"] for r in runs)
     tail = slice(args.steps // 2, None)  # compare once the curves have settled

@@ -364,7 +364,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """``flash_attn_func`` with kv packed as (batch, seqlen_k, 2, heads_kv, headdim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_kv, headdim), got {_shape(kv)}")
-    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+    k, v = kv.unbind(dim=2)  # views; the gradient comes back as one stack (indexing: a zero-fill per part)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -373,7 +374,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """``flash_attn_func`` with qkv packed as (batch, seqlen, 3, heads, headdim)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, headdim), got {_shape(qkv)}")
-    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+    q, k, v = qkv.unbind(dim=2)  # views; the gradient comes back as one stack (indexing: a zero-fill per part)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -465,7 +467,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """``flash_attn_varlen_func`` with kv packed as (total_k, 2, heads_kv, headdim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, heads_kv, headdim), got {_shape(kv)}")
-    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
 
@@ -476,7 +479,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """``flash_attn_varlen_func`` with qkv packed as (total, 3, heads, headdim)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, heads, headdim), got {_shape(qkv)}")
-    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
 
