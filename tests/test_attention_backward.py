@@ -357,6 +357,24 @@ def test_dropout_forward_and_gradients_match_the_same_mask(causal, hkv):
                                                           upcast=upcast, reorder_ops=not upcast)[0], inputs)
 
 
+def test_dropout_mask_has_independent_neighbours():
+    """One Philox call serves four neighbouring keys: every pair of keys 1-4 apart, of rows 1 apart,
+    and the last keys of a row beside the first of the next (a row of 70 keys ends inside a group of
+    four counters' worth) must be kept together as often as independent draws are, (1 - p)^2."""
+    from qflash.kernels.attention import dropout_keep_mask
+
+    p, sq, sk = 0.5, 96, 70
+    mask = dropout_keep_mask(2, 3, sq, sk, dropout_p=p, dropout_seed=_seed_for(11), device=DEVICE).float().cpu()
+    pairs = {f"keys {lag} apart": (mask[..., :-lag], mask[..., lag:]) for lag in (1, 2, 3, 4)}
+    pairs["rows 1 apart"] = (mask[..., :-1, :], mask[..., 1:, :])
+    pairs["a row's end, the next row's start"] = (mask[..., :-1, -2:], mask[..., 1:, :2])
+    for what, (a, b) in pairs.items():
+        both = (a * b).mean().item()
+        sigma = ((1 - p) ** 2 * (1 - (1 - p) ** 2) / a.numel()) ** 0.5
+        assert abs(both - (1 - p) ** 2) < 5 * sigma, (what, both)
+    assert abs(mask.mean().item() - (1 - p)) < 5 * (p * (1 - p) / mask.numel()) ** 0.5
+
+
 def test_dropout_varlen_single_sequence_equals_dense_and_seeds_differ():
     q, k, v = (t.detach() for t in _leaves((1, 40, 2, 32), (1, 50, 2, 32), (1, 50, 2, 32), dtype=torch.float16))
     torch.manual_seed(3)

@@ -67,8 +67,8 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
     """Row of the dropout counter space where this (batch, head)'s query rows begin.
 
-    Dense: (b * heads + h) * seqlen_q; packed: h * total_q + q_start. Element (i, j) is
-    counter (rng_row0 + i) * rng_cols + j, unique across the whole call."""
+    Dense: (b * heads + h) * seqlen_q; packed: h * total_q + q_start. Row i of the plane has the
+    counters from (rng_row0 + i) * ceil(rng_cols / 4) on (``_dropout_keep``), unique across the call."""
     if IS_VARLEN:
         row0 = h.to(tl.int64) * rng_rows + q_start
     else:
@@ -77,11 +77,22 @@ def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p):
-    """Which probabilities survive dropout in a [rows, cols] tile: counter-based (Philox), so
-    the backward pass regenerates exactly the forward's mask from (seed, position)."""
-    offsets = (rng_row0 + rows[:, None]).to(tl.int64) * rng_cols + cols[None, :]
-    return tl.rand(dropout_seed, offsets) >= dropout_p
+def _dropout_keep(dropout_seed, rng_row0, rows, col0, rng_cols, dropout_p, BLOCK_N: tl.constexpr):
+    """Which probabilities survive dropout in the tile of ``rows`` x keys [col0, col0 + BLOCK_N)
+    (col0 a multiple of 4): counter-based (Philox), so the backward pass regenerates exactly the
+    forward's mask from (seed, position).
+
+    A Philox call gives four numbers, so each counter serves four neighbouring keys: (i, j) takes
+    number j % 4 of counter (rng_row0 + i) * ceil(rng_cols / 4) + j // 4. (With one call a key and
+    three numbers thrown away, the forward at p = 0.1 took 1.9-2.4 x as long and spilled 2.5 x the
+    bytes: attention_dropout_h200_2026-11-30_s15j.json, benchmarks/NOTES.md.)"""
+    quads = col0 // 4 + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N // 4]
+    counters = (rng_row0 + rows[:, None]).to(tl.int64) * ((rng_cols + 3) // 4) + quads[None, :]
+    u0, u1, u2, u3 = tl.rand4x(dropout_seed, counters)  # [BLOCK_M, BLOCK_N // 4] each
+    # join(join(u0, u2), join(u1, u3)) is [BLOCK_M, BLOCK_N // 4, 2, 2]: its element [.., b, a] is u_(2b + a),
+    # which the reshape puts at key 4 * quad + 2b + a.
+    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [rows.shape[0], BLOCK_N])  # [BLOCK_M, BLOCK_N]
+    return u >= dropout_p
 
 
 @triton.jit
@@ -232,7 +243,7 @@ def _load_tile(src, ptrs, stride_s, start, idx, d_ok, bound,
 
 @triton.jit
 def _online_softmax(
-    qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn,
+    qk, m_i, l_i, rows, cols, col0, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
@@ -261,7 +272,7 @@ def _online_softmax(
     alpha = tl.math.exp2(m_i - m_new_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:  # l keeps every probability; only what reaches V is dropped and rescaled
-        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, col0, rng_cols, dropout_p, qk.shape[1])
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     return p, alpha, m_new, l_i
 
@@ -290,7 +301,7 @@ def _attn_fwd_stretch(
                      MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _online_softmax(
-            qk, m_i, l_i, rows, cols, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
+            qk, m_i, l_i, rows, cols, start_n, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
             window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
             rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
         acc = acc * alpha[:, None]  # rescale what we already hold
@@ -680,7 +691,7 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_p_ds(
-    q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+    q, k, v, do, lse_log2, delta, rows, cols, col0, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -701,7 +712,7 @@ def _attn_bwd_p_ds(
     p = tl.math.exp2(s - lse_log2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=delta.dtype)  # [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the same mask as the forward, regenerated from its counters
-        keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, rng_cols, dropout_p)
+        keep = _dropout_keep(dropout_seed, rng_row0, rows, col0, rng_cols, dropout_p, k.shape[0])
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_DROPOUT:
@@ -731,7 +742,7 @@ def _attn_bwd_dq_tile(
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
     v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
                  MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-    p, ds, dbias = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+    p, ds, dbias = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, start_n, bias_base, stride_bm, stride_bn,
                                   seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
                                   slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
                                   MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
@@ -746,7 +757,7 @@ def _attn_bwd_dq_tile(
 @triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, lse_base, delta_base, stride_qs, stride_dos, stride_ls,
-    bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d, seqlen_q, seqlen_k, shift,
+    bias_base, stride_bm, stride_bn, start_m, cols, col0, offs_m, offs_d, seqlen_q, seqlen_k, shift,
     window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
@@ -766,7 +777,7 @@ def _attn_bwd_dkdv_tile(
     lse = tl.load(lse_base + rows * stride_ls, mask=row_ok, other=float("inf"))
     lse_log2 = lse * tl.full([], RCP_LN2, lse.dtype)  # [BLOCK_M]; the constant as precise as lse
     delta = tl.load(delta_base + rows * stride_ls, mask=row_ok, other=0.0)  # [BLOCK_M]
-    p, ds, _ = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, bias_base, stride_bm, stride_bn,
+    p, ds, _ = _attn_bwd_p_ds(q, k, v, do, lse_log2, delta, rows, cols, col0, bias_base, stride_bm, stride_bn,
                               seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
                               slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT,
@@ -952,7 +963,7 @@ def _attn_bwd_dkdv_kernel(
                         start_m = tl.multiple_of(start_m, BLOCK_M)
                     dk, dv = _attn_bwd_dkdv_tile(
                         dk, dv, k, v, q_desc, do_desc, q_ptrs, do_ptrs, Lse + l_base, Delta + l_base, stride_qs,
-                        stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, offs_m, offs_d,
+                        stride_dos, stride_ls, bias_base, stride_bm, stride_bn, start_m, cols, n0, offs_m, offs_d,
                         seqlen_q, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2, slope_log2,
                         dropout_p, dropout_seed, rng_row0, rng_cols,
                         HEAD_DIM, BLOCK_D, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -1101,11 +1112,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     kernel: str = "dkdv", config=None, window_left: int = -1):
+                     kernel: str = "dkdv", config=None, window_left: int = -1, dropout: bool = False):
     """Build the ``tl`` forward ("fwd") or the backward's "dq" / "dkdv" kernel for sm_90 without a
     GPU (what the CPU tests read), specialized as a launch of its default tiles (or ``config``) on
     Hopper would be: contiguous (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal
-    (top-left) or no mask, a left window edge if ``window_left`` >= 0, nothing else."""
+    (top-left) or no mask, a left window edge if ``window_left`` >= 0, dropout if ``dropout``."""
     from qflash.kernels.common import build_tl_for_sm90
 
     seqlen, heads = 16384, 2048 // head_dim
@@ -1135,7 +1146,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     constants = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      HAS_LEFT=has_left, HAS_RIGHT=causal, BOTTOM_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=False, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
-                     HAS_DROPOUT=False, USE_TMA=cfg.use_tma)
+                     HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
     elif kernel == "dq":
@@ -1153,7 +1164,7 @@ def _dropout_mask_kernel(Mask, dropout_p, dropout_seed, seqlen_q, seqlen_k, num_
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rng_row0 = _rng_row0(bh // num_heads, bh % num_heads, num_heads, 0, seqlen_q, False)
-    keep = _dropout_keep(dropout_seed, rng_row0, rows, cols, seqlen_k, dropout_p)
+    keep = _dropout_keep(dropout_seed, rng_row0, rows, pid_n * BLOCK_N, seqlen_k, dropout_p, BLOCK_N)
     ptrs = Mask + bh.to(tl.int64) * seqlen_q * seqlen_k + rows[:, None].to(tl.int64) * seqlen_k + cols[None, :]
     tl.store(ptrs, keep, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
 
