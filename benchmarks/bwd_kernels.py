@@ -16,7 +16,7 @@ import math
 import torch
 import triton
 
-from qflash.bench.attention import BACKWARD_FLOPS, PROVIDERS, attention_flops, backward_of
+from qflash.bench.attention import BACKWARD_FLOPS, PROVIDERS, attention_flops, backward_of, sized_inputs
 from qflash.bench.harness import environment, save_json
 from qflash.kernels.attention import AttnOptions, attention_backward, attention_forward, default_bwd_configs
 
@@ -52,9 +52,8 @@ def main():
     rows = []
     for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
                                           (False, True)):
-        b, h = 16384 // n, 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+        q, k, v, do = sized_inputs(n, d, count=4)
+        b, h = q.shape[0], q.shape[2]
         opts = AttnOptions(1 / math.sqrt(d), window_right=0 if causal else -1)
         o, lse = attention_forward(q, k, v, opts)
         flops = BACKWARD_FLOPS * attention_flops(b, h, n, n, d, causal)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from qflash.bench.attention import sized_inputs
 from qflash.bench.harness import environment, save_json
 from qflash.kernels import attention as kernels
 from qflash.reference import attention_ref
@@ -65,9 +66,8 @@ def main():
     rows = []
     for d in map(int, args.head_dims.split(",")):
         n = args.seqlen
-        b, h = 16384 // n, 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+        q, k, v = sized_inputs(n, d)
+        b, h = q.shape[0], q.shape[2]
         variants = {}
         for name, module, p in (("qflash", kernels, args.p), ("qflash p=0", kernels, 0.0),
                                 ("qflash before", before, args.p)):

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from qflash.bench.attention import sized_inputs
 from qflash.bench.harness import environment, save_json, time_ms
 from qflash.kernels import attention as kernels
 
@@ -60,9 +61,8 @@ def main():
     rows = []
     for d, n, left in itertools.product(*(map(int, a.split(",")) for a in (args.head_dims, args.seqlens,
                                                                             args.windows))):
-        b, h = 16384 // n, 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+        q, k, v = sized_inputs(n, d)
+        b, h = q.shape[0], q.shape[2]
         variants = {"qflash": qflash_forward(q, k, v, left, True),
                     "qflash_masked_edge_first": qflash_forward(q, k, v, left, False),
                     "flex": flex_forward(q, k, v, left)}

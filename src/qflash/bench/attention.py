@@ -290,15 +290,17 @@ TILE_GRID = {
 }
 
 
+def sized_inputs(seqlen: int, head_dim: int, dtype=torch.bfloat16, count: int = 3, seed: int = 0) -> list:
+    """``count`` random (batch, seqlen, heads, head_dim) tensors at the benchmarks' sizing: batch x
+    seqlen = 16k tokens, heads x head_dim = 2048 (q, k, v, and dO where a script needs it)."""
+    batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(batch, seqlen, heads, head_dim, device="cuda", generator=g).to(dtype) for _ in range(count)]
+
+
 def _tile_inputs(seqlens, d: int, dtype) -> Dict[int, list]:
-    """q, k, v per length at the benchmark's sizing (16k tokens, 2048 = heads x d), made once
-    so that one compile of a config serves every length."""
-    inputs = {}
-    for seqlen in seqlens:
-        batch, heads = max(1, 16384 // seqlen), 2048 // d
-        g = torch.Generator(device="cuda").manual_seed(d + seqlen)
-        inputs[seqlen] = [torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(dtype) for _ in range(3)]
-    return inputs
+    """q, k, v per length, made once so that one compile of a config serves every length."""
+    return {seqlen: sized_inputs(seqlen, d, dtype, seed=d + seqlen) for seqlen in seqlens}
 
 
 def tile_configs(head_dim: int):
