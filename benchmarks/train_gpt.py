@@ -185,7 +185,10 @@ def main():
     args = p.parse_args()
     data = bigram_stream(512, 400_000, seed=0, device="cuda")
     if args.profile:
-        report = "\n".join(profile_steps(a, data, args.profile, args.batch, args.seqlen) for a in ("sdpa", "qflash"))
+        from qflash.bench.harness import environment
+
+        report = "\n".join([json.dumps(environment())] + [profile_steps(a, data, args.profile, args.batch, args.seqlen)
+                                                          for a in ("sdpa", "qflash")])
         with open(args.out, "w") as f:
             f.write(report)
         print(report)
