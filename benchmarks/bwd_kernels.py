@@ -45,8 +45,9 @@ def main():
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--rounds", type=int, default=2, help="times each variant this often, interleaved; keeps the best")
-    p.add_argument("--dkdv", default="", help="dK/dV configs beside the default: 'name=field:value,...;...' "
-                                              "(e.g. 'regs168=maxnreg:168;stages2=num_stages:2')")
+    p.add_argument("--dkdv", default="", help="configs beside the default: 'name=field:value,...;...', dK/dV's "
+                                              "fields, dQ's with a 'dq.' prefix (e.g. 'regs168=maxnreg:168;"
+                                              "late=heavy_first:0,dq.heavy_first:0')")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -58,12 +59,14 @@ def main():
         o, lse = attention_forward(q, k, v, opts)
         flops = BACKWARD_FLOPS * attention_flops(b, h, n, n, d, causal)
         dq_cfg, dkdv_cfg = default_bwd_configs(d, q.dtype, q.device)
-        candidates = {"default": dkdv_cfg}
-        for spec in filter(None, args.dkdv.split(";")):  # name=field:value,field:value
+        candidates = {"default": (dq_cfg, dkdv_cfg)}
+        for spec in filter(None, args.dkdv.split(";")):  # name=field:value,dq.field:value
             name, fields = spec.split("=")
-            changes = {f: int(x) for f, x in (kv.split(":") for kv in fields.split(","))}  # fused_dq:1 for True
-            candidates[name] = dataclasses.replace(dkdv_cfg, **changes)
-        variants = {name: (lambda c=c: attention_backward(do, q, k, v, o, lse, opts, configs=(dq_cfg, c)))
+            changes = {f: int(x) for f, x in (kv.split(":") for kv in fields.split(","))}  # 1 for True
+            dq_changes = {f[3:]: x for f, x in changes.items() if f.startswith("dq.")}
+            kv_changes = {f: x for f, x in changes.items() if not f.startswith("dq.")}
+            candidates[name] = (dataclasses.replace(dq_cfg, **dq_changes), dataclasses.replace(dkdv_cfg, **kv_changes))
+        variants = {name: (lambda c=c: attention_backward(do, q, k, v, o, lse, opts, configs=c))
                     for name, c in candidates.items()}
         ref = variants["default"]()
         for name, fn in variants.items():  # the same gradients, up to the order of the sums

@@ -358,14 +358,14 @@ def test_dropout_forward_and_gradients_match_the_same_mask(causal, hkv):
 
 
 def test_dropout_mask_has_independent_neighbours():
-    """One Philox call serves four neighbouring keys: every pair of keys 1-4 apart, of rows 1 apart,
-    and the last keys of a row beside the first of the next (a row of 70 keys ends inside a group of
-    four counters' worth) must be kept together as often as independent draws are, (1 - p)^2."""
+    """One Philox call serves eight neighbouring keys (16 bits each): every pair of keys 1-8 apart,
+    of rows 1 apart, and the last keys of a row beside the first of the next (a row of 70 keys ends
+    inside a counter's eight) must be kept together as often as independent draws are, (1 - p)^2."""
     from qflash.kernels.attention import dropout_keep_mask
 
     p, sq, sk = 0.5, 96, 70
     mask = dropout_keep_mask(2, 3, sq, sk, dropout_p=p, dropout_seed=_seed_for(11), device=DEVICE).float().cpu()
-    pairs = {f"keys {lag} apart": (mask[..., :-lag], mask[..., lag:]) for lag in (1, 2, 3, 4)}
+    pairs = {f"keys {lag} apart": (mask[..., :-lag], mask[..., lag:]) for lag in range(1, 9)}
     pairs["rows 1 apart"] = (mask[..., :-1, :], mask[..., 1:, :])
     pairs["a row's end, the next row's start"] = (mask[..., :-1, -2:], mask[..., 1:, :2])
     for what, (a, b) in pairs.items():

@@ -151,6 +151,11 @@ MATMUL_TILE_GRID = [
     (16, 128, 128, 4, 4, 8, True, False, 2, False, True), (64, 64, 128, 4, 6, 8, True, False, 4, False, True),
     (64, 128, 128, 4, 4, 8, True, False, 2, False, True),
     (64, 128, 128, 4, 4, 8, False, False, 4, False, True),
+    # session 16: other K splits and deeper rings for M = 16, wider B tiles and the plain product for M = 64
+    (16, 64, 128, 4, 6, 8, False, False, 3, False, True), (16, 64, 128, 4, 8, 8, False, False, 4, False, True),
+    (16, 64, 128, 4, 6, 8, False, False, 6, False, True), (16, 128, 128, 4, 6, 8, False, False, 4, False, True),
+    (64, 128, 128, 8, 4, 8, False, False, 8, False, True), (64, 64, 128, 4, 4, 8, False, False, 8, False, False),
+    (64, 64, 128, 4, 6, 8, False, False, 2, False, False), (64, 128, 128, 8, 4, 8, False, False, 4, False, False),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
 

@@ -68,7 +68,7 @@ def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
     """Row of the dropout counter space where this (batch, head)'s query rows begin.
 
     Dense: (b * heads + h) * seqlen_q; packed: h * total_q + q_start. Row i of the plane has the
-    counters from (rng_row0 + i) * ceil(rng_cols / 4) on (``_dropout_keep``), unique across the call."""
+    counters from (rng_row0 + i) * ceil(rng_cols / 8) on (``_dropout_keep``), unique across the call."""
     if IS_VARLEN:
         row0 = h.to(tl.int64) * rng_rows + q_start
     else:
@@ -79,20 +79,27 @@ def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _dropout_keep(dropout_seed, rng_row0, rows, col0, rng_cols, dropout_p, BLOCK_N: tl.constexpr):
     """Which probabilities survive dropout in the tile of ``rows`` x keys [col0, col0 + BLOCK_N)
-    (col0 a multiple of 4): counter-based (Philox), so the backward pass regenerates exactly the
+    (col0 a multiple of 8): counter-based (Philox), so the backward pass regenerates exactly the
     forward's mask from (seed, position).
 
-    A Philox call gives four numbers, so each counter serves four neighbouring keys: (i, j) takes
-    number j % 4 of counter (rng_row0 + i) * ceil(rng_cols / 4) + j // 4. (With one call a key and
-    three numbers thrown away, the forward at p = 0.1 took 1.9-2.4 x as long and spilled 2.5 x the
-    bytes: attention_dropout_h200_2026-11-30_s15j.json, benchmarks/NOTES.md.)"""
-    quads = col0 // 4 + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N // 4]
-    counters = (rng_row0 + rows[:, None]).to(tl.int64) * ((rng_cols + 3) // 4) + quads[None, :]
-    u0, u1, u2, u3 = tl.rand4x(dropout_seed, counters)  # [BLOCK_M, BLOCK_N // 4] each
-    # join(join(u0, u2), join(u1, u3)) is [BLOCK_M, BLOCK_N // 4, 2, 2]: its element [.., b, a] is u_(2b + a),
-    # which the reshape puts at key 4 * quad + 2b + a.
-    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [rows.shape[0], BLOCK_N])  # [BLOCK_M, BLOCK_N]
-    return u >= dropout_p
+    A Philox call gives four 32-bit numbers, eight 16-bit halves, so each counter serves eight
+    neighbouring keys: (i, j) takes half (j % 2) (low, high) of number (j % 8) // 2 of counter
+    (rng_row0 + i) * ceil(rng_cols / 8) + j // 8, and is kept when that half is at least
+    ceil(p * 65536): p is rounded up to a multiple of 2^-16 for the draw (the kept values are
+    still scaled by 1 / (1 - p)). Timed against four keys a call, a float each, in
+    benchmarks/NOTES.md (attention_dropout_*)."""
+    octets = col0 // 8 + tl.arange(0, BLOCK_N // 8)  # [BLOCK_N // 8]
+    counters = (rng_row0 + rows[:, None]).to(tl.int64) * ((rng_cols + 7) // 8) + octets[None, :]
+    r0, r1, r2, r3 = tl.randint4x(dropout_seed, counters)  # [BLOCK_M, BLOCK_N // 8] each, uint32
+    threshold = tl.math.ceil(dropout_p * 65536.0).to(tl.uint32)
+    HALF: tl.constexpr = 0xFFFF
+    # join(join(x0, x2), join(x1, x3)) is [.., 2, 2]: its element [.., c, d] is x_(2c + d); the
+    # low and high halves joined last make [.., 2, 2, 2], element [.., c, d, a] half a of number
+    # 2c + d, which the reshape puts at key 8 * octet + 2 * (2c + d) + a.
+    lo = tl.join(tl.join(r0 & HALF, r2 & HALF), tl.join(r1 & HALF, r3 & HALF))
+    hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    halves = tl.reshape(tl.join(lo, hi), [rows.shape[0], BLOCK_N])  # [BLOCK_M, BLOCK_N]
+    return halves >= threshold
 
 
 @triton.jit
@@ -807,7 +814,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr, HEAVY_FIRST: tl.constexpr = False,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -816,8 +823,12 @@ def _attn_bwd_dq_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    m_block = pid % num_m_blocks
-    bh = pid // num_m_blocks
+    if HEAVY_FIRST:  # causal: the last row blocks see the most keys; first, across every head
+        m_block = num_m_blocks - 1 - pid // (tl.num_programs(0) // num_m_blocks)
+        bh = pid % (tl.num_programs(0) // num_m_blocks)
+    else:  # row blocks of one head side by side: they share its K/V through L2
+        m_block = pid % num_m_blocks
+        bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
     h_kv = h // kv_group
@@ -895,7 +906,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -906,8 +917,12 @@ def _attn_bwd_dkdv_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    n_block = pid % num_n_blocks
-    bh = pid // num_n_blocks
+    if HEAVY_FIRST:  # causal: the first key blocks are seen by the most rows; first, across every head
+        n_block = pid // (tl.num_programs(0) // num_n_blocks)
+        bh = pid % (tl.num_programs(0) // num_n_blocks)
+    else:  # key blocks of one head side by side: they share its Q/dO through L2
+        n_block = pid % num_n_blocks
+        bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
     q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
@@ -984,6 +999,9 @@ class AttnBwdConfig:
     use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
     maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
     edges_last: bool = False  # dK/dV: the interior stretch before the masked diagonal / window edge
+    # Causal masks without a left window edge: the blocks with the most work launch first, across
+    # every head, so that the last wave is made of cheap ones (as the forward does).
+    heavy_first: bool = True
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -1087,6 +1105,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     tma_ok = tma_compatible(q, k, v, dout)
+    heavy = opts.window_right >= 0 and opts.window_left < 0  # causal-like: the work per block differs
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
@@ -1096,7 +1115,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-        HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
+        HAS_DBIAS=dbias is not None, HEAVY_FIRST=dq_cfg.heavy_first and heavy, **_maxnreg(dq_cfg), **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
@@ -1105,7 +1124,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
+        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0, HEAVY_FIRST=dkdv_cfg.heavy_first and heavy,
         **_maxnreg(dkdv_cfg), **shared,
     )
     return dq, dk, dv, dbias
@@ -1150,9 +1169,10 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
     elif kernel == "dq":
-        constants.update(HAS_DBIAS=False)
+        constants.update(HAS_DBIAS=False, HEAVY_FIRST=causal and not has_left and cfg.heavy_first)
     else:
-        constants.update(EDGES_LAST=cfg.edges_last and causal)
+        constants.update(EDGES_LAST=cfg.edges_last and causal,
+                         HEAVY_FIRST=causal and not has_left and cfg.heavy_first)
     return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              **_maxnreg(cfg))
 
