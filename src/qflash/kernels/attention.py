@@ -451,19 +451,26 @@ SHORT_KEYS = 512
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False,
-                   seqlen_k: Optional[int] = None) -> AttnFwdConfig:
+                   seqlen_k: Optional[int] = None, dropout: bool = False) -> AttnFwdConfig:
     """Tile shapes searched on the H200 (benchmarks/results/), by head-dim bucket and, for D = 256,
-    by length bucket (``seqlen_k``: keys per sequence, the longest for varlen); small and quick to
-    interpret on CPU."""
+    by length bucket (``seqlen_k``: keys per sequence, the longest for varlen), and for dropout;
+    small and quick to interpret on CPU."""
     if device.type != "cuda":
         return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    return _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k)
+    return _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout)
 
 
-def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int]) -> AttnFwdConfig:
+def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int],
+               dropout: bool = False) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
+    if dropout and block_d <= 128:
+        # The mask's random numbers need registers: 64-row tiles (D = 128: no spill instead of 992
+        # bytes) ran the forward at p = 0.1 in 0.87 / 0.62 x the time of the plain tiles at D = 64 /
+        # 128 (attention_dropout_h200_2026-11-30_s16a.json).
+        return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2 if block_d > 64 else 3,
+                             use_tma=hopper and block_d > 64)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
@@ -630,7 +637,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         seqlen_k = k.shape[1]
         lse_shape = (batch, num_heads, seqlen_q)
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
-                                   seqlen_k=opts.max_seqlen_k if varlen else seqlen_k)
+                                   seqlen_k=opts.max_seqlen_k if varlen else seqlen_k, dropout=opts.dropout_p > 0)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
     use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
@@ -814,7 +821,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr, HEAVY_FIRST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
     """dQ for BLOCK_M query rows of one (batch, head): a Q block stays, K/V blocks stream."""
     pid = tl.program_id(0)
@@ -823,12 +830,11 @@ def _attn_bwd_dq_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    if HEAVY_FIRST:  # causal: the last row blocks see the most keys; first, across every head
-        m_block = num_m_blocks - 1 - pid // (tl.num_programs(0) // num_m_blocks)
-        bh = pid % (tl.num_programs(0) // num_m_blocks)
-    else:  # row blocks of one head side by side: they share its K/V through L2
-        m_block = pid % num_m_blocks
-        bh = pid // num_m_blocks
+    # Row blocks of one head side by side: they share its K/V through L2. (Launching the causal
+    # mask's heaviest blocks first across every head, as the forward does, ran 0.82-0.99 x as
+    # fast: attention_bwd_heavy_first_h200_2026-11-30_s16a.json.)
+    m_block = pid % num_m_blocks
+    bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
     h_kv = h // kv_group
@@ -906,7 +912,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
+    USE_TMA: tl.constexpr, EDGES_LAST: tl.constexpr = False,
 ):
     """dK, dV for BLOCK_N keys of one (batch, kv head): the K/V block stays, every query
     block of every query head in its GQA group streams past, so the sum over the group
@@ -917,12 +923,8 @@ def _attn_bwd_dkdv_kernel(
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
     softmax_scale = tl.full([], softmax_scale, ACC)
-    if HEAVY_FIRST:  # causal: the first key blocks are seen by the most rows; first, across every head
-        n_block = pid // (tl.num_programs(0) // num_n_blocks)
-        bh = pid % (tl.num_programs(0) // num_n_blocks)
-    else:  # key blocks of one head side by side: they share its Q/dO through L2
-        n_block = pid % num_n_blocks
-        bh = pid // num_n_blocks
+    n_block = pid % num_n_blocks  # key blocks of one head side by side: they share its Q/dO through L2
+    bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
     q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
@@ -999,9 +1001,6 @@ class AttnBwdConfig:
     use_tma: bool = False  # tensor descriptors for the streamed tiles (K/V for dQ, Q/dO for dK/dV)
     maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
     edges_last: bool = False  # dK/dV: the interior stretch before the masked diagonal / window edge
-    # Causal masks without a left window edge: the blocks with the most work launch first, across
-    # every head, so that the last wave is made of cheap ones (as the forward does).
-    heavy_first: bool = True
 
 
 def default_bwd_configs(head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -1105,7 +1104,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     tma_ok = tma_compatible(q, k, v, dout)
-    heavy = opts.window_right >= 0 and opts.window_left < 0  # causal-like: the work per block differs
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
     num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
@@ -1115,7 +1113,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
         num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-        HAS_DBIAS=dbias is not None, HEAVY_FIRST=dq_cfg.heavy_first and heavy, **_maxnreg(dq_cfg), **shared,
+        HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
     )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
@@ -1124,7 +1122,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads_kv=heads_kv, kv_group=num_heads // heads_kv,
         num_n_blocks=num_n, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, USE_TMA=dkdv_cfg.use_tma and tma_ok,
-        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0, HEAVY_FIRST=dkdv_cfg.heavy_first and heavy,
+        EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
         **_maxnreg(dkdv_cfg), **shared,
     )
     return dq, dk, dv, dbias
@@ -1140,7 +1138,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 
     seqlen, heads = 16384, 2048 // head_dim
     dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
-    defaults = dict(fwd=_fwd_tiles(head_dim, dtype, True, seqlen), dq=dq_cfg, dkdv=dkdv_cfg)
+    defaults = dict(fwd=_fwd_tiles(head_dim, dtype, True, seqlen, dropout), dq=dq_cfg, dkdv=dkdv_cfg)
     cfg = config or defaults[kernel]
     fn = dict(fwd=_attn_fwd_kernel, dq=_attn_bwd_dq_kernel, dkdv=_attn_bwd_dkdv_kernel)[kernel]
     has_left = window_left >= 0
@@ -1169,10 +1167,9 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
     elif kernel == "dq":
-        constants.update(HAS_DBIAS=False, HEAVY_FIRST=causal and not has_left and cfg.heavy_first)
+        constants.update(HAS_DBIAS=False)
     else:
-        constants.update(EDGES_LAST=cfg.edges_last and causal,
-                         HEAVY_FIRST=causal and not has_left and cfg.heavy_first)
+        constants.update(EDGES_LAST=cfg.edges_last and causal)
     return build_tl_for_sm90(fn, args, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              **_maxnreg(cfg))
 

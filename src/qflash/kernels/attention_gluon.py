@@ -62,6 +62,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
+
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.testing import new_output
 
@@ -647,7 +650,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     dQ added to memory right after its own tile (LATE_DQ) ran 1-8% faster at D = 64 and 9-14%
     at D = 128 causal; at D = 128 without a mask, adding it while the next tile's products run
     was 5% faster."""
-    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128)
+    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128, DQ_TMA=False)
 
 
 @gluon.jit
@@ -698,6 +701,16 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v
             c += 1
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord ...] += src (a shared-memory tile) by the copy engine (``cp.reduce.async.bulk
+    .tensor``, one thread issues it): what ``tma.async_copy_shared_to_global`` is to a store.
+    Triton 3.6's Gluon has the IR op (``ttng.async_tma_reduce``) but no function for it; it
+    completes like a TMA store (``tma.store_wait``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
 def _add_dq(base, rows, cols, dq):
     """dQ[rows, cols] += dq by float32 atomic adds (relaxed: only the sum matters)."""
@@ -705,10 +718,11 @@ def _add_dq(base, rows, cols, dq):
 
 
 @gluon.jit
-def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-                       ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
-                       softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       WHICH: gl.constexpr, LATE_DQ: gl.constexpr):
+def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready,
+                       q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
+                       ABLATE: gl.constexpr = 0):
     """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
     registers over every query tile t of every query head of the group, all transposed so that
     keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
@@ -766,7 +780,7 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
         dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-        if not LATE_DQ:
+        if not LATE_DQ and not DQ_TMA:
             if t > 0:  # the previous tile's dQ goes to memory while the tensor cores run
                 _add_dq(DQ + dq_base, dq_row, dq_col, dq)
         rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
@@ -787,24 +801,45 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
 
         # dS^T of both consumers side by side in shared memory, [BLOCK_N, BLOCK_M]: two
         # buffers, so one consumer may write tile t while the other still reads tile t - 1.
-        sb = t % 2
-        ds = ds_smem.index(sb)
-        mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
-        ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
-        fence_async_shared()  # the stores, visible to the tensor cores' reads
-        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
-        mbarrier.arrive(ds_ready.index(sb), count=1)
-        mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
-        dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
-                           use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
-        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
-        mbarrier.arrive(ds_free.index(sb), count=1)
-        mbarrier.arrive(q_empty.index(s), count=1)
-        dq = dq * softmax_scale
-        dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
-        if LATE_DQ:
-            _add_dq(DQ + dq_base, dq_row, dq_col, dq)
-    if not LATE_DQ:
+        if ABLATE == 2:  # timing only: no dQ at all
+            dv, dk, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, ds_op))
+            mbarrier.arrive(q_empty.index(s), count=1)
+        else:
+            sb = t % 2
+            ds = ds_smem.index(sb)
+            mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
+            ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
+            fence_async_shared()  # the stores, visible to the tensor cores' reads
+            gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+            mbarrier.arrive(ds_ready.index(sb), count=1)
+            if ABLATE != 3:  # 3, timing only: no wait for the other consumer's half
+                mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
+            dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
+                               use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
+            mbarrier.arrive(ds_free.index(sb), count=1)
+            mbarrier.arrive(q_empty.index(s), count=1)
+            dq = dq * softmax_scale
+            dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
+            if DQ_TMA:
+                # The copy engine adds the tile to memory from shared memory while this consumer
+                # goes on: two buffers, so it waits only for the reduce issued a tile earlier.
+                buf = dq_smem.index(t % 2)
+                tma.store_wait(pendings=1)  # this buffer's previous reduce has read it
+                gl.thread_barrier()  # ... as seen by every thread of the warpgroup
+                buf.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0], buf)
+            elif LATE_DQ:
+                if ABLATE == 1:  # timing only: dQ computed, never added (kept by a test no run passes)
+                    if seqlen_q < 0:
+                        _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+                else:
+                    _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+    if DQ_TMA:
+        tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
+    elif not LATE_DQ:
         if num_tiles > 0:
             _add_dq(DQ + dq_base, dq_row, dq_col, dq)
     # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
@@ -816,9 +851,10 @@ def _attn_bwd_consumer(DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, 
 
 
 @gluon.jit
-def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta, seqlen_q, seqlen_k, shift,
+def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Lse, Delta, seqlen_q, seqlen_k, shift,
                         num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
+                        ABLATE: gl.constexpr = 0):
     """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
     and a loader warp (FlashAttention-3's backward, dQ through float32 atomics)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -829,6 +865,10 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta,
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each.
+    DQ_BUFS: gl.constexpr = 2 if DQ_TMA else 1
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -842,12 +882,14 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, Lse, Delta,
         mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(ds_free.index(s), count=2)
     gl.warp_specialize([
-        (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
-                              q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ)),
-        (_attn_bwd_consumer, (DK, DV, DQ, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready, q_ready,
-                              q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                              num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ)),
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
+                              kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
+                              kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ,
+                              DQ_TMA, ABLATE)),
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
+                              kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
+                              kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ,
+                              DQ_TMA, ABLATE)),
         (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready,
                             q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM,
                             STAGES, CAUSAL)),
@@ -859,6 +901,12 @@ def _bwd_kv_layout(head_dim: int):
     """K and V in shared memory for the backward: each consumer reads the columns of its half of
     K for dQ, so a swizzled row spans at most half the head dim (64 bytes at D = 64)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_dq_layout(head_dim: int):
+    """A consumer's float32 dQ tile in shared memory, [64, head_dim / 2], for the copy engine's reduce."""
+    return nvmma_layout((BWD_BLOCK_M, head_dim // 2), gl.float32)
 
 
 def bwd_preferred(head_dim: int, causal: bool) -> bool:
@@ -905,6 +953,9 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
 
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+    dq_view = dq_acc.view(batch * seqlen_q, heads * head_dim)
+    dq_desc = TensorDescriptor(dq_view, list(dq_view.shape), list(dq_view.stride()), [BWD_BLOCK_M, head_dim // 2],
+                               _bwd_dq_layout(head_dim))
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
     num_n_blocks = seqlen_k // BWD_BLOCK_N
@@ -912,14 +963,14 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _attn_bwd_ws_kernel[(num_n_blocks * batch * heads_kv,)](
         desc(q, BWD_BLOCK_M, qo_layout), desc(dout, BWD_BLOCK_M, qo_layout), desc(k, BWD_BLOCK_N, kv_layout),
         desc(v, BWD_BLOCK_N, kv_layout),
-        dk, dv, dq_acc, lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
+        dk, dv, dq_acc, dq_desc, lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
     )
     return dq_acc.to(q.dtype), dk, dv
 
 
-def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
+def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, **variant):
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def desc(rows: int, layout) -> str:
@@ -928,8 +979,9 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
     kv = _bwd_kv_layout(head_dim)
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
-             "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32", "Lse": "*fp32",
+             "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
+             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>", "Lse": "*fp32",
              "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
              "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
-                                                          **bwd_variant(head_dim, causal)))
+    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal, ABLATE=0,
+                                                          **{**bwd_variant(head_dim, causal), **variant}))
