@@ -1,6 +1,8 @@
-"""Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth
-and when a tile's dQ goes to memory (while the next tile's products run, or right after its own).
-Two more schemes for dQ were timed with it and removed (benchmarks/NOTES.md, eighth round).
+"""Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth,
+how a tile's dQ reaches memory (float32 atomic adds from registers, or the copy engine's reduce-add
+from shared memory) and when (while the next tile's products run, or right after its own). Two
+more schemes for dQ were timed with it and removed (benchmarks/NOTES.md, eighth round); the
+sixteenth round's ablations ran from a temporary copy (commit 9faf4a4, benchmarks/_gluon_ablate.py).
 Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
 
 import argparse
@@ -23,7 +25,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    g.bwd_preferred = lambda head_dim, causal: True  # the launcher's whole Gluon path, wherever it fits
+    g.bwd_preferred = lambda head_dim, causal, seqlen_k: True  # the launcher's whole Gluon path, wherever it fits
     for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
                                           (False, True)):
         b, h = 16384 // n, 2048 // d
@@ -31,11 +33,13 @@ def main():
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        for stages, late in itertools.product((2, 3), (False, True)):
+        for stages, late, dq_tma in itertools.product((2, 3), (False, True), (False, True)):
+            if stages == 3 and dq_tma and d == 128:  # does not fit shared memory
+                continue
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, LATE_DQ=late)
+                                           STAGES=stages, LATE_DQ=late, DQ_TMA=dq_tma)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, ms=ms,
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, dq_tma=dq_tma, ms=ms,
                              tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
         # Whole backwards (delta pass included) through the launcher: the tl kernels, and this

@@ -505,6 +505,8 @@ def test_default_config_buckets(monkeypatch):
     assert not cfg(64, 4096).use_tma and cfg(128, 512).use_tma and cfg(128, 4096).use_tma
     assert not cfg(256, 512).use_tma and not cfg(200, 1).use_tma
     assert cfg(256, 513).use_tma and cfg(256, 16384).use_tma and cfg(256, None).use_tma
+    dropout = lambda d: kernels.default_config(d, torch.bfloat16, cuda, seqlen_k=4096, dropout=True)  # noqa: E731
+    assert dropout(64).block_m == dropout(128).block_m == 64 and dropout(256) == cfg(256, 4096)
 
 
 def _gpu_fwd_tiles():

@@ -236,12 +236,16 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
                                             (64, torch.float16, False), (64, torch.float16, True)])
 def test_backward_builds_for_sm90(d, dtype, causal):
     """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the five
-    products on wgmma, Q / dO through TMA, dQ by float32 atomic adds, one CTA in shared memory,
-    and no wgmma that ptxas had to serialize."""
+    products on wgmma, Q / dO through TMA, dQ by the copy engine's reduce-add (D = 128) or float32
+    atomic adds (D = 64), one CTA in shared memory, and no wgmma that ptxas had to serialize."""
     kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, backward=True)
     ptx = kernel["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "global.gpu.relaxed.add.f32" in ptx  # dQ: float32 atomic adds
+    if d == 128:
+        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+        assert "relaxed.add.f32" not in ptx
+    else:
+        assert "global.gpu.relaxed.add.f32" in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)
 
@@ -274,7 +278,7 @@ def _spy_backward(monkeypatch, force=True):
     """Counts the Gluon backward's launches; with ``force`` every call it fits goes there
     (whatever the dispatch prefers by measured speed)."""
     if force:
-        monkeypatch.setattr(gluon, "bwd_preferred", lambda head_dim, causal: True)
+        monkeypatch.setattr(gluon, "bwd_preferred", lambda head_dim, causal, seqlen_k: True)
     calls = []
     real = gluon.launch_backward
 
@@ -347,14 +351,21 @@ def test_gpu_backward_deterministic_takes_the_tl_kernels(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_backward_dispatch_follows_the_measurements(d, causal, monkeypatch):
+@pytest.mark.parametrize("seqlen", [256, 2048])
+def test_gpu_backward_dispatch_follows_the_measurements(d, causal, seqlen, monkeypatch):
     """The public backward takes the Gluon kernel exactly where ``bwd_preferred`` says."""
     from test_attention_backward import _grads
 
     calls = _spy_backward(monkeypatch, force=False)
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 256, 256, 2, 2, d, torch.bfloat16, "cuda"))
+    q, k, v = (t.requires_grad_() for t in _qkv(1, seqlen, seqlen, 2, 2, d, torch.bfloat16, "cuda"))
     _grads(lambda *a: qflash.flash_attn_func(*a, causal=causal), (q, k, v), torch.randn_like(q))
-    assert bool(calls) == gluon.bwd_preferred(d, causal)
+    assert bool(calls) == gluon.bwd_preferred(d, causal, seqlen)
+
+
+def test_backward_dispatch_table():
+    """Where the measurements send the public backward: D = 128, causal only from 2k keys."""
+    assert gluon.bwd_preferred(128, False, 1024) and gluon.bwd_preferred(128, True, 2048)
+    assert not gluon.bwd_preferred(128, True, 1024) and not gluon.bwd_preferred(64, False, 16384)
 
 
 @pytest.mark.gpu

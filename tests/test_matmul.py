@@ -209,17 +209,18 @@ def test_split_k_reduce_with_padded_runs(int8):
 @pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 63])
 def test_gpu_decode_split_k_counts_reset(m, use_tma):
-    """Decode-sized M takes the transposed product with K split into runs that the last run of each
-    tile adds up: exact INT8 results launch after launch with fresh inputs (the arrival counts go
-    back to zero), on the default stream and on another one, and FP8 within float32 rounding; with
-    pointer loads and with tensor descriptors (the public functions take the default)."""
+    """Decode-sized M takes K split into runs that the last run of each tile adds up (INT8: the
+    transposed product; FP8 from 33 rows: 64-row tiles): exact INT8 results launch after launch
+    with fresh inputs (the arrival counts go back to zero), on the default stream and on another
+    one, and FP8 within float32 rounding; with pointer loads and with tensor descriptors (the
+    public functions take the default)."""
     from dataclasses import replace
 
     from qflash.kernels.matmul import _COUNTERS, default_config
 
     n, k = 4096, 4096
     cfg = default_config(m, n, k, "row", True, torch.device("cuda"))
-    assert cfg.swap_ab and cfg.split_k > 1, cfg
+    assert cfg.split_k > 1 and cfg.swap_ab, cfg
     if cfg.use_tma != use_tma:
         cfg = replace(cfg, use_tma=use_tma)
         int8_mm = partial(scaled_matmul, out_dtype=torch.float32, scales="row", config=cfg)
@@ -245,6 +246,21 @@ def test_gpu_decode_split_k_counts_reset(m, use_tma):
             assert rel_l2_err(c.cpu(), fp8_matmul_ref(*cpu, torch.float64)) < 1e-5 * k ** 0.5
         stream.synchronize()
     assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+
+
+def test_small_m_default_tiles(monkeypatch):
+    """The H200's table for few rows of FP8: the transposed product up to 32 rows, 64-row tiles
+    with K in two runs up to 64 (128-wide without a split where the tiles make two waves); INT8
+    keeps the transposed product up to 64 rows."""
+    from qflash.kernels import matmul as mm
+
+    monkeypatch.setattr(mm, "has_tma", lambda device: True)
+    monkeypatch.setattr(mm, "sm_count", lambda device: 132)
+    cfg = lambda m, n: mm.default_config.__wrapped__(m, n, 4096, "tensor", False, torch.device("cuda"))  # noqa: E731
+    assert cfg(16, 4096).swap_ab and cfg(32, 4096).swap_ab and cfg(16, 4096).split_k > 1
+    assert not cfg(33, 4096).swap_ab and (cfg(64, 4096).block_m, cfg(64, 4096).split_k) == (64, 2)
+    assert (cfg(64, 28672).block_n, cfg(64, 28672).split_k) == (128, 1)
+    assert mm.default_config.__wrapped__(64, 4096, 4096, "row", True, torch.device("cuda")).swap_ab
 
 
 @pytest.mark.gpu

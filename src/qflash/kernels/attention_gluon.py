@@ -45,9 +45,12 @@ at 512-1k is the 0.98-1.00x end).
 The backward (``_attn_bwd_ws_kernel``, D = 64 / 128, same scope) follows FlashAttention-3: one CTA
 per 128 keys, a loader warp for K / V once and Q / dO in a ring, two consumer warpgroups of 64
 keys that compute S and dP transposed so that P^T and dS^T feed dV and dK from registers, dS^T
-shared for dQ = dS K, and dQ added to a float32 buffer by atomic adds (so not bitwise
-reproducible). It passes the backward tests on the H200 but ran no faster than the tl backward
-(benchmarks/NOTES.md, eighth round), so ``bwd_preferred`` keeps the public functions off it.
+shared for dQ = dS K. Each consumer's dQ tile goes to a float32 buffer through shared memory and
+the copy engine's reduce-add (``cp.reduce.async.bulk.tensor``), which runs on while the consumer
+starts its next tile (at D = 64: float32 atomic adds from registers); either way the sums arrive
+in any order, so dQ is not bitwise reproducible. With the reduce-add it is the public backward at
+D = 128 (1.00-1.17 x the tl kernels, kernel alone; ``bwd_preferred``), where with atomic adds it
+had run no faster (benchmarks/NOTES.md, eighth and sixteenth rounds).
 """
 
 from __future__ import annotations
@@ -646,11 +649,14 @@ BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variant
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:
-    """The backward kernel's schedule, as measured on the H200 (gluon_bwd_variants_..._s8c.json):
-    dQ added to memory right after its own tile (LATE_DQ) ran 1-8% faster at D = 64 and 9-14%
-    at D = 128 causal; at D = 128 without a mask, adding it while the next tile's products run
-    was 5% faster."""
-    return dict(STAGES=BWD_STAGES, LATE_DQ=causal or head_dim < 128, DQ_TMA=False)
+    """The backward kernel's schedule, as measured on the H200. dQ through shared memory and the
+    copy engine's reduce-add (DQ_TMA) right after its own tile: at D = 128 1.07-1.16 x the atomic
+    adds' best schedule and 1.05-1.10 x sending it while the next tile's products run
+    (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
+    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json). At D = 64 the kernel is
+    not the public path; its atomic adds stay (dQ after its own tile: 1-8 % faster there,
+    gluon_bwd_variants_h200_2026-11-29_s8c.json)."""
+    return dict(STAGES=BWD_STAGES, LATE_DQ=True, DQ_TMA=head_dim == 128)
 
 
 @gluon.jit
@@ -712,17 +718,29 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add_dq(base, rows, cols, dq):
-    """dQ[rows, cols] += dq by float32 atomic adds (relaxed: only the sum matters)."""
-    gl.atomic_add(base + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), dq, sem="relaxed")
+def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ_TMA: gl.constexpr):
+    """dQ[row0 + i, col0 + j] += dq[i, j] (DQ viewed as (batch * seqlen_q, heads * headdim)) for
+    tile t: through shared memory and the copy engine's reduce-add (DQ_TMA: one thread issues it
+    and the consumer goes on; two buffers, so it waits only for the reduce issued a tile
+    earlier), or by float32 atomic adds from registers (``rows`` = i * row_stride, ``cols`` = j)."""
+    if DQ_TMA:
+        buf = dq_smem.index(t % 2)
+        tma.store_wait(pendings=1)  # this buffer's previous reduce has read it ...
+        gl.thread_barrier()  # ... as every thread of the warpgroup sees
+        buf.store(dq)
+        fence_async_shared()  # the stores, visible to the copy engine
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [row0, col0], buf)
+    else:  # relaxed: only the sum matters
+        base = DQ + row0.to(gl.int64) * row_stride + col0
+        gl.atomic_add(base + gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0), dq, sem="relaxed")
 
 
 @gluon.jit
 def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready,
                        q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
                        num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
-                       ABLATE: gl.constexpr = 0):
+                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
     registers over every query tile t of every query head of the group, all transposed so that
     keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
@@ -733,7 +751,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         dV += P^T dO                            (while dS^T is computed)
         dS^T = P^T * (dP^T - delta),  dK += dS^T Q
         dQ[rows, my half of D] += scale * dS K  (dS^T of both consumers through shared memory;
-                                                 float32 atomic adds: every key block adds to it)
+                                                 every key block adds to dQ: ``_send_dq``)
 
     A tile's dQ goes to memory right after its tile (LATE_DQ), or while the next tile's S^T and
     dP^T run on the tensor cores."""
@@ -764,12 +782,13 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
     # A dQ tile's elements, relative to its first: [BLOCK_M, DQ_COLS] of the (batch * seqlen_q,
     # heads * headdim) view, this consumer's half of the columns.
     dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * (num_heads * HEAD_DIM)
-    dq_col = DQ_COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     zeros_st = gl.zeros((KEYS, BLOCK_M), gl.float32, st_layout)
     dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
     dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
     dq = gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout)  # the previous tile's, scaled
-    dq_base = b.to(gl.int64) * 0  # where it goes: element offset of its first row and column
+    dq_row0 = b * 0  # where it goes: its first row and column in the (batch * seqlen_q, heads * headdim) view
+    dq_col0 = b * 0
     mbarrier.wait(kv_ready, 0)
     for t in range(num_tiles):
         s = t % STAGES
@@ -780,9 +799,10 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
         dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-        if not LATE_DQ and not DQ_TMA:
+        if not LATE_DQ:
             if t > 0:  # the previous tile's dQ goes to memory while the tensor cores run
-                _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+                _send_dq(DQ, dq_desc, dq_smem, t - 1, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row, dq_col, dq,
+                         DQ_TMA)
         rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
         row_off = (b * num_heads + h).to(gl.int64) * seqlen_q + rows
         lse = gl.load(Lse + row_off) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
@@ -801,47 +821,30 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
 
         # dS^T of both consumers side by side in shared memory, [BLOCK_N, BLOCK_M]: two
         # buffers, so one consumer may write tile t while the other still reads tile t - 1.
-        if ABLATE == 2:  # timing only: no dQ at all
-            dv, dk, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, ds_op))
-            mbarrier.arrive(q_empty.index(s), count=1)
-        else:
-            sb = t % 2
-            ds = ds_smem.index(sb)
-            mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
-            ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
-            fence_async_shared()  # the stores, visible to the tensor cores' reads
-            gl.thread_barrier()  # ... from all 128 threads before one of them arrives
-            mbarrier.arrive(ds_ready.index(sb), count=1)
-            if ABLATE != 3:  # 3, timing only: no wait for the other consumer's half
-                mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
-            dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
-                               use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
-            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
-            mbarrier.arrive(ds_free.index(sb), count=1)
-            mbarrier.arrive(q_empty.index(s), count=1)
-            dq = dq * softmax_scale
-            dq_base = (b * seqlen_q + m0).to(gl.int64) * (num_heads * HEAD_DIM) + h * HEAD_DIM
-            if DQ_TMA:
-                # The copy engine adds the tile to memory from shared memory while this consumer
-                # goes on: two buffers, so it waits only for the reduce issued a tile earlier.
-                buf = dq_smem.index(t % 2)
-                tma.store_wait(pendings=1)  # this buffer's previous reduce has read it
-                gl.thread_barrier()  # ... as seen by every thread of the warpgroup
-                buf.store(dq)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0], buf)
-            elif LATE_DQ:
-                if ABLATE == 1:  # timing only: dQ computed, never added (kept by a test no run passes)
-                    if seqlen_q < 0:
-                        _add_dq(DQ + dq_base, dq_row, dq_col, dq)
-                else:
-                    _add_dq(DQ + dq_base, dq_row, dq_col, dq)
+        sb = t % 2
+        ds = ds_smem.index(sb)
+        mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
+        ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
+        fence_async_shared()  # the stores, visible to the tensor cores' reads
+        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+        mbarrier.arrive(ds_ready.index(sb), count=1)
+        mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
+        dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
+        mbarrier.arrive(ds_free.index(sb), count=1)
+        mbarrier.arrive(q_empty.index(s), count=1)
+        dq = dq * softmax_scale
+        dq_row0 = b * seqlen_q + m0  # the tile's place in the (batch * seqlen_q, heads * headdim) view
+        dq_col0 = h * HEAD_DIM + DQ_COL0
+        if LATE_DQ:
+            _send_dq(DQ, dq_desc, dq_smem, t, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row, dq_col, dq, DQ_TMA)
+    if not LATE_DQ:
+        if num_tiles > 0:
+            _send_dq(DQ, dq_desc, dq_smem, num_tiles - 1, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row,
+                     dq_col, dq, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
-    elif not LATE_DQ:
-        if num_tiles > 0:
-            _add_dq(DQ + dq_base, dq_row, dq_col, dq)
     # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
     keys_o = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 1)
@@ -853,10 +856,10 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Lse, Delta, seqlen_q, seqlen_k, shift,
                         num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
-                        ABLATE: gl.constexpr = 0):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
     """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
-    and a loader warp (FlashAttention-3's backward, dQ through float32 atomics)."""
+    and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
+    reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -885,11 +888,11 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Ls
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
                               kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
                               kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ,
-                              DQ_TMA, ABLATE)),
+                              DQ_TMA)),
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
                               kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
                               kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ,
-                              DQ_TMA, ABLATE)),
+                              DQ_TMA)),
         (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready,
                             q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM,
                             STAGES, CAUSAL)),
@@ -909,14 +912,18 @@ def _bwd_dq_layout(head_dim: int):
     return nvmma_layout((BWD_BLOCK_M, head_dim // 2), gl.float32)
 
 
-def bwd_preferred(head_dim: int, causal: bool) -> bool:
+def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     """Whether the public functions send a backward that fits here rather than to the tl
-    kernels: nowhere yet. Whole backwards side by side on the H200: at D = 128 causal it ran
-    1.02 / 1.06 / 1.08x the tl one at 1k / 4k / 16k tokens in one run
-    (attention_bwd_gluon_h200_2026-11-29_s8d.json) and 0.95-0.99x in the next
-    (gluon_bwd_variants_h200_2026-11-29_s8f.json); elsewhere 0.76-1.02x. Not a gain that holds,
-    and the tl backward is deterministic."""
-    return False
+    kernels: at D = 128, since dQ goes through the copy engine's reduce-add, but for causal calls
+    under 2k keys. Whole backwards side by side on the H200, kernel alone
+    (gluon_bwd_dq_tma_order_h200_2026-11-30_s16d.json, TFLOP/s at 1k / 4k / 16k tokens): 372 /
+    469 / 479 against the tl kernels' 333 / 400 / 419 without a mask, 255 / 377 / 434 against 255
+    / 377 / 399 causal; through the public functions (attention_bwd_d128_h200_2026-11-30_s16f.json)
+    the causal 1k call ran 239 here, where the tl kernels have run 252-255 (..._s15c, _s16c, _s16d).
+    At D = 64 it ran 0.84-1.00 x the tl backward (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json),
+    which stays. Calls that ask for determinism keep to the tl kernels (``_fast_backward_fits``):
+    here dQ's sums arrive in any order."""
+    return head_dim == 128 and (not causal or seqlen_k >= 2048)
 
 
 def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):
@@ -935,35 +942,30 @@ def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     return None
 
 
+_bwd_launcher = CachedLauncher(_attn_bwd_ws_kernel)
+
+
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, **variant):
     """(dq, dk, dv) for a call that ``bwd_why_not`` has accepted, given the forward's lse and
     delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. dQ is summed
-    in a float32 buffer by atomic adds, so it can differ in the last bits from run to run.
+    in a float32 buffer (reduce-adds or atomic adds, in any order), so it can differ in the last
+    bits from run to run.
     ``variant`` overrides ``bwd_variant`` (to measure the others)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
     kv_layout = _bwd_kv_layout(head_dim)
-
-    def desc(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:
-        view = _rows_view(t)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim], layout)
-
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-    dq_view = dq_acc.view(batch * seqlen_q, heads * head_dim)
-    dq_desc = TensorDescriptor(dq_view, list(dq_view.shape), list(dq_view.stride()), [BWD_BLOCK_M, head_dim // 2],
-                               _bwd_dq_layout(head_dim))
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
     num_n_blocks = seqlen_k // BWD_BLOCK_N
     shift = seqlen_k - seqlen_q if bottom_right else 0
-    _attn_bwd_ws_kernel[(num_n_blocks * batch * heads_kv,)](
-        desc(q, BWD_BLOCK_M, qo_layout), desc(dout, BWD_BLOCK_M, qo_layout), desc(k, BWD_BLOCK_N, kv_layout),
-        desc(v, BWD_BLOCK_N, kv_layout),
-        dk, dv, dq_acc, dq_desc, lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
+    _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
+        _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
+        _rows_descriptor(k, BWD_BLOCK_N, kv_layout), _rows_descriptor(v, BWD_BLOCK_N, kv_layout),
+        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2),
+        lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
     )
@@ -980,8 +982,9 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     kv = _bwd_kv_layout(head_dim)
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
-             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>", "Lse": "*fp32",
+             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>",
+             "Lse": "*fp32",
              "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
              "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal, ABLATE=0,
+    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
                                                           **{**bwd_variant(head_dim, causal), **variant}))

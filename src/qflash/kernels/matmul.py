@@ -180,6 +180,15 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
     if device.type != "cuda":
         return MatmulConfig(32, 32, QBLOCK if scales == "block" else 32, 4, 1)
     hopper = has_tma(device)
+    if 32 < m <= 64 and hopper and not int8:
+        # FP8: 64 rows fill the tensor cores' M side without the transposed product: 64-wide B tiles and
+        # K in two runs, or 128-wide ones and no split where the tiles make two waves. Graph-timed
+        # searches at five (64, N, K) shapes: 0.73-1.01 x torch._scaled_mm, where the transposed
+        # 64 x 64 tiles below ran 0.51-0.80 x (matmul_tiles_small_m_..._s16a, matmul_tiles_m64_..._s16b);
+        # the public path 0.74-1.01 x (matmul_fp8_m64_h200_2026-11-30_s16e.json). INT8: not searched.
+        if cdiv(n, 64) > 2 * sm_count(device):
+            return MatmulConfig(64, 128, 128, 4, 4, split_k=1)
+        return MatmulConfig(64, 64, 128, 4, 6, split_k=2)
     if m <= 64 and hopper:
         # Decode-sized M reads B once and does little else: the transposed product on 64 rows of B
         # a tile (128 where that already makes two tiles a SM), K split so that about two runs a SM

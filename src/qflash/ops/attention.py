@@ -332,11 +332,11 @@ def flash_attn_func(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 = unbounded.
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
-        deterministic: bitwise-identical gradients from run to run. The default backward (the
-            tl kernels) always is. The Gluon backward (``attention_gluon.py``, Hopper) sums dQ
-            with float32 atomic adds; it is not the default yet (``bwd_preferred``), and
-            ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps a call
-            off it.
+        deterministic: bitwise-identical gradients from run to run. The tl backward always is.
+            On Hopper at head dim 128 (causal from 2k keys, ``bwd_preferred``) the default
+            backward is the Gluon one (``attention_gluon.py``), whose dQ sums arrive in any
+            order, as flash-attn's do by default; ``deterministic=True`` or
+            ``torch.use_deterministic_algorithms(True)`` keeps a call on the tl kernels.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
