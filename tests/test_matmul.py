@@ -220,7 +220,7 @@ def test_gpu_decode_split_k_counts_reset(m, use_tma):
 
     n, k = 4096, 4096
     cfg = default_config(m, n, k, "row", True, torch.device("cuda"))
-    assert cfg.split_k > 1 and cfg.swap_ab, cfg
+    assert cfg.swap_ab and cfg.split_k > 1, cfg
     if cfg.use_tma != use_tma:
         cfg = replace(cfg, use_tma=use_tma)
         int8_mm = partial(scaled_matmul, out_dtype=torch.float32, scales="row", config=cfg)

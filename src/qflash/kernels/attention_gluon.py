@@ -519,12 +519,6 @@ def _row_stride(t: torch.Tensor) -> Optional[int]:
     return stride_s
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """That view (the tensor must have one: ``why_not`` checks)."""
-    batch, seqlen, heads, head_dim = t.shape
-    return t.as_strided((batch * seqlen, heads * head_dim), (_row_stride(t), 1))
-
-
 def _rows_descriptor(t: torch.Tensor, rows: int, layout, cols: Optional[int] = None):
     """A tensor descriptor of ``t``'s (batch * seqlen, heads * headdim) view (one head = a column
     band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has
@@ -781,7 +775,8 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
     keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
     # A dQ tile's elements, relative to its first: [BLOCK_M, DQ_COLS] of the (batch * seqlen_q,
     # heads * headdim) view, this consumer's half of the columns.
-    dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * (num_heads * HEAD_DIM)
+    dq_stride = num_heads * HEAD_DIM
+    dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
     dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     zeros_st = gl.zeros((KEYS, BLOCK_M), gl.float32, st_layout)
     dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
@@ -801,8 +796,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
         if not LATE_DQ:
             if t > 0:  # the previous tile's dQ goes to memory while the tensor cores run
-                _send_dq(DQ, dq_desc, dq_smem, t - 1, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row, dq_col, dq,
-                         DQ_TMA)
+                _send_dq(DQ, dq_desc, dq_smem, t - 1, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
         rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
         row_off = (b * num_heads + h).to(gl.int64) * seqlen_q + rows
         lse = gl.load(Lse + row_off) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
@@ -838,11 +832,10 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         dq_row0 = b * seqlen_q + m0  # the tile's place in the (batch * seqlen_q, heads * headdim) view
         dq_col0 = h * HEAD_DIM + DQ_COL0
         if LATE_DQ:
-            _send_dq(DQ, dq_desc, dq_smem, t, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row, dq_col, dq, DQ_TMA)
+            _send_dq(DQ, dq_desc, dq_smem, t, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
     if not LATE_DQ:
         if num_tiles > 0:
-            _send_dq(DQ, dq_desc, dq_smem, num_tiles - 1, dq_row0, dq_col0, num_heads * HEAD_DIM, dq_row,
-                     dq_col, dq, DQ_TMA)
+            _send_dq(DQ, dq_desc, dq_smem, num_tiles - 1, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
     # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
@@ -983,8 +976,8 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
              "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>",
-             "Lse": "*fp32",
-             "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32", "num_heads_kv": "i32",
-             "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
+             "Lse": "*fp32", "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
+             "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
+             "softmax_scale": "fp32"}
     return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
                                                           **{**bwd_variant(head_dim, causal), **variant}))
