@@ -6,6 +6,7 @@ sixteenth round's ablations ran from a temporary copy (commit 9faf4a4, benchmark
 Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
 
 import argparse
+import importlib.util
 import itertools
 import math
 
@@ -22,9 +23,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--stages", default="2,3")
+    p.add_argument("--baseline", default=None, help="copies of earlier attention_gluon.py files to time beside (comma-separated)")
+    p.add_argument("--dq-tma", default="0,1")
+    p.add_argument("--rotate", default="0")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
+    baselines = {}
+    for path in filter(None, (args.baseline or "").split(",")):
+        spec = importlib.util.spec_from_file_location(f"gluon_baseline_{len(baselines)}", path)
+        baselines[path] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baselines[path])
     g.bwd_preferred = lambda head_dim, causal, seqlen_k: True  # the launcher's whole Gluon path, wherever it fits
     for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
                                           (False, True)):
@@ -33,13 +43,21 @@ def main():
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        for stages, late, dq_tma in itertools.product((2, 3), (False, True), (False, True)):
+        flags = lambda name: [bool(int(x)) for x in getattr(args, name).split(",")]
+        for stages, dq_tma, rotate in itertools.product(map(int, args.stages.split(",")), flags("dq_tma"),
+                                                        flags("rotate")):
             if stages == 3 and dq_tma and d == 128:  # does not fit shared memory
                 continue
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, LATE_DQ=late, DQ_TMA=dq_tma)
+                                           STAGES=stages, DQ_TMA=dq_tma, ROTATE=rotate)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, late_dq=late, dq_tma=dq_tma, ms=ms,
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, dq_tma=dq_tma, rotate=rotate, ms=ms,
+                             tflops=flops / ms * 1e-9))
+            print(rows[-1], flush=True)
+        for path, baseline in baselines.items():  # each with its own default variant
+            ms = triton.testing.do_bench(lambda: baseline.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d),
+                                                                          causal, True), rep=60)
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, path=f"baseline {path}", ms=ms,
                              tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
         # Whole backwards (delta pass included) through the launcher: the tl kernels, and this

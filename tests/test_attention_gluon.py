@@ -291,18 +291,20 @@ def _spy_backward(monkeypatch, force=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_tma", [False, True], ids=["dq_atomics", "dq_tma_reduce"])
+@pytest.mark.parametrize("schedule", [dict(DQ_TMA=False), dict(DQ_TMA=True), dict(DQ_TMA=True, ROTATE=True)],
+                         ids=["dq_atomics", "dq_tma_reduce", "dq_tma_reduce_rotated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right", BWD_CASES)
-def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype, dq_tma, monkeypatch):
+def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype, schedule, monkeypatch):
     """Gradients through the public functions, which take the Gluon backward here: within 3x
     PyTorch's same-precision error against float64 (flash-attn's rule), every element written;
-    dQ summed by atomic adds or by the copy engine's reduce."""
+    dQ summed by atomic adds or by the copy engine's reduce, the query blocks in order or
+    rotated."""
     from test_attention_backward import check_grads, _leaves
 
     calls = _spy_backward(monkeypatch)
     variant = gluon.bwd_variant
-    monkeypatch.setattr(gluon, "bwd_variant", lambda head_dim, causal: {**variant(head_dim, causal), "DQ_TMA": dq_tma})
+    monkeypatch.setattr(gluon, "bwd_variant", lambda head_dim, causal: {**variant(head_dim, causal), **schedule})
     inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype)
     if bottom_right:
         check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, causal=causal),

@@ -650,7 +650,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json). At D = 64 the kernel is
     not the public path; its atomic adds stay (dQ after its own tile: 1-8 % faster there,
     gluon_bwd_variants_h200_2026-11-29_s8c.json)."""
-    return dict(STAGES=BWD_STAGES, LATE_DQ=True, DQ_TMA=head_dim == 128)
+    return dict(STAGES=BWD_STAGES, DQ_TMA=head_dim == 128, ROTATE=not causal)
 
 
 @gluon.jit
@@ -660,7 +660,8 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
     L2) and the query blocks that see it: [m_lo, m_full) cross the causal diagonal, [m_full,
     m_end) see all its keys."""
     pid = gl.program_id(0)
-    n0 = (pid % num_n_blocks) * BLOCK_N
+    n_block = pid % num_n_blocks
+    n0 = n_block * BLOCK_N
     bh = pid // num_n_blocks
     m_end = seqlen_q // BLOCK_M
     m_lo = 0
@@ -671,33 +672,53 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
         m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, m_end)
         m_full = gl.minimum((gl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M, m_end)
         m_full = gl.maximum(m_full, m_lo)
-    return bh // num_heads_kv, bh % num_heads_kv, n0, m_lo, m_full, m_end
+    return bh // num_heads_kv, bh % num_heads_kv, n0, m_lo, m_full, m_end, n_block
 
 
 @gluon.jit
-def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready, q_empty,
-                     seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: the CTA's K and V block once, then Q and dO of every query block of every
-    query head of the GQA group through a ring of STAGES slots."""
+def _bwd_query_block(i, m_lo, m_end, n_block, num_n_blocks, ROTATE: gl.constexpr):
+    """The query block of the CTA's i-th tile of a head. ROTATE: the CTAs of a head start at
+    different blocks (key block n at the n / num_n_blocks point of the range) and wrap around,
+    so that they do not all add into the same dQ tile at the same time."""
+    j = m_lo + i
+    if ROTATE:
+        per_head = m_end - m_lo
+        j = m_lo + (i + (n_block * per_head) // num_n_blocks) % per_head
+    return j
+
+
+@gluon.jit
+def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
+                     k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                     num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     ROTATE: gl.constexpr):
+    """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
+    of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
+    copy engine too: loaded by the consumers, their latency was the tile's)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+    b, h_kv, n0, m_lo, m_full, m_end, n_block = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks,
+                                                          CAUSAL, BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, v_smem)
     c = 0
     for g in range(kv_group):
-        col = (h_kv * kv_group + g) * HEAD_DIM
-        for j in range(m_lo, m_end):
+        h = h_kv * kv_group + g
+        col = h * HEAD_DIM
+        row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
+        for i in range(m_end - m_lo):
+            j = _bwd_query_block(i, m_lo, m_end, n_block, num_n_blocks, ROTATE)
             s = c % STAGES
             mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
-            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
                                             q_ring.index(s))
             tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
                                             do_ring.index(s))
+            tma.async_copy_global_to_shared(lse_desc, [row_base + j * BLOCK_M], q_ready.index(s), lse_ring.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [row_base + j * BLOCK_M], q_ready.index(s),
+                                            delta_ring.index(s))
             c += 1
 
 
@@ -731,10 +752,10 @@ def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ
 
 
 @gluon.jit
-def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem, kv_ready,
-                       q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem,
+                       kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
                        num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
+                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
     registers over every query tile t of every query head of the group, all transposed so that
     keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
@@ -747,8 +768,8 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         dQ[rows, my half of D] += scale * dS K  (dS^T of both consumers through shared memory;
                                                  every key block adds to dQ: ``_send_dq``)
 
-    A tile's dQ goes to memory right after its tile (LATE_DQ), or while the next tile's S^T and
-    dP^T run on the tensor cores."""
+    A tile's dQ goes to memory right after its tile (sending it while the next tile's S^T and
+    dP^T ran was 5-10 % slower at D = 128, gluon_bwd_dq_tma_order_h200_2026-11-30_s16d.json)."""
     BLOCK_M: gl.constexpr = q_ring.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -764,8 +785,8 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
                                                         instr_shape=[16, DQ_COLS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_st: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row (a column of S^T)
-    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
-                                                 BLOCK_M, BLOCK_N)
+    b, h_kv, n0, m_lo, m_full, m_end, n_block = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks,
+                                                          CAUSAL, BLOCK_M, BLOCK_N)
     num_heads = num_heads_kv * kv_group
     per_head = m_end - m_lo
     num_tiles = kv_group * per_head
@@ -781,29 +802,22 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
     zeros_st = gl.zeros((KEYS, BLOCK_M), gl.float32, st_layout)
     dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
     dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
-    dq = gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout)  # the previous tile's, scaled
-    dq_row0 = b * 0  # where it goes: its first row and column in the (batch * seqlen_q, heads * headdim) view
-    dq_col0 = b * 0
     mbarrier.wait(kv_ready, 0)
     for t in range(num_tiles):
         s = t % STAGES
         q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         do = do_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         h = h_kv * kv_group + t // per_head
-        m0 = (m_lo + t % per_head) * BLOCK_M
+        m0 = _bwd_query_block(t % per_head, m_lo, m_end, n_block, num_n_blocks, ROTATE) * BLOCK_M
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
         dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-        if not LATE_DQ:
-            if t > 0:  # the previous tile's dQ goes to memory while the tensor cores run
-                _send_dq(DQ, dq_desc, dq_smem, t - 1, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
-        row_off = (b * num_heads + h).to(gl.int64) * seqlen_q + rows
-        lse = gl.load(Lse + row_off) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
-        delta = gl.load(Delta + row_off)  # [BLOCK_M]
+        lse = lse_ring.index(s).load(col_st) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
+        delta = delta_ring.index(s).load(col_st)  # [BLOCK_M]
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # [KEYS, BLOCK_M]
         if CAUSAL:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
             if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0), pt, 0.0)
         pt_op = gl.convert_layout(pt.to(q_ring.dtype), op_layout)
@@ -828,14 +842,9 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
         dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
         mbarrier.arrive(ds_free.index(sb), count=1)
         mbarrier.arrive(q_empty.index(s), count=1)
-        dq = dq * softmax_scale
-        dq_row0 = b * seqlen_q + m0  # the tile's place in the (batch * seqlen_q, heads * headdim) view
-        dq_col0 = h * HEAD_DIM + DQ_COL0
-        if LATE_DQ:
-            _send_dq(DQ, dq_desc, dq_smem, t, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
-    if not LATE_DQ:
-        if num_tiles > 0:
-            _send_dq(DQ, dq_desc, dq_smem, num_tiles - 1, dq_row0, dq_col0, dq_stride, dq_row, dq_col, dq, DQ_TMA)
+        # The tile's place in the (batch * seqlen_q, heads * headdim) view: its rows, my half of D.
+        _send_dq(DQ, dq_desc, dq_smem, t, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
+                 dq * softmax_scale, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
     # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
@@ -847,9 +856,9 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, Lse, Delta, q_ring, do_ring
 
 
 @gluon.jit
-def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Lse, Delta, seqlen_q, seqlen_k, shift,
-                        num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LATE_DQ: gl.constexpr, DQ_TMA: gl.constexpr):
+def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
+                        shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
     """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
     and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
     reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
@@ -857,6 +866,8 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Ls
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
@@ -878,17 +889,17 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, Ls
         mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(ds_free.index(s), count=2)
     gl.warp_specialize([
-        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
-                              kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
-                              kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, LATE_DQ,
-                              DQ_TMA)),
-        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, Lse, Delta, q_ring, do_ring, k_smem, v_smem, ds_smem,
-                              kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv,
-                              kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, LATE_DQ,
-                              DQ_TMA)),
-        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_ready, q_ready,
-                            q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM,
-                            STAGES, CAUSAL)),
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              0, DQ_TMA, ROTATE)),
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              1, DQ_TMA, ROTATE)),
+        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
+                            delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift,
+                            num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL, ROTATE)),
     ], [4, 1], [240, 24])
 
 
@@ -897,6 +908,23 @@ def _bwd_kv_layout(head_dim: int):
     """K and V in shared memory for the backward: each consumer reads the columns of its half of
     K for dQ, so a swizzled row spans at most half the head dim (64 bytes at D = 64)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=16, rank=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_rows_layout():
+    """A tile's 64 lse or delta values (float32) in shared memory, for the copy engine."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _vector_descriptor(t: torch.Tensor, block: int):
+    """A tensor descriptor of contiguous ``t`` flattened, in blocks of ``block`` (as
+    ``_rows_descriptor``, without the constructor's checks)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=[t.numel()], strides=[1], block_shape=[block], layout=_bwd_rows_layout(),
+                         padding="zero")
+    return desc
 
 
 @functools.lru_cache(maxsize=None)
@@ -958,7 +986,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
         _rows_descriptor(k, BWD_BLOCK_N, kv_layout), _rows_descriptor(v, BWD_BLOCK_N, kv_layout),
         dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2),
-        lse, delta, seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
+        _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift, heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
     )
@@ -976,7 +1004,8 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
              "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>",
-             "Lse": "*fp32", "Delta": "*fp32", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
+             "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
+             "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
              "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
              "softmax_scale": "fp32"}
     return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
