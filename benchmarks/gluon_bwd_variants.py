@@ -1,8 +1,9 @@
 """Time variants of the Gluon backward kernel side by side (one process, one GPU): the ring depth,
 how a tile's dQ reaches memory (float32 atomic adds from registers, or the copy engine's reduce-add
-from shared memory) and when (while the next tile's products run, or right after its own). Two
-more schemes for dQ were timed with it and removed (benchmarks/NOTES.md, eighth round); the
-sixteenth round's ablations ran from a temporary copy (commit 9faf4a4, benchmarks/_gluon_ablate.py).
+from shared memory), beside earlier copies of the kernel's module (``--baseline``). More schemes
+were timed with it and removed (benchmarks/NOTES.md: eighth round; seventeenth, the staggered
+query blocks, with the earlier copies in commit f3f08bd); the sixteenth round's ablations ran from
+a temporary copy (commit 9faf4a4, benchmarks/_gluon_ablate.py).
 Prints TFLOP/s (2.5 x the forward's FLOPs; the kernel alone, without the delta pass) and writes JSON."""
 
 import argparse
@@ -26,7 +27,6 @@ def main():
     p.add_argument("--stages", default="2,3")
     p.add_argument("--baseline", default=None, help="copies of earlier attention_gluon.py files to time beside (comma-separated)")
     p.add_argument("--dq-tma", default="0,1")
-    p.add_argument("--rotate", default="0")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -44,14 +44,13 @@ def main():
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
         flags = lambda name: [bool(int(x)) for x in getattr(args, name).split(",")]
-        for stages, dq_tma, rotate in itertools.product(map(int, args.stages.split(",")), flags("dq_tma"),
-                                                        flags("rotate")):
+        for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), flags("dq_tma")):
             if stages == 3 and dq_tma and d == 128:  # does not fit shared memory
                 continue
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, DQ_TMA=dq_tma, ROTATE=rotate)
+                                           STAGES=stages, DQ_TMA=dq_tma)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, dq_tma=dq_tma, rotate=rotate, ms=ms,
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, dq_tma=dq_tma, ms=ms,
                              tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
         for path, baseline in baselines.items():  # each with its own default variant

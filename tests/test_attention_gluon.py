@@ -5,6 +5,7 @@ public functions send it the calls it takes. The Gluon backward: the same, with 
 3x PyTorch's error (the tests send every call it fits there, whatever the dispatch prefers), and
 ``deterministic`` keeps calls off it."""
 
+import itertools
 import math
 
 import pytest
@@ -236,16 +237,14 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
                                             (64, torch.float16, False), (64, torch.float16, True)])
 def test_backward_builds_for_sm90(d, dtype, causal):
     """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the five
-    products on wgmma, Q / dO through TMA, dQ by the copy engine's reduce-add (D = 128) or float32
-    atomic adds (D = 64), one CTA in shared memory, and no wgmma that ptxas had to serialize."""
+    products on wgmma, Q / dO / lse / delta through TMA, dQ by the copy engine's reduce-add (no
+    atomic adds), one CTA in shared memory, and no wgmma that ptxas had to serialize."""
     kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, backward=True)
     ptx = kernel["ptx"]
-    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
-    if d == 128:
-        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
-        assert "relaxed.add.f32" not in ptx
-    else:
-        assert "global.gpu.relaxed.add.f32" in ptx
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    assert "cp.async.bulk.tensor.1d" in ptx  # lse and delta
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+    assert "relaxed.add.f32" not in ptx and "ld.global" not in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)
 
@@ -291,15 +290,13 @@ def _spy_backward(monkeypatch, force=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [dict(DQ_TMA=False), dict(DQ_TMA=True), dict(DQ_TMA=True, ROTATE=True)],
-                         ids=["dq_atomics", "dq_tma_reduce", "dq_tma_reduce_rotated"])
+@pytest.mark.parametrize("schedule", [dict(DQ_TMA=False), dict(DQ_TMA=True)], ids=["dq_atomics", "dq_tma_reduce"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right", BWD_CASES)
 def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype, schedule, monkeypatch):
     """Gradients through the public functions, which take the Gluon backward here: within 3x
     PyTorch's same-precision error against float64 (flash-attn's rule), every element written;
-    dQ summed by atomic adds or by the copy engine's reduce, the query blocks in order or
-    rotated."""
+    dQ summed by atomic adds or by the copy engine's reduce."""
     from test_attention_backward import check_grads, _leaves
 
     calls = _spy_backward(monkeypatch)
@@ -365,9 +362,10 @@ def test_gpu_backward_dispatch_follows_the_measurements(d, causal, seqlen, monke
 
 
 def test_backward_dispatch_table():
-    """Where the measurements send the public backward: D = 128, causal only from 2k keys."""
-    assert gluon.bwd_preferred(128, False, 1024) and gluon.bwd_preferred(128, True, 2048)
-    assert not gluon.bwd_preferred(128, True, 1024) and not gluon.bwd_preferred(64, False, 16384)
+    """Where the measurements send the public backward: D = 64 and 128, with or without the mask."""
+    for d, causal, seqlen in itertools.product((64, 128), (False, True), (256, 1024, 16384)):
+        assert gluon.bwd_preferred(d, causal, seqlen)
+    assert not gluon.bwd_preferred(256, False, 16384)
 
 
 @pytest.mark.gpu

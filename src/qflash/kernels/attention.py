@@ -1063,7 +1063,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128, lengths
     multiple of 128, not ``deterministic``) go there after the delta pass where ``bwd_preferred``
-    says so (D = 128, causal from 2k keys).
+    says so (D = 64 and 128).
     """
     varlen = opts.varlen
     if varlen:

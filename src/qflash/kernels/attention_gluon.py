@@ -45,12 +45,13 @@ at 512-1k is the 0.98-1.00x end).
 The backward (``_attn_bwd_ws_kernel``, D = 64 / 128, same scope) follows FlashAttention-3: one CTA
 per 128 keys, a loader warp for K / V once and Q / dO in a ring, two consumer warpgroups of 64
 keys that compute S and dP transposed so that P^T and dS^T feed dV and dK from registers, dS^T
-shared for dQ = dS K. Each consumer's dQ tile goes to a float32 buffer through shared memory and
-the copy engine's reduce-add (``cp.reduce.async.bulk.tensor``), which runs on while the consumer
-starts its next tile (at D = 64: float32 atomic adds from registers); either way the sums arrive
-in any order, so dQ is not bitwise reproducible. With the reduce-add it is the public backward at
-D = 128 (1.00-1.17 x the tl kernels, kernel alone; ``bwd_preferred``), where with atomic adds it
-had run no faster (benchmarks/NOTES.md, eighth and sixteenth rounds).
+shared for dQ = dS K; lse and delta come with Q and dO through the copy engine (loaded by the
+consumers, their latency had been the tile's: 1.08-1.19 x faster without it). Each consumer's dQ
+tile goes to a float32 buffer through shared memory and the copy engine's reduce-add
+(``cp.reduce.async.bulk.tensor``), which runs on while the consumer starts its next tile (or by
+float32 atomic adds from registers, DQ_TMA off); either way the sums arrive in any order, so dQ
+is not bitwise reproducible. It is the public backward at D = 64 and 128 (``bwd_preferred``;
+benchmarks/NOTES.md, eighth, sixteenth and seventeenth rounds).
 """
 
 from __future__ import annotations
@@ -643,14 +644,13 @@ BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variant
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:
-    """The backward kernel's schedule, as measured on the H200. dQ through shared memory and the
-    copy engine's reduce-add (DQ_TMA) right after its own tile: at D = 128 1.07-1.16 x the atomic
+    """The backward kernel's schedule, as measured on the H200: dQ through shared memory and the
+    copy engine's reduce-add (DQ_TMA) right after its own tile. At D = 128 1.07-1.16 x the atomic
     adds' best schedule and 1.05-1.10 x sending it while the next tile's products run
     (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
-    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json). At D = 64 the kernel is
-    not the public path; its atomic adds stay (dQ after its own tile: 1-8 % faster there,
-    gluon_bwd_variants_h200_2026-11-29_s8c.json)."""
-    return dict(STAGES=BWD_STAGES, DQ_TMA=head_dim == 128, ROTATE=not causal)
+    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.01-1.11 x the
+    atomic adds (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
+    return dict(STAGES=BWD_STAGES, DQ_TMA=True)
 
 
 @gluon.jit
@@ -660,8 +660,7 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
     L2) and the query blocks that see it: [m_lo, m_full) cross the causal diagonal, [m_full,
     m_end) see all its keys."""
     pid = gl.program_id(0)
-    n_block = pid % num_n_blocks
-    n0 = n_block * BLOCK_N
+    n0 = (pid % num_n_blocks) * BLOCK_N
     bh = pid // num_n_blocks
     m_end = seqlen_q // BLOCK_M
     m_lo = 0
@@ -672,33 +671,20 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
         m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, m_end)
         m_full = gl.minimum((gl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M, m_end)
         m_full = gl.maximum(m_full, m_lo)
-    return bh // num_heads_kv, bh % num_heads_kv, n0, m_lo, m_full, m_end, n_block
-
-
-@gluon.jit
-def _bwd_query_block(i, m_lo, m_end, n_block, num_n_blocks, ROTATE: gl.constexpr):
-    """The query block of the CTA's i-th tile of a head. ROTATE: the CTAs of a head start at
-    different blocks (key block n at the n / num_n_blocks point of the range) and wrap around,
-    so that they do not all add into the same dQ tile at the same time."""
-    j = m_lo + i
-    if ROTATE:
-        per_head = m_end - m_lo
-        j = m_lo + (i + (n_block * per_head) // num_n_blocks) % per_head
-    return j
+    return bh // num_heads_kv, bh % num_heads_kv, n0, m_lo, m_full, m_end
 
 
 @gluon.jit
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
                      k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                     num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     ROTATE: gl.constexpr):
+                     num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
     of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
     copy engine too: loaded by the consumers, their latency was the tile's)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    b, h_kv, n0, m_lo, m_full, m_end, n_block = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks,
-                                                          CAUSAL, BLOCK_M, BLOCK_N)
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, v_smem)
@@ -707,8 +693,7 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ri
         h = h_kv * kv_group + g
         col = h * HEAD_DIM
         row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
-        for i in range(m_end - m_lo):
-            j = _bwd_query_block(i, m_lo, m_end, n_block, num_n_blocks, ROTATE)
+        for j in range(m_lo, m_end):
             s = c % STAGES
             mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
             mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
@@ -755,7 +740,7 @@ def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ
 def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem,
                        kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
                        num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
+                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, DQ_TMA: gl.constexpr):
     """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
     registers over every query tile t of every query head of the group, all transposed so that
     keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
@@ -785,8 +770,8 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
                                                         instr_shape=[16, DQ_COLS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_st: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row (a column of S^T)
-    b, h_kv, n0, m_lo, m_full, m_end, n_block = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks,
-                                                          CAUSAL, BLOCK_M, BLOCK_N)
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     num_heads = num_heads_kv * kv_group
     per_head = m_end - m_lo
     num_tiles = kv_group * per_head
@@ -808,7 +793,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
         q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         do = do_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         h = h_kv * kv_group + t // per_head
-        m0 = _bwd_query_block(t % per_head, m_lo, m_end, n_block, num_n_blocks, ROTATE) * BLOCK_M
+        m0 = (m_lo + t % per_head) * BLOCK_M
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
         dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
@@ -858,7 +843,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
     """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
     and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
     reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
@@ -892,14 +877,14 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
                               ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
                               num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
-                              0, DQ_TMA, ROTATE)),
+                              0, DQ_TMA)),
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
                               ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
                               num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
-                              1, DQ_TMA, ROTATE)),
+                              1, DQ_TMA)),
         (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                             delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift,
-                            num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL, ROTATE)),
+                            num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL)),
     ], [4, 1], [240, 24])
 
 
@@ -935,16 +920,13 @@ def _bwd_dq_layout(head_dim: int):
 
 def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     """Whether the public functions send a backward that fits here rather than to the tl
-    kernels: at D = 128, since dQ goes through the copy engine's reduce-add, but for causal calls
-    under 2k keys. Whole backwards side by side on the H200, kernel alone
-    (gluon_bwd_dq_tma_order_h200_2026-11-30_s16d.json, TFLOP/s at 1k / 4k / 16k tokens): 372 /
-    469 / 479 against the tl kernels' 333 / 400 / 419 without a mask, 255 / 377 / 434 against 255
-    / 377 / 399 causal; through the public functions (attention_bwd_d128_h200_2026-11-30_s16f.json)
-    the causal 1k call ran 239 here, where the tl kernels have run 252-255 (..._s15c, _s16c, _s16d).
-    At D = 64 it ran 0.84-1.00 x the tl backward (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json),
-    which stays. Calls that ask for determinism keep to the tl kernels (``_fast_backward_fits``):
-    here dQ's sums arrive in any order."""
-    return head_dim == 128 and (not causal or seqlen_k >= 2048)
+    kernels: at D = 64 and 128, with or without the causal mask, since lse and delta come
+    through the copy engine with Q and dO. Kernel alone on the H200, side by side
+    (gluon_bwd_lse_tma_d128_h200_2026-11-30_s17c.json, TFLOP/s at 1k / 4k / 16k tokens, D = 128):
+    408 / 506 / 516 against the tl kernels' 330 / 414 / 400 without a mask, 298 / 451 / 505
+    against 255 / 364 / 399 causal. Calls that ask for determinism keep to the tl kernels
+    (``_fast_backward_fits``): here dQ's sums arrive in any order."""
+    return head_dim in BWD_HEAD_DIMS
 
 
 def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):
