@@ -648,8 +648,8 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     copy engine's reduce-add (DQ_TMA) right after its own tile. At D = 128 1.07-1.16 x the atomic
     adds' best schedule and 1.05-1.10 x sending it while the next tile's products run
     (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
-    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.01-1.11 x the
-    atomic adds (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
+    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.08 / 1.11 x the
+    atomic adds without a mask at 1k / 16k (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
     return dict(STAGES=BWD_STAGES, DQ_TMA=True)
 
 
