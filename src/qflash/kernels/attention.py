@@ -605,7 +605,7 @@ def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     from qflash.kernels import attention_gluon
 
     return (attention_gluon.bwd_preferred(q.shape[-1], opts.window_right == 0, k.shape[1])
-            and lse.dtype == torch.float32 and lse.is_contiguous()
+            and lse.dtype == torch.float32 and lse.is_contiguous() and lse.data_ptr() % 16 == 0  # read by TMA
             and attention_gluon.bwd_why_not(q, k, v, out, dout) is None)
 
 
