@@ -654,13 +654,14 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
 
 
 @gluon.jit
-def _bwd_item(w, seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.constexpr,
+def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item w's key block (key blocks run fastest: the items in flight at once share a
-    head's Q and dO in L2) and the query blocks that see it: [m_lo, m_full) cross the causal
-    diagonal, [m_full, m_end) see all its keys."""
-    n0 = (w % num_n_blocks) * BLOCK_N
-    bh = w // num_n_blocks
+    """This CTA's key block (key blocks run fastest: the CTAs of one head read its Q and dO from
+    L2) and the query blocks that see it: [m_lo, m_full) cross the causal diagonal, [m_full,
+    m_end) see all its keys."""
+    pid = gl.program_id(0)
+    n0 = (pid % num_n_blocks) * BLOCK_N
+    bh = pid // num_n_blocks
     m_end = seqlen_q // BLOCK_M
     m_lo = 0
     m_full = 0
@@ -675,43 +676,35 @@ def _bwd_item(w, seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: 
 
 @gluon.jit
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
-                     k_smem, v_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q, seqlen_k, shift, num_heads_kv,
-                     kv_group, num_n_blocks, num_items, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-    """One warp: for each of the CTA's work items its K and V block (once the consumers are done
-    with the previous item's: they store its dK and dV meanwhile), then Q, dO, lse and delta of
-    every query block of every query head of the GQA group through a ring of STAGES slots that
-    runs on from one item to the next (lse and delta by the copy engine too: loaded by the
-    consumers, their latency was the tile's)."""
+                     k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                     num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
+    of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
+    copy engine too: loaded by the consumers, their latency was the tile's)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    c = 0  # Q / dO slots filled, over all items
-    i = 0  # items taken
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(w, seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
-                                                     BLOCK_M, BLOCK_N)
-        mbarrier.wait(kv_empty, (i & 1) ^ 1)  # the first item passes at once
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, v_smem)
-        for g in range(kv_group):
-            h = h_kv * kv_group + g
-            col = h * HEAD_DIM
-            row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
-            for j in range(m_lo, m_end):
-                s = c % STAGES
-                mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
-                mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
-                                                q_ring.index(s))
-                tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
-                                                do_ring.index(s))
-                tma.async_copy_global_to_shared(lse_desc, [row_base + j * BLOCK_M], q_ready.index(s),
-                                                lse_ring.index(s))
-                tma.async_copy_global_to_shared(delta_desc, [row_base + j * BLOCK_M], q_ready.index(s),
-                                                delta_ring.index(s))
-                c += 1
-        i += 1
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, h_kv * HEAD_DIM], kv_ready, v_smem)
+    c = 0
+    for g in range(kv_group):
+        h = h_kv * kv_group + g
+        col = h * HEAD_DIM
+        row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
+        for j in range(m_lo, m_end):
+            s = c % STAGES
+            mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
+                                            q_ring.index(s))
+            tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
+                                            do_ring.index(s))
+            tma.async_copy_global_to_shared(lse_desc, [row_base + j * BLOCK_M], q_ready.index(s), lse_ring.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [row_base + j * BLOCK_M], q_ready.index(s),
+                                            delta_ring.index(s))
+            c += 1
 
 
 @builtin
@@ -745,14 +738,13 @@ def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ
 
 @gluon.jit
 def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, ds_smem,
-                       kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
-                       num_heads_kv, kv_group, num_n_blocks, num_items, qk_scale, softmax_scale,
-                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WHICH: gl.constexpr,
-                       DQ_TMA: gl.constexpr):
-    """One warpgroup, for each of the CTA's work items: dK and dV of 64 keys (rows WHICH * 64 of
-    the item's block), summed in registers over every query tile of every query head of the
-    group, all transposed so that keys are the rows (wgmma's M) and P^T, dS^T stay in registers
-    as the left operands of dV and dK:
+                       kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, WHICH: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One warpgroup: dK and dV of 64 keys (rows WHICH * 64 of the CTA's block), summed in
+    registers over every query tile t of every query head of the group, all transposed so that
+    keys are the rows (wgmma's M) and P^T, dS^T stay in registers as the left operands of dV and
+    dK:
 
         S^T = K Q^T,  dP^T = V dO^T            (issued together)
         P^T = exp2(S^T * scale * log2 e - lse * log2 e)
@@ -778,91 +770,83 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
                                                         instr_shape=[16, DQ_COLS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_st: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row (a column of S^T)
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
     num_heads = num_heads_kv * kv_group
+    per_head = m_end - m_lo
+    num_tiles = kv_group * per_head
     k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
     v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
     k_cols = k_smem.slice(DQ_COL0, DQ_COLS, dim=1)  # [BLOCK_N, DQ_COLS]
+    keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
     # A dQ tile's elements, relative to its first: [BLOCK_M, DQ_COLS] of the (batch * seqlen_q,
     # heads * headdim) view, this consumer's half of the columns.
     dq_stride = num_heads * HEAD_DIM
     dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
     dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     zeros_st = gl.zeros((KEYS, BLOCK_M), gl.float32, st_layout)
-    t = 0  # tiles done, over all items: the ring's, dS^T's and dQ's buffers and phases
-    i = 0  # items done
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(w, seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
-                                                     BLOCK_M, BLOCK_N)
-        per_head = m_end - m_lo
-        keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
-        dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
-        dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
-        mbarrier.wait(kv_ready, i & 1)
-        for tile in range(kv_group * per_head):
-            s = t % STAGES
-            q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
-            do = do_ring.index(s)  # [BLOCK_M, HEAD_DIM]
-            h = h_kv * kv_group + tile // per_head
-            m0 = (m_lo + tile % per_head) * BLOCK_M
-            mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
-            st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-            dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-            lse = lse_ring.index(s).load(col_st) * RCP_LN2  # [BLOCK_M], log2 domain; +inf: rows that see no key
-            delta = delta_ring.index(s).load(col_st)  # [BLOCK_M]
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # [KEYS, BLOCK_M]
-            if CAUSAL:
-                rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
-                if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
-                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0), pt, 0.0)
-            pt_op = gl.convert_layout(pt.to(q_ring.dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM]
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # in order: S^T and dP^T are done
-            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_ring.dtype)  # [KEYS, BLOCK_M]
-            ds_op = gl.convert_layout(dst, op_layout)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM]
+    dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
+    dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in range(num_tiles):
+        s = t % STAGES
+        q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
+        do = do_ring.index(s)  # [BLOCK_M, HEAD_DIM]
+        h = h_kv * kv_group + t // per_head
+        m0 = (m_lo + t % per_head) * BLOCK_M
+        mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
+        st = warpgroup_mma(k_mine, q.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+        dpt = warpgroup_mma(v_mine, do.permute((1, 0)), zeros_st, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+        lse = lse_ring.index(s).load(col_st) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
+        delta = delta_ring.index(s).load(col_st)  # [BLOCK_M]
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # [KEYS, BLOCK_M]
+        if CAUSAL:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=col_st)
+            if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
+                pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0), pt, 0.0)
+        pt_op = gl.convert_layout(pt.to(q_ring.dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM]
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # in order: S^T and dP^T are done
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_ring.dtype)  # [KEYS, BLOCK_M]
+        ds_op = gl.convert_layout(dst, op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM]
 
-            # dS^T of both consumers side by side in shared memory, [BLOCK_N, BLOCK_M]: two
-            # buffers, so one consumer may write tile t while the other still reads tile t - 1.
-            sb = t % 2
-            ds = ds_smem.index(sb)
-            mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
-            ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
-            fence_async_shared()  # the stores, visible to the tensor cores' reads
-            gl.thread_barrier()  # ... from all 128 threads before one of them arrives
-            mbarrier.arrive(ds_ready.index(sb), count=1)
-            mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
-            dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
-                               use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
-            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
-            mbarrier.arrive(ds_free.index(sb), count=1)
-            mbarrier.arrive(q_empty.index(s), count=1)
-            # The tile's place in the (batch * seqlen_q, heads * headdim) view: its rows, my half of D.
-            _send_dq(DQ, dq_desc, dq_smem, t, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
-                     dq * softmax_scale, DQ_TMA)
-            t += 1
-        # K and V are read for the last time (the waits above): the loader may bring the next
-        # item's while dK and dV go out, rows n0 + WHICH * 64 of their (batch * seqlen_k,
-        # heads_kv * headdim) views.
-        mbarrier.arrive(kv_empty, count=1)
-        keys_o = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
-        offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 1)
-                + gl.expand_dims(h_kv * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0))
-        gl.store(DK + offs, (dk * softmax_scale).to(DK.dtype.element_ty))
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
-        i += 1
+        # dS^T of both consumers side by side in shared memory, [BLOCK_N, BLOCK_M]: two
+        # buffers, so one consumer may write tile t while the other still reads tile t - 1.
+        sb = t % 2
+        ds = ds_smem.index(sb)
+        mbarrier.wait(ds_free.index(sb), ((t // 2) & 1) ^ 1)
+        ds.slice(WHICH * KEYS, KEYS, dim=0).store(dst)
+        fence_async_shared()  # the stores, visible to the tensor cores' reads
+        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+        mbarrier.arrive(ds_ready.index(sb), count=1)
+        mbarrier.wait(ds_ready.index(sb), (t // 2) & 1)
+        dq = warpgroup_mma(ds.permute((1, 0)), k_cols, gl.zeros((BLOCK_M, DQ_COLS), gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # [BLOCK_M, DQ_COLS]
+        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op, ds_op))
+        mbarrier.arrive(ds_free.index(sb), count=1)
+        mbarrier.arrive(q_empty.index(s), count=1)
+        # The tile's place in the (batch * seqlen_q, heads * headdim) view: its rows, my half of D.
+        _send_dq(DQ, dq_desc, dq_smem, t, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
+                 dq * softmax_scale, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
+    # Rows n0 + WHICH * 64 of the (batch * seqlen_k, heads_kv * headdim) views of dK and dV.
+    keys_o = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 1)
+            + gl.expand_dims(h_kv * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0))
+    gl.store(DK + offs, (dk * softmax_scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
-                        shift, num_heads_kv, kv_group, num_n_blocks, num_items, qk_scale, softmax_scale,
-                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
-    """A CTA an SM, each taking work items (key block of 128, batch, kv head) in turn: two
-    consumer warpgroups of 64 keys each and a loader warp (FlashAttention-3's backward; dQ summed
-    in float32 by the copy engine's reduce-add from shared memory, DQ_TMA, or by atomic adds).
-    The next item's K and V load while the consumers store the last one's dK and dV."""
+                        shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
+    and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
+    reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -878,13 +862,11 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)  # both consumers are done with K and V
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
@@ -893,16 +875,16 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
         mbarrier.init(ds_free.index(s), count=2)
     gl.warp_specialize([
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                              ds_smem, kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k,
-                              shift, num_heads_kv, kv_group, num_n_blocks, num_items, qk_scale, softmax_scale,
-                              HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA)),
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              0, DQ_TMA)),
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                              ds_smem, kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k,
-                              shift, num_heads_kv, kv_group, num_n_blocks, num_items, qk_scale, softmax_scale,
-                              HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA)),
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              1, DQ_TMA)),
         (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
-                            delta_ring, k_smem, v_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q, seqlen_k,
-                            shift, num_heads_kv, kv_group, num_n_blocks, num_items, HEAD_DIM, STAGES, CAUSAL)),
+                            delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift,
+                            num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL)),
     ], [4, 1], [240, 24])
 
 
@@ -981,14 +963,13 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
     num_n_blocks = seqlen_k // BWD_BLOCK_N
-    num_items = num_n_blocks * batch * heads_kv
     shift = seqlen_k - seqlen_q if bottom_right else 0
-    _bwd_launcher[(min(num_items, sm_count(q.device)),)](
+    _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
         _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
         _rows_descriptor(k, BWD_BLOCK_N, kv_layout), _rows_descriptor(v, BWD_BLOCK_N, kv_layout),
         dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2),
         _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
-        heads_kv, heads // heads_kv, num_n_blocks, num_items,
+        heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
     )
@@ -1007,8 +988,9 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
              "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
              "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>",
              "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
-             "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
-             "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "num_items": "i32", "qk_scale": "fp32",
+             "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32",
+             "seqlen_k": "i32", "shift": "i32",
+             "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
              "softmax_scale": "fp32"}
     return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
                                                           **{**bwd_variant(head_dim, causal), **variant}))
