@@ -640,7 +640,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 BWD_HEAD_DIMS = (64, 128)
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
 BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
-BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json)
+BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
+# at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:
@@ -924,8 +925,11 @@ def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     through the copy engine with Q and dO. Kernel alone on the H200, side by side
     (gluon_bwd_lse_tma_d128_h200_2026-11-30_s17c.json, TFLOP/s at 1k / 4k / 16k tokens, D = 128):
     408 / 506 / 516 against the tl kernels' 330 / 414 / 400 without a mask, 298 / 451 / 505
-    against 255 / 364 / 399 causal. Calls that ask for determinism keep to the tl kernels
-    (``_fast_backward_fits``): here dQ's sums arrive in any order."""
+    against 255 / 364 / 399 causal; at D = 64 (..._stages_d64_..._s17f.json) 344 / 427 / 442
+    against 323 / 365 / 389 and 255 / 380 / 416 against 228 / 327 / 361. Through the public
+    functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json). Calls that
+    ask for determinism keep to the tl kernels (``_fast_backward_fits``): here dQ's sums arrive
+    in any order."""
     return head_dim in BWD_HEAD_DIMS
 
 
