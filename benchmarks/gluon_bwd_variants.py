@@ -14,7 +14,7 @@ import math
 import torch
 import triton
 
-from qflash.bench.attention import attention_flops
+from qflash.bench.attention import attention_flops, sized_inputs
 from qflash.bench.harness import environment, save_json
 from qflash.kernels import attention_gluon as g
 from qflash.kernels.attention import AttnOptions, attention_backward, default_bwd_configs
@@ -25,7 +25,8 @@ def main():
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--stages", default="2,3")
-    p.add_argument("--baseline", default=None, help="copies of earlier attention_gluon.py files to time beside (comma-separated)")
+    p.add_argument("--baseline", default=None,
+                   help="copies of earlier attention_gluon.py files to time beside (comma-separated)")
     p.add_argument("--dq-tma", default="0,1")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -36,14 +37,14 @@ def main():
         baselines[path] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baselines[path])
     g.bwd_preferred = lambda head_dim, causal, seqlen_k: True  # the launcher's whole Gluon path, wherever it fits
+    flags = lambda name: [bool(int(x)) for x in getattr(args, name).split(",")]  # noqa: E731
     for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
                                           (False, True)):
-        b, h = 16384 // n, 2048 // d
-        q, k, v, o, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+        q, k, v, o, do = sized_inputs(n, d, count=5)
+        b, h = q.shape[0], q.shape[2]
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        flags = lambda name: [bool(int(x)) for x in getattr(args, name).split(",")]
         for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), flags("dq_tma")):
             if stages == 3 and dq_tma and d == 128:  # does not fit shared memory
                 continue

@@ -23,8 +23,8 @@ of storing them (FlashAttention-2): a preprocess pass computes
 ``delta = rowsum(dO * O)``, one kernel holds a K/V block and sweeps the query
 blocks (and, for GQA, every query head of its group) to accumulate dK and dV, and
 another holds a Q block and sweeps the key blocks for dQ. No atomics: the
-gradients are bitwise identical from run to run. (On Hopper at D = 128 the public backward
-takes the Gluon kernel instead, ``attention_gluon.py``, unless determinism is asked for.)
+gradients are bitwise identical from run to run. (On Hopper at D = 64 and 128 the public
+backward takes the Gluon kernel instead, ``attention_gluon.py``, unless determinism is asked for.)
 """
 
 from __future__ import annotations
