@@ -46,7 +46,7 @@ The backward (``_attn_bwd_ws_kernel``, D = 64 / 128, same scope) follows FlashAt
 per 128 keys, a loader warp for K / V once and Q / dO in a ring, two consumer warpgroups of 64
 keys that compute S and dP transposed so that P^T and dS^T feed dV and dK from registers, dS^T
 shared for dQ = dS K; lse and delta come with Q and dO through the copy engine (loaded by the
-consumers, their latency had been the tile's: 1.08-1.19 x faster without it). Each consumer's dQ
+consumers, their latency had been the tile's: 1.08-1.20 x faster without it). Each consumer's dQ
 tile goes to a float32 buffer through shared memory and the copy engine's reduce-add
 (``cp.reduce.async.bulk.tensor``), which runs on while the consumer starts its next tile (or by
 float32 atomic adds from registers, DQ_TMA off); either way the sums arrive in any order, so dQ
