@@ -234,7 +234,8 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
 # Backward
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
-                                            (64, torch.float16, False), (64, torch.float16, True)])
+                                            (64, torch.float16, False), (64, torch.float16, True),
+                                            (256, torch.bfloat16, False), (256, torch.float16, True)])
 def test_backward_builds_for_sm90(d, dtype, causal):
     """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the five
     products on wgmma, Q / dO / lse / delta through TMA, dQ by the copy engine's reduce-add (no
@@ -254,7 +255,7 @@ def test_backward_names_what_it_does_not_take():
     if DEVICE == "cpu":
         assert "Hopper" in gluon.bwd_why_not(q, k, v, q, q)
         return
-    assert "head dim" in gluon.bwd_why_not(*_qkv(d=256), *_qkv(d=256)[:2])
+    assert gluon.bwd_why_not(*_qkv(d=256), *_qkv(d=256)[:2]) is None
     assert "dout must be like q" in gluon.bwd_why_not(q, k, v, q, q[:, :, :1])
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert "dout needs unit stride" in gluon.bwd_why_not(q, k, v, q, strided)
@@ -270,6 +271,10 @@ BWD_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal, b
     (1, 1152, 384, 4, 2, 128, True, False),  # top-left: the last key blocks see no query
     (3, 256, 512, 8, 2, 64, False, True),
     (2, 1408, 1408, 2, 2, 64, False, True),  # D = 64, 192-row items: the last one's rows 64-191 are past the end
+    (1, 512, 512, 3, 3, 256, False, True),  # D = 256: 64-key CTAs, dK / dV split by head-dim halves
+    (2, 1152, 1152, 2, 2, 256, True, True),
+    (2, 384, 1152, 4, 2, 256, True, True),
+    (1, 1152, 384, 4, 1, 256, True, False),
 ]
 
 
@@ -348,7 +353,7 @@ def test_gpu_backward_deterministic_takes_the_tl_kernels(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [256, 2048])
 def test_gpu_backward_dispatch_follows_the_measurements(d, causal, seqlen, monkeypatch):
@@ -362,10 +367,9 @@ def test_gpu_backward_dispatch_follows_the_measurements(d, causal, seqlen, monke
 
 
 def test_backward_dispatch_table():
-    """Where the measurements send the public backward: D = 64 and 128, with or without the mask."""
-    for d, causal, seqlen in itertools.product((64, 128), (False, True), (256, 1024, 16384)):
+    """Where the measurements send the public backward: every head dim it has, with or without the mask."""
+    for d, causal, seqlen in itertools.product((64, 128, 256), (False, True), (256, 1024, 16384)):
         assert gluon.bwd_preferred(d, causal, seqlen)
-    assert not gluon.bwd_preferred(256, False, 16384)
 
 
 @pytest.mark.gpu

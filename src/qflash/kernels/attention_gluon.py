@@ -642,11 +642,16 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-BWD_HEAD_DIMS = (64, 128)
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
-BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
 BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
 # at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
+
+
+def bwd_blocks(head_dim: int) -> Tuple[int, int]:
+    """(keys a CTA keeps, dQ columns a reduce-add): 128 keys, 64 for each consumer warpgroup, and
+    half the head dim at D = 64 / 128; 64 keys and 64-column chunks at D = 256, where the two
+    consumers split dK and dV by head-dim halves."""
+    return (64, 64) if head_dim > 128 else (128, head_dim // 2)
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:
@@ -682,13 +687,18 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
 
 @gluon.jit
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
-                     k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                     num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                     k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q, seqlen_k, shift,
+                     num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, WIDE: gl.constexpr):
     """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
     of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
-    copy engine too: loaded by the consumers, their latency was the tile's)."""
+    copy engine too: loaded by the consumers, their latency was the tile's). WIDE (D = 256): dO
+    has a slot of its own with its own barriers (``do_ready``, ``do_empty``), which the
+    consumers release before Q's."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    # What lands on q_ready: Q (and dO unless WIDE), lse and delta.
+    Q_BYTES: gl.constexpr = (1 if WIDE else 2) * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
     b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
                                                  BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
@@ -701,15 +711,19 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ri
         row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
         for j in range(m_lo, m_end):
             s = c % STAGES
+            row = b * seqlen_q + j * BLOCK_M
             mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
-            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
-                                            q_ring.index(s))
-            tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + j * BLOCK_M, col], q_ready.index(s),
-                                            do_ring.index(s))
+            mbarrier.expect(q_ready.index(s), Q_BYTES)
+            tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_ring.index(s))
             tma.async_copy_global_to_shared(lse_desc, [row_base + j * BLOCK_M], q_ready.index(s), lse_ring.index(s))
             tma.async_copy_global_to_shared(delta_desc, [row_base + j * BLOCK_M], q_ready.index(s),
                                             delta_ring.index(s))
+            if WIDE:
+                mbarrier.wait(do_empty, (c & 1) ^ 1)
+                mbarrier.expect(do_ready, do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row, col], do_ready, do_ring.index(0))
+            else:
+                tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(s), do_ring.index(s))
             c += 1
 
 
@@ -724,14 +738,16 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ_TMA: gl.constexpr):
-    """dQ[row0 + i, col0 + j] += dq[i, j] (DQ viewed as (batch * seqlen_q, heads * headdim)) for
-    tile t: through shared memory and the copy engine's reduce-add (DQ_TMA: one thread issues it
-    and the consumer goes on; two buffers, so it waits only for the reduce issued a tile
-    earlier), or by float32 atomic adds from registers (``rows`` = i * row_stride, ``cols`` = j)."""
+def _send_dq(DQ, dq_desc, dq_smem, slot, row0, col0, row_stride, rows, cols, dq, DQ_TMA: gl.constexpr,
+             PENDING: gl.constexpr = 1):
+    """dQ[row0 + i, col0 + j] += dq[i, j] (DQ viewed as (batch * seqlen_q, heads * headdim)):
+    through buffer ``slot`` of shared memory and the copy engine's reduce-add (DQ_TMA: one thread
+    issues it and the consumer goes on; it waits only until at most PENDING earlier reduces are
+    still reading their buffers: 1 with two buffers), or by float32 atomic adds from registers
+    (``rows`` = i * row_stride, ``cols`` = j)."""
     if DQ_TMA:
-        buf = dq_smem.index(t % 2)
-        tma.store_wait(pendings=1)  # this buffer's previous reduce has read it ...
+        buf = dq_smem.index(slot)
+        tma.store_wait(pendings=PENDING)  # this buffer's previous reduce has read it ...
         gl.thread_barrier()  # ... as every thread of the warpgroup sees
         buf.store(dq)
         fence_async_shared()  # the stores, visible to the copy engine
@@ -834,7 +850,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
         mbarrier.arrive(ds_free.index(sb), count=1)
         mbarrier.arrive(q_empty.index(s), count=1)
         # The tile's place in the (batch * seqlen_q, heads * headdim) view: its rows, my half of D.
-        _send_dq(DQ, dq_desc, dq_smem, t, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
+        _send_dq(DQ, dq_desc, dq_smem, t % 2, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
                  dq * softmax_scale, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
@@ -847,51 +863,196 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
+def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                            p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free,
+                            seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
+                            softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One warpgroup of the D = 256 backward (FlashAttention-3's hdim-256 layout). The 64 x 256
+    float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread each),
+    so the two consumers split them by head-dim halves, transposed (head dims are the rows,
+    wgmma's M), and P and dS, the right operands, meet in shared memory:
+
+        S = Q K^T, dP = dO V^T                  for my 32 of the 64 keys (m64n32)
+        P = exp2(S * scale * log2 e - lse * log2 e),  dS = P * (dP - delta)
+        P, dS -> shared memory ([64 rows, 64 keys]: each consumer writes its 32 columns)
+        dV^T[my 128 dims] += dO^T P,  dK^T[my 128 dims] += Q^T dS
+        dQ[rows, my 128 dims] += scale * dS K  (two 64-column chunks through one buffer and the
+                                                copy engine's reduce-add, or atomic adds)
+
+    dO has one ring slot (two do not fit beside two Q slots and dQ's buffers): it is released as
+    soon as dV^T is done and the next dO loads while dK^T and dQ run."""
+    BLOCK_M: gl.constexpr = q_ring.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2  # keys of S and dP a consumer computes
+    DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK, dV and dQ a consumer owns
+    DIM0: gl.constexpr = WHICH * DIMS
+    CHUNK: gl.constexpr = dq_smem.shape[1]  # dQ columns a reduce-add
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    kvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, CHUNK, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
+    b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
+                                                 BLOCK_M, BLOCK_N)
+    per_head = m_end - m_lo
+    num_tiles = kv_group * per_head
+    k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
+    v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
+    p_mine = p_smem.slice(WHICH * KEYS, KEYS, dim=1)  # [BLOCK_M, KEYS]
+    ds_mine = ds_smem.slice(WHICH * KEYS, KEYS, dim=1)
+    keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    dq_stride = num_heads_kv * kv_group * HEAD_DIM  # of the (batch * seqlen_q, heads * headdim) view
+    dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
+    dq_col = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, dq_layout))
+    zeros_s = gl.zeros((BLOCK_M, KEYS), gl.float32, s_layout)
+    zeros_dq = gl.zeros((BLOCK_M, CHUNK), gl.float32, dq_layout)
+    dkt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
+    dvt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in range(num_tiles):
+        s = t % STAGES
+        q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
+        do = do_ring.index(0)  # [BLOCK_M, HEAD_DIM]
+        h = h_kv * kv_group + t // per_head
+        m0 = (m_lo + t % per_head) * BLOCK_M
+        mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
+        st = warpgroup_mma(q, k_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
+        mbarrier.wait(do_ready, t & 1)
+        dp = warpgroup_mma(do, v_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
+        lse = lse_ring.index(s).load(row_s) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
+        delta = delta_ring.index(s).load(row_s)  # [BLOCK_M]
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # [BLOCK_M, KEYS]
+        if CAUSAL:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
+                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
+
+        # Both consumers' halves of P and dS in shared memory, [BLOCK_M, BLOCK_N] each, once the
+        # last tile's products have read them.
+        mbarrier.wait(pds_free, (t & 1) ^ 1)
+        p_mine.store(p.to(q_ring.dtype))
+        ds_mine.store(ds.to(q_ring.dtype))
+        fence_async_shared()  # the stores, visible to the tensor cores' reads
+        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+        mbarrier.arrive(pds_ready, count=1)
+        mbarrier.wait(pds_ready, t & 1)
+        dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_smem, dvt, is_async=True)  # [DIMS, BLOCK_N]
+        dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_smem, dkt, is_async=True)
+        dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
+                            is_async=True)  # [BLOCK_M, CHUNK]
+        dq1 = warpgroup_mma(ds_smem, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
+                            is_async=True)
+        dvt = warpgroup_mma_wait(num_outstanding=3, deps=(dvt,))
+        mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
+        dkt = warpgroup_mma_wait(num_outstanding=2, deps=(dkt,))
+        mbarrier.arrive(q_empty.index(s), count=1)
+        dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
+        _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0, dq_stride, dq_row, dq_col,
+                 dq0 * softmax_scale, DQ_TMA, PENDING=0)
+        dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
+        mbarrier.arrive(pds_free, count=1)
+        _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0 + CHUNK, dq_stride, dq_row, dq_col,
+                 dq1 * softmax_scale, DQ_TMA, PENDING=0)
+    if DQ_TMA:
+        tma.store_wait(pendings=0)  # the last reduce has read its buffer before the CTA ends
+    # dK^T, dV^T: element (d, j) goes to row n0 + j, column h_kv * HEAD_DIM + DIM0 + d of the
+    # (batch * seqlen_k, heads_kv * headdim) views.
+    dims = DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(1, kvt_layout))
+    keys_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, kvt_layout))
+    offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 0)
+            + gl.expand_dims(h_kv * HEAD_DIM + dims, 1))
+    gl.store(DK + offs, (dkt * softmax_scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dvt.to(DV.dtype.element_ty))
+
+
+@gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
-    """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
-    and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
-    reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
+    """One CTA per (key block, batch, kv head): two consumer warpgroups and a loader warp
+    (FlashAttention-3's backward; dQ summed in float32 by the copy engine's reduce-add from shared
+    memory, DQ_TMA, or by atomic adds). D = 64 / 128: 128 keys, 64 a consumer
+    (``_attn_bwd_consumer``); D = 256 (WIDE): 64 keys, dK and dV split by head-dim halves
+    (``_attn_bwd_wide_consumer``)."""
+    WIDE: gl.constexpr = HEAD_DIM > 128
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    DO_SLOTS: gl.constexpr = 1 if WIDE else STAGES
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [DO_SLOTS, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each.
-    DQ_BUFS: gl.constexpr = 2 if DQ_TMA else 1
+    # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each (one
+    # at D = 256, where two do not fit).
+    DQ_BUFS: gl.constexpr = 1 if WIDE or not DQ_TMA else 2
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
-    for s in gl.static_range(2):
-        mbarrier.init(ds_ready.index(s), count=2)
-        mbarrier.init(ds_free.index(s), count=2)
-    gl.warp_specialize([
-        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
-                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
-                              0, DQ_TMA)),
-        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
-                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
-                              1, DQ_TMA)),
-        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
-                            delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, shift,
-                            num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL)),
-    ], [4, 1], [240, 24])
+    if WIDE:
+        # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole
+        # 64-byte swizzle atom.
+        pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
+        do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(do_ready, count=1)
+        mbarrier.init(do_empty, count=2)
+        mbarrier.init(pds_ready, count=2)
+        mbarrier.init(pds_free, count=2)
+        gl.warp_specialize([
+            (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem,
+                                       v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                                       pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA)),
+            (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem,
+                                       v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                                       pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA)),
+            (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
+                                delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
+                                seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
+                                True)),
+        ], [4, 1], [240, 24])
+    else:
+        # dS^T of both consumers, [BLOCK_N, BLOCK_M], two buffers.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ds_ready.index(s), count=2)
+            mbarrier.init(ds_free.index(s), count=2)
+        gl.warp_specialize([
+            (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                                  ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                                  num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES,
+                                  CAUSAL, 0, DQ_TMA)),
+            (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                                  ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                                  num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES,
+                                  CAUSAL, 1, DQ_TMA)),
+            (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
+                                delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, q_ready, q_empty, seqlen_q,
+                                seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
+                                False)),
+        ], [4, 1], [240, 24])
 
 
 @functools.lru_cache(maxsize=None)
@@ -914,8 +1075,8 @@ def _vector_descriptor(t: torch.Tensor, block: int):
 
 @functools.lru_cache(maxsize=None)
 def _bwd_dq_layout(head_dim: int):
-    """A consumer's float32 dQ tile in shared memory, [64, head_dim / 2], for the copy engine's reduce."""
-    return nvmma_layout((BWD_BLOCK_M, head_dim // 2), gl.float32)
+    """A consumer's float32 dQ tile in shared memory, [64, ``bwd_blocks``' columns], for the copy engine's reduce."""
+    return nvmma_layout((BWD_BLOCK_M, bwd_blocks(head_dim)[1]), gl.float32)
 
 
 def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
@@ -929,7 +1090,7 @@ def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json). Calls that
     ask for determinism keep to the tl kernels (``_fast_backward_fits``): here dQ's sums arrive
     in any order."""
-    return head_dim in BWD_HEAD_DIMS
+    return head_dim in HEAD_DIMS
 
 
 def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):
@@ -937,8 +1098,6 @@ def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     reason = why_not(q, k, v)
     if reason is not None:
         return reason
-    if q.shape[3] not in BWD_HEAD_DIMS:
-        return f"the backward's head dim must be one of {BWD_HEAD_DIMS}, got {q.shape[3]}"
     for name, t in (("out", out), ("dout", dout)):
         if t.shape != q.shape or t.dtype != q.dtype:
             return f"{name} must be like q, got {t.dtype} {tuple(t.shape)}"
@@ -965,12 +1124,13 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
-    num_n_blocks = seqlen_k // BWD_BLOCK_N
+    block_n, dq_cols = bwd_blocks(head_dim)
+    num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
         _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
-        _rows_descriptor(k, BWD_BLOCK_N, kv_layout), _rows_descriptor(v, BWD_BLOCK_N, kv_layout),
-        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2),
+        _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout),
+        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), dq_cols),
         _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
         heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
@@ -987,9 +1147,10 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
     kv = _bwd_kv_layout(head_dim)
-    types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(BWD_BLOCK_N, kv),
-             "v_desc": desc(BWD_BLOCK_N, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
-             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],{_bwd_dq_layout(head_dim)!r}>",
+    block_n, dq_cols = bwd_blocks(head_dim)
+    types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
+             "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
+             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {dq_cols}],{_bwd_dq_layout(head_dim)!r}>",
              "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
              "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32",
              "seqlen_k": "i32", "shift": "i32",
