@@ -28,6 +28,8 @@ def main():
     p.add_argument("--baseline", default=None,
                    help="copies of earlier attention_gluon.py files to time beside (comma-separated)")
     p.add_argument("--dq-tma", default="0,1")
+    p.add_argument("--variants", default=None,
+                   help='schedules to time instead of --stages x --dq-tma: "NAME=int,NAME=int;..." (kernel constexprs)')
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -45,14 +47,18 @@ def main():
         lse = torch.randn(b, h, n, device="cuda") + 10
         delta = torch.randn(b, h, n, device="cuda")
         flops = 2.5 * attention_flops(b, h, n, n, d, causal)
-        for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), flags("dq_tma")):
-            if stages == 3 and dq_tma and d == 128:  # does not fit shared memory
-                continue
-            fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True,
-                                           STAGES=stages, DQ_TMA=dq_tma)
+        if args.variants:
+            schedules = [{k: int(x) for k, x in (kv.split("=") for kv in one.split(","))}
+                         for one in args.variants.split(";")]
+        else:
+            schedules = [dict(STAGES=stages, DQ_TMA=dq_tma)
+                         for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), flags("dq_tma"))
+                         if not (stages == 3 and dq_tma and d == 128)]  # that one does not fit shared memory
+        for schedule in schedules:
+            fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True, **schedule)
             ms = triton.testing.do_bench(fn, rep=60)
-            rows.append(dict(head_dim=d, seqlen=n, causal=causal, stages=stages, dq_tma=dq_tma, ms=ms,
-                             tflops=flops / ms * 1e-9))
+            rows.append(dict(head_dim=d, seqlen=n, causal=causal, **{k.lower(): x for k, x in schedule.items()},
+                             ms=ms, tflops=flops / ms * 1e-9))
             print(rows[-1], flush=True)
         for path, baseline in baselines.items():  # each with its own default variant
             ms = triton.testing.do_bench(lambda: baseline.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d),

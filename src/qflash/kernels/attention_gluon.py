@@ -661,7 +661,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
     13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.08 / 1.11 x the
     atomic adds without a mask at 1k / 16k (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
-    return dict(STAGES=BWD_STAGES, DQ_TMA=True)
+    return dict(STAGES=BWD_STAGES, DQ_TMA=True, PDS_BUFS=1, DQ_FIRST=False, COALESCED=False)
 
 
 @gluon.jit
@@ -867,7 +867,8 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
                             p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free,
                             seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
                             softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr):
+                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FIRST: gl.constexpr,
+                            COALESCED: gl.constexpr):
     """One warpgroup of the D = 256 backward (FlashAttention-3's hdim-256 layout). The 64 x 256
     float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread each),
     so the two consumers split them by head-dim halves, transposed (head dims are the rows,
@@ -901,8 +902,7 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     num_tiles = kv_group * per_head
     k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
     v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
-    p_mine = p_smem.slice(WHICH * KEYS, KEYS, dim=1)  # [BLOCK_M, KEYS]
-    ds_mine = ds_smem.slice(WHICH * KEYS, KEYS, dim=1)
+    PDS_BUFS: gl.constexpr = p_smem.shape[0]
     keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     dq_stride = num_heads_kv * kv_group * HEAD_DIM  # of the (batch * seqlen_q, heads * headdim) view
     dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
@@ -934,47 +934,75 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
 
         # Both consumers' halves of P and dS in shared memory, [BLOCK_M, BLOCK_N] each, once the
-        # last tile's products have read them.
-        mbarrier.wait(pds_free, (t & 1) ^ 1)
-        p_mine.store(p.to(q_ring.dtype))
-        ds_mine.store(ds.to(q_ring.dtype))
+        # products of tile t - PDS_BUFS have read them.
+        pb = t % PDS_BUFS
+        p_t = p_smem.index(pb)
+        ds_t = ds_smem.index(pb)
+        mbarrier.wait(pds_free.index(pb), ((t // PDS_BUFS) & 1) ^ 1)
+        p_t.slice(WHICH * KEYS, KEYS, dim=1).store(p.to(q_ring.dtype))
+        ds_t.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_ring.dtype))
         fence_async_shared()  # the stores, visible to the tensor cores' reads
         gl.thread_barrier()  # ... from all 128 threads before one of them arrives
-        mbarrier.arrive(pds_ready, count=1)
-        mbarrier.wait(pds_ready, t & 1)
-        dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_smem, dvt, is_async=True)  # [DIMS, BLOCK_N]
-        dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_smem, dkt, is_async=True)
-        dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
-                            is_async=True)  # [BLOCK_M, CHUNK]
-        dq1 = warpgroup_mma(ds_smem, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
-                            is_async=True)
-        dvt = warpgroup_mma_wait(num_outstanding=3, deps=(dvt,))
-        mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
-        dkt = warpgroup_mma_wait(num_outstanding=2, deps=(dkt,))
-        mbarrier.arrive(q_empty.index(s), count=1)
-        dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
-        _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0, dq_stride, dq_row, dq_col,
-                 dq0 * softmax_scale, DQ_TMA, PENDING=0)
-        dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
-        mbarrier.arrive(pds_free, count=1)
-        _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0 + CHUNK, dq_stride, dq_row, dq_col,
-                 dq1 * softmax_scale, DQ_TMA, PENDING=0)
+        mbarrier.arrive(pds_ready.index(pb), count=1)
+        mbarrier.wait(pds_ready.index(pb), (t // PDS_BUFS) & 1)
+        row0 = b * seqlen_q + m0
+        col0 = h * HEAD_DIM + DIM0
+        if DQ_FIRST:  # dQ's stores and reduces run while dV^T and dK^T are on the tensor cores
+            dq0 = warpgroup_mma(ds_t, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
+                                is_async=True)  # [BLOCK_M, CHUNK]
+            dq1 = warpgroup_mma(ds_t, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
+                                is_async=True)
+            dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_t, dvt, is_async=True)  # [DIMS, BLOCK_N]
+            dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_t, dkt, is_async=True)
+            dq0 = warpgroup_mma_wait(num_outstanding=3, deps=(dq0,))
+            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
+                     PENDING=0)
+            dq1 = warpgroup_mma_wait(num_outstanding=2, deps=(dq1,))
+            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0 + CHUNK, dq_stride, dq_row, dq_col, dq1 * softmax_scale,
+                     DQ_TMA, PENDING=0)
+            dvt = warpgroup_mma_wait(num_outstanding=1, deps=(dvt,))
+            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
+            dkt = warpgroup_mma_wait(num_outstanding=0, deps=(dkt,))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            mbarrier.arrive(pds_free.index(pb), count=1)
+        else:  # dO and Q released as soon as dV^T and dK^T are done
+            dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_t, dvt, is_async=True)  # [DIMS, BLOCK_N]
+            dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_t, dkt, is_async=True)
+            dq0 = warpgroup_mma(ds_t, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
+                                is_async=True)  # [BLOCK_M, CHUNK]
+            dq1 = warpgroup_mma(ds_t, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
+                                is_async=True)
+            dvt = warpgroup_mma_wait(num_outstanding=3, deps=(dvt,))
+            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
+            dkt = warpgroup_mma_wait(num_outstanding=2, deps=(dkt,))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
+            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
+                     PENDING=0)
+            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
+            mbarrier.arrive(pds_free.index(pb), count=1)
+            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0 + CHUNK, dq_stride, dq_row, dq_col, dq1 * softmax_scale,
+                     DQ_TMA, PENDING=0)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduce has read its buffer before the CTA ends
     # dK^T, dV^T: element (d, j) goes to row n0 + j, column h_kv * HEAD_DIM + DIM0 + d of the
-    # (batch * seqlen_k, heads_kv * headdim) views.
-    dims = DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(1, kvt_layout))
-    keys_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, kvt_layout))
+    # (batch * seqlen_k, heads_kv * headdim) views. COALESCED: first to a layout where each thread
+    # holds 8 consecutive head dims (16-byte stores), through shared memory.
+    out_layout: gl.constexpr = (gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
+                                                 warps_per_cta=[1, 4], order=[0, 1]) if COALESCED else kvt_layout)
+    dims = DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(1, out_layout))
+    keys_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 0)
             + gl.expand_dims(h_kv * HEAD_DIM + dims, 1))
-    gl.store(DK + offs, (dkt * softmax_scale).to(DK.dtype.element_ty))
-    gl.store(DV + offs, dvt.to(DV.dtype.element_ty))
+    gl.store(DK + offs, gl.convert_layout((dkt * softmax_scale).to(DK.dtype.element_ty), out_layout))
+    gl.store(DV + offs, gl.convert_layout(dvt.to(DV.dtype.element_ty), out_layout))
 
 
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, PDS_BUFS: gl.constexpr,
+                        DQ_FIRST: gl.constexpr, COALESCED: gl.constexpr):
     """One CTA per (key block, batch, kv head): two consumer warpgroups and a loader warp
     (FlashAttention-3's backward; dQ summed in float32 by the copy engine's reduce-add from shared
     memory, DQ_TMA, or by atomic adds). D = 64 / 128: 128 keys, 64 a consumer
@@ -1006,25 +1034,28 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
         # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole
         # 64-byte swizzle atom.
         pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-        p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
+        p_smem = gl.allocate_shared_memory(q_desc.dtype, [PDS_BUFS, BLOCK_M, BLOCK_N], pds_layout)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [PDS_BUFS, BLOCK_M, BLOCK_N], pds_layout)
         do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pds_ready = gl.allocate_shared_memory(gl.int64, [PDS_BUFS, 1], mbarrier.MBarrierLayout())
+        pds_free = gl.allocate_shared_memory(gl.int64, [PDS_BUFS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(do_ready, count=1)
         mbarrier.init(do_empty, count=2)
-        mbarrier.init(pds_ready, count=2)
-        mbarrier.init(pds_free, count=2)
+        for s in gl.static_range(PDS_BUFS):
+            mbarrier.init(pds_ready.index(s), count=2)
+            mbarrier.init(pds_free.index(s), count=2)
         gl.warp_specialize([
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA,
+                                       DQ_FIRST, COALESCED)),
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA,
+                                       DQ_FIRST, COALESCED)),
             (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                                 delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
                                 seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
