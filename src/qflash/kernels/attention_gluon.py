@@ -661,7 +661,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
     13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.08 / 1.11 x the
     atomic adds without a mask at 1k / 16k (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
-    return dict(STAGES=BWD_STAGES, DQ_TMA=True, PDS_BUFS=1, DQ_FIRST=False, COALESCED=False)
+    return dict(STAGES=BWD_STAGES, DQ_TMA=True, ROTATE=False)
 
 
 @gluon.jit
@@ -689,7 +689,7 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
                      k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q, seqlen_k, shift,
                      num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, WIDE: gl.constexpr):
+                     CAUSAL: gl.constexpr, WIDE: gl.constexpr, ROTATE: gl.constexpr):
     """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
     of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
     copy engine too: loaded by the consumers, their latency was the tile's). WIDE (D = 256): dO
@@ -709,7 +709,10 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ri
         h = h_kv * kv_group + g
         col = h * HEAD_DIM
         row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
-        for j in range(m_lo, m_end):
+        for i in range(m_lo, m_end):
+            j = i
+            if ROTATE:  # key block n starts at query block m_lo + n (mod its count), as the consumers do
+                j = m_lo + (i - m_lo + n0 // BLOCK_N) % (m_end - m_lo)
             s = c % STAGES
             row = b * seqlen_q + j * BLOCK_M
             mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
@@ -867,8 +870,8 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
                             p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free,
                             seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
                             softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FIRST: gl.constexpr,
-                            COALESCED: gl.constexpr):
+                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr,
+                            ROTATE: gl.constexpr):
     """One warpgroup of the D = 256 backward (FlashAttention-3's hdim-256 layout). The 64 x 256
     float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread each),
     so the two consumers split them by head-dim halves, transposed (head dims are the rows,
@@ -888,7 +891,8 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of S and dP a consumer computes
     DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK, dV and dQ a consumer owns
     DIM0: gl.constexpr = WHICH * DIMS
-    CHUNK: gl.constexpr = dq_smem.shape[1]  # dQ columns a reduce-add
+    CHUNK: gl.constexpr = dq_smem.shape[2]  # dQ columns a reduce-add
+    DQ_BUFS: gl.constexpr = dq_smem.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     kvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -902,7 +906,6 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     num_tiles = kv_group * per_head
     k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
     v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
-    PDS_BUFS: gl.constexpr = p_smem.shape[0]
     keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     dq_stride = num_heads_kv * kv_group * HEAD_DIM  # of the (batch * seqlen_q, heads * headdim) view
     dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
@@ -917,7 +920,10 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         do = do_ring.index(0)  # [BLOCK_M, HEAD_DIM]
         h = h_kv * kv_group + t // per_head
-        m0 = (m_lo + t % per_head) * BLOCK_M
+        if ROTATE:
+            m0 = (m_lo + (t % per_head + n0 // BLOCK_N) % per_head) * BLOCK_M
+        else:
+            m0 = (m_lo + t % per_head) * BLOCK_M
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(q, k_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
         mbarrier.wait(do_ready, t & 1)
@@ -934,43 +940,37 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
 
         # Both consumers' halves of P and dS in shared memory, [BLOCK_M, BLOCK_N] each, once the
-        # products of tile t - PDS_BUFS have read them.
-        pb = t % PDS_BUFS
-        p_t = p_smem.index(pb)
-        ds_t = ds_smem.index(pb)
-        mbarrier.wait(pds_free.index(pb), ((t // PDS_BUFS) & 1) ^ 1)
-        p_t.slice(WHICH * KEYS, KEYS, dim=1).store(p.to(q_ring.dtype))
-        ds_t.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_ring.dtype))
+        # last tile's products have read them (one buffer each: two ran 0.86-0.89 x as fast,
+        # gluon_bwd_d256_variants_h200_2026-11-30_s18b.json).
+        mbarrier.wait(pds_free, (t & 1) ^ 1)
+        p_smem.slice(WHICH * KEYS, KEYS, dim=1).store(p.to(q_ring.dtype))
+        ds_smem.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_ring.dtype))
         fence_async_shared()  # the stores, visible to the tensor cores' reads
         gl.thread_barrier()  # ... from all 128 threads before one of them arrives
-        mbarrier.arrive(pds_ready.index(pb), count=1)
-        mbarrier.wait(pds_ready.index(pb), (t // PDS_BUFS) & 1)
+        mbarrier.arrive(pds_ready, count=1)
+        mbarrier.wait(pds_ready, t & 1)
+        # dO and Q are released as soon as dV^T and dK^T are done (issuing dQ's products first,
+        # so that its reduces run beside them, was 0.81-0.95 x as fast, s18b).
+        dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_smem, dvt, is_async=True)  # [DIMS, BLOCK_N]
+        dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_smem, dkt, is_async=True)
+        # dQ's tile: rows m0.., my half of the head's columns, in DIMS / CHUNK reduces.
         row0 = b * seqlen_q + m0
         col0 = h * HEAD_DIM + DIM0
-        if DQ_FIRST:  # dQ's stores and reduces run while dV^T and dK^T are on the tensor cores
-            dq0 = warpgroup_mma(ds_t, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
+        if CHUNK == DIMS:
+            dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
                                 is_async=True)  # [BLOCK_M, CHUNK]
-            dq1 = warpgroup_mma(ds_t, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
-                                is_async=True)
-            dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_t, dvt, is_async=True)  # [DIMS, BLOCK_N]
-            dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_t, dkt, is_async=True)
-            dq0 = warpgroup_mma_wait(num_outstanding=3, deps=(dq0,))
+            dvt = warpgroup_mma_wait(num_outstanding=2, deps=(dvt,))
+            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
+            dkt = warpgroup_mma_wait(num_outstanding=1, deps=(dkt,))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0,))
+            mbarrier.arrive(pds_free, count=1)
             _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
                      PENDING=0)
-            dq1 = warpgroup_mma_wait(num_outstanding=2, deps=(dq1,))
-            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0 + CHUNK, dq_stride, dq_row, dq_col, dq1 * softmax_scale,
-                     DQ_TMA, PENDING=0)
-            dvt = warpgroup_mma_wait(num_outstanding=1, deps=(dvt,))
-            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
-            dkt = warpgroup_mma_wait(num_outstanding=0, deps=(dkt,))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            mbarrier.arrive(pds_free.index(pb), count=1)
-        else:  # dO and Q released as soon as dV^T and dK^T are done
-            dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_t, dvt, is_async=True)  # [DIMS, BLOCK_N]
-            dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_t, dkt, is_async=True)
-            dq0 = warpgroup_mma(ds_t, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
+        else:
+            dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
                                 is_async=True)  # [BLOCK_M, CHUNK]
-            dq1 = warpgroup_mma(ds_t, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
+            dq1 = warpgroup_mma(ds_smem, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
                                 is_async=True)
             dvt = warpgroup_mma_wait(num_outstanding=3, deps=(dvt,))
             mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
@@ -978,18 +978,18 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
             mbarrier.arrive(q_empty.index(s), count=1)
             dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
             _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
-                     PENDING=0)
+                     PENDING=DQ_BUFS - 1)
             dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
-            mbarrier.arrive(pds_free.index(pb), count=1)
-            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0 + CHUNK, dq_stride, dq_row, dq_col, dq1 * softmax_scale,
-                     DQ_TMA, PENDING=0)
+            mbarrier.arrive(pds_free, count=1)
+            _send_dq(DQ, dq_desc, dq_smem, DQ_BUFS - 1, row0, col0 + CHUNK, dq_stride, dq_row, dq_col,
+                     dq1 * softmax_scale, DQ_TMA, PENDING=DQ_BUFS - 1)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduce has read its buffer before the CTA ends
     # dK^T, dV^T: element (d, j) goes to row n0 + j, column h_kv * HEAD_DIM + DIM0 + d of the
-    # (batch * seqlen_k, heads_kv * headdim) views. COALESCED: first to a layout where each thread
-    # holds 8 consecutive head dims (16-byte stores), through shared memory.
-    out_layout: gl.constexpr = (gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
-                                                 warps_per_cta=[1, 4], order=[0, 1]) if COALESCED else kvt_layout)
+    # (batch * seqlen_k, heads_kv * headdim) views: first to a layout where each thread holds 8
+    # consecutive head dims, for 16-byte stores (through shared memory; 1.00-1.03 x, s18b).
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
+                                                warps_per_cta=[1, 4], order=[0, 1])
     dims = DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(1, out_layout))
     keys_o = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     offs = (gl.expand_dims((b * seqlen_k + keys_o).to(gl.int64) * (num_heads_kv * HEAD_DIM), 0)
@@ -1001,8 +1001,7 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, PDS_BUFS: gl.constexpr,
-                        DQ_FIRST: gl.constexpr, COALESCED: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
     """One CTA per (key block, batch, kv head): two consumer warpgroups and a loader warp
     (FlashAttention-3's backward; dQ summed in float32 by the copy engine's reduce-add from shared
     memory, DQ_TMA, or by atomic adds). D = 64 / 128: 128 keys, 64 a consumer
@@ -1020,7 +1019,8 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each (one
     # at D = 256, where two do not fit).
-    DQ_BUFS: gl.constexpr = 1 if WIDE or not DQ_TMA else 2
+    DQ_BUFS: gl.constexpr = (2 if STAGES == 1 and dq_desc.block_type.shape[1] < HEAD_DIM // 2 else 1) if WIDE else (
+        2 if DQ_TMA else 1)
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1034,32 +1034,29 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
         # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole
         # 64-byte swizzle atom.
         pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-        p_smem = gl.allocate_shared_memory(q_desc.dtype, [PDS_BUFS, BLOCK_M, BLOCK_N], pds_layout)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [PDS_BUFS, BLOCK_M, BLOCK_N], pds_layout)
+        p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
         do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pds_ready = gl.allocate_shared_memory(gl.int64, [PDS_BUFS, 1], mbarrier.MBarrierLayout())
-        pds_free = gl.allocate_shared_memory(gl.int64, [PDS_BUFS, 1], mbarrier.MBarrierLayout())
+        pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(do_ready, count=1)
         mbarrier.init(do_empty, count=2)
-        for s in gl.static_range(PDS_BUFS):
-            mbarrier.init(pds_ready.index(s), count=2)
-            mbarrier.init(pds_free.index(s), count=2)
+        mbarrier.init(pds_ready, count=2)
+        mbarrier.init(pds_free, count=2)
         gl.warp_specialize([
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA,
-                                       DQ_FIRST, COALESCED)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA, ROTATE)),
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA,
-                                       DQ_FIRST, COALESCED)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA, ROTATE)),
             (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                                 delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
                                 seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                True)),
+                                True, ROTATE)),
         ], [4, 1], [240, 24])
     else:
         # dS^T of both consumers, [BLOCK_N, BLOCK_M], two buffers.
@@ -1082,7 +1079,7 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
             (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                                 delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, q_ready, q_empty, seqlen_q,
                                 seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                False)),
+                                False, False)),
         ], [4, 1], [240, 24])
 
 
@@ -1105,9 +1102,9 @@ def _vector_descriptor(t: torch.Tensor, block: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_dq_layout(head_dim: int):
-    """A consumer's float32 dQ tile in shared memory, [64, ``bwd_blocks``' columns], for the copy engine's reduce."""
-    return nvmma_layout((BWD_BLOCK_M, bwd_blocks(head_dim)[1]), gl.float32)
+def _bwd_dq_layout(cols: int):
+    """A consumer's float32 dQ tile in shared memory, [64, cols], for the copy engine's reduce."""
+    return nvmma_layout((BWD_BLOCK_M, cols), gl.float32)
 
 
 def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
@@ -1155,17 +1152,19 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
+    variant = {**bwd_variant(head_dim, causal), **variant}
     block_n, dq_cols = bwd_blocks(head_dim)
+    dq_cols = variant.pop("DQ_COLS", dq_cols)
     num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
         _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
         _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout),
-        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), dq_cols),
+        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(dq_cols), dq_cols),
         _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
         heads_kv, heads // heads_kv, num_n_blocks,
         softmax_scale * RCP_LN2.value, softmax_scale,
-        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **{**bwd_variant(head_dim, causal), **variant},
+        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant,
     )
     return dq_acc.to(q.dtype), dk, dv
 
@@ -1178,14 +1177,15 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
     kv = _bwd_kv_layout(head_dim)
+    variant = {**bwd_variant(head_dim, causal), **variant}
     block_n, dq_cols = bwd_blocks(head_dim)
+    dq_cols = variant.pop("DQ_COLS", dq_cols)
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
              "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
-             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {dq_cols}],{_bwd_dq_layout(head_dim)!r}>",
+             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {dq_cols}],{_bwd_dq_layout(dq_cols)!r}>",
              "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
              "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32",
              "seqlen_k": "i32", "shift": "i32",
              "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
              "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
-                                                          **{**bwd_variant(head_dim, causal), **variant}))
+    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal, **variant))
