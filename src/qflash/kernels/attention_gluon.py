@@ -661,7 +661,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
     13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.08 / 1.11 x the
     atomic adds without a mask at 1k / 16k (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
-    return dict(STAGES=BWD_STAGES, DQ_TMA=True, ROTATE=False)
+    return dict(STAGES=BWD_STAGES, DQ_TMA=True, LATE_DQ1=False, WITH_DQ=True)
 
 
 @gluon.jit
@@ -689,7 +689,7 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
                      k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q, seqlen_k, shift,
                      num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, WIDE: gl.constexpr, ROTATE: gl.constexpr):
+                     CAUSAL: gl.constexpr, WIDE: gl.constexpr):
     """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
     of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
     copy engine too: loaded by the consumers, their latency was the tile's). WIDE (D = 256): dO
@@ -709,10 +709,7 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ri
         h = h_kv * kv_group + g
         col = h * HEAD_DIM
         row_base = (b * num_heads_kv * kv_group + h) * seqlen_q  # the head's rows of lse and delta
-        for i in range(m_lo, m_end):
-            j = i
-            if ROTATE:  # key block n starts at query block m_lo + n (mod its count), as the consumers do
-                j = m_lo + (i - m_lo + n0 // BLOCK_N) % (m_end - m_lo)
+        for j in range(m_lo, m_end):
             s = c % STAGES
             row = b * seqlen_q + j * BLOCK_M
             mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh slot passes at once
@@ -871,7 +868,7 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
                             seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
                             softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             WHICH: gl.constexpr, DQ_TMA: gl.constexpr,
-                            ROTATE: gl.constexpr):
+                            LATE_DQ1: gl.constexpr, WITH_DQ: gl.constexpr):
     """One warpgroup of the D = 256 backward (FlashAttention-3's hdim-256 layout). The 64 x 256
     float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread each),
     so the two consumers split them by head-dim halves, transposed (head dims are the rows,
@@ -892,7 +889,6 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK, dV and dQ a consumer owns
     DIM0: gl.constexpr = WHICH * DIMS
     CHUNK: gl.constexpr = dq_smem.shape[2]  # dQ columns a reduce-add
-    DQ_BUFS: gl.constexpr = dq_smem.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     kvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -914,20 +910,24 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     zeros_dq = gl.zeros((BLOCK_M, CHUNK), gl.float32, dq_layout)
     dkt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
     dvt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
+    dq_late = zeros_dq
+    row_late = 0
+    col_late = 0
     mbarrier.wait(kv_ready, 0)
     for t in range(num_tiles):
         s = t % STAGES
         q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
         do = do_ring.index(0)  # [BLOCK_M, HEAD_DIM]
         h = h_kv * kv_group + t // per_head
-        if ROTATE:
-            m0 = (m_lo + (t % per_head + n0 // BLOCK_N) % per_head) * BLOCK_M
-        else:
-            m0 = (m_lo + t % per_head) * BLOCK_M
+        m0 = (m_lo + t % per_head) * BLOCK_M
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(q, k_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
         mbarrier.wait(do_ready, t & 1)
         dp = warpgroup_mma(do, v_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
+        if LATE_DQ1:
+            if t > 0:
+                _send_dq(DQ, dq_desc, dq_smem, 0, row_late, col_late, dq_stride, dq_row, dq_col, dq_late, DQ_TMA,
+                         PENDING=0)
         lse = lse_ring.index(s).load(row_s) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
         delta = delta_ring.index(s).load(row_s)  # [BLOCK_M]
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -953,21 +953,7 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         # so that its reduces run beside them, was 0.81-0.95 x as fast, s18b).
         dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_smem, dvt, is_async=True)  # [DIMS, BLOCK_N]
         dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_smem, dkt, is_async=True)
-        # dQ's tile: rows m0.., my half of the head's columns, in DIMS / CHUNK reduces.
-        row0 = b * seqlen_q + m0
-        col0 = h * HEAD_DIM + DIM0
-        if CHUNK == DIMS:
-            dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
-                                is_async=True)  # [BLOCK_M, CHUNK]
-            dvt = warpgroup_mma_wait(num_outstanding=2, deps=(dvt,))
-            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
-            dkt = warpgroup_mma_wait(num_outstanding=1, deps=(dkt,))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0,))
-            mbarrier.arrive(pds_free, count=1)
-            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
-                     PENDING=0)
-        else:
+        if WITH_DQ:
             dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
                                 is_async=True)  # [BLOCK_M, CHUNK]
             dq1 = warpgroup_mma(ds_smem, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
@@ -976,13 +962,29 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
             mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
             dkt = warpgroup_mma_wait(num_outstanding=2, deps=(dkt,))
             mbarrier.arrive(q_empty.index(s), count=1)
+            # dQ's tile: rows m0.., my half of the head's columns, in two chunks through one buffer.
             dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
-            _send_dq(DQ, dq_desc, dq_smem, 0, row0, col0, dq_stride, dq_row, dq_col, dq0 * softmax_scale, DQ_TMA,
-                     PENDING=DQ_BUFS - 1)
+            _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0, dq_stride, dq_row, dq_col,
+                     dq0 * softmax_scale, DQ_TMA, PENDING=0)
             dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
             mbarrier.arrive(pds_free, count=1)
-            _send_dq(DQ, dq_desc, dq_smem, DQ_BUFS - 1, row0, col0 + CHUNK, dq_stride, dq_row, dq_col,
-                     dq1 * softmax_scale, DQ_TMA, PENDING=DQ_BUFS - 1)
+            if LATE_DQ1:  # sent at the next tile's start, while its S and dP run
+                dq_late = dq1 * softmax_scale
+                row_late = b * seqlen_q + m0
+                col_late = h * HEAD_DIM + DIM0 + CHUNK
+            else:
+                _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0 + CHUNK, dq_stride, dq_row,
+                         dq_col, dq1 * softmax_scale, DQ_TMA, PENDING=0)
+        else:  # dQ by another kernel
+            dvt = warpgroup_mma_wait(num_outstanding=1, deps=(dvt,))
+            mbarrier.arrive(do_empty, count=1)
+            dkt = warpgroup_mma_wait(num_outstanding=0, deps=(dkt,))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            mbarrier.arrive(pds_free, count=1)
+    if LATE_DQ1:
+        if num_tiles > 0:
+            _send_dq(DQ, dq_desc, dq_smem, 0, row_late, col_late, dq_stride, dq_row, dq_col, dq_late, DQ_TMA,
+                     PENDING=0)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduce has read its buffer before the CTA ends
     # dK^T, dV^T: element (d, j) goes to row n0 + j, column h_kv * HEAD_DIM + DIM0 + d of the
@@ -1001,7 +1003,8 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
 @gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, ROTATE: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LATE_DQ1: gl.constexpr,
+                        WITH_DQ: gl.constexpr):
     """One CTA per (key block, batch, kv head): two consumer warpgroups and a loader warp
     (FlashAttention-3's backward; dQ summed in float32 by the copy engine's reduce-add from shared
     memory, DQ_TMA, or by atomic adds). D = 64 / 128: 128 keys, 64 a consumer
@@ -1019,8 +1022,7 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each (one
     # at D = 256, where two do not fit).
-    DQ_BUFS: gl.constexpr = (2 if STAGES == 1 and dq_desc.block_type.shape[1] < HEAD_DIM // 2 else 1) if WIDE else (
-        2 if DQ_TMA else 1)
+    DQ_BUFS: gl.constexpr = 1 if WIDE or not DQ_TMA else 2
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1048,15 +1050,17 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA, ROTATE)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA, LATE_DQ1,
+                                       WITH_DQ)),
             (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem,
                                        v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
                                        pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA, ROTATE)),
+                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA, LATE_DQ1,
+                                       WITH_DQ)),
             (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                                 delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
                                 seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                True, ROTATE)),
+                                True)),
         ], [4, 1], [240, 24])
     else:
         # dS^T of both consumers, [BLOCK_N, BLOCK_M], two buffers.
@@ -1079,7 +1083,7 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
             (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
                                 delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, q_ready, q_empty, seqlen_q,
                                 seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                False, False)),
+                                False)),
         ], [4, 1], [240, 24])
 
 
@@ -1154,7 +1158,6 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
     variant = {**bwd_variant(head_dim, causal), **variant}
     block_n, dq_cols = bwd_blocks(head_dim)
-    dq_cols = variant.pop("DQ_COLS", dq_cols)
     num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
@@ -1179,7 +1182,6 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     kv = _bwd_kv_layout(head_dim)
     variant = {**bwd_variant(head_dim, causal), **variant}
     block_n, dq_cols = bwd_blocks(head_dim)
-    dq_cols = variant.pop("DQ_COLS", dq_cols)
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
              "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
              "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {dq_cols}],{_bwd_dq_layout(dq_cols)!r}>",
