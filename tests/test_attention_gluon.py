@@ -237,14 +237,15 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
                                             (64, torch.float16, False), (64, torch.float16, True),
                                             (256, torch.bfloat16, False), (256, torch.float16, True)])
 def test_backward_builds_for_sm90(d, dtype, causal):
-    """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the five
-    products on wgmma, Q / dO / lse / delta through TMA, dQ by the copy engine's reduce-add (no
-    atomic adds), one CTA in shared memory, and no wgmma that ptxas had to serialize."""
+    """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the products on
+    wgmma, Q / dO / lse / delta through TMA, dQ by the copy engine's reduce-add (no atomic adds;
+    at D = 256 no dQ: the tl dQ kernel's), one CTA in shared memory, and no wgmma that ptxas had
+    to serialize."""
     kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, backward=True)
     ptx = kernel["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
     assert "cp.async.bulk.tensor.1d" in ptx  # lse and delta
-    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+    assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == (d != 256)
     assert "relaxed.add.f32" not in ptx and "ld.global" not in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)
@@ -294,19 +295,27 @@ def _spy_backward(monkeypatch, force=True):
     return calls
 
 
+# How dQ is summed: at D = 64 / 128 by atomic adds or the copy engine's reduce-add; at D = 256 the
+# Gluon kernel computes dK and dV, and dQ is the tl dQ kernel's.
+DQ_SCHEDULES = {"dq_atomics": dict(DQ_TMA=False), "dq_tma_reduce": dict(DQ_TMA=True), "dq_tl_kernel": {}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [dict(DQ_TMA=False), dict(DQ_TMA=True)], ids=["dq_atomics", "dq_tma_reduce"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right", BWD_CASES)
-def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, dtype, schedule, monkeypatch):
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right,schedule", [
+    pytest.param(*case, name, id=f"{'-'.join(map(str, case))}-{name}") for case in BWD_CASES
+    for name in (("dq_tl_kernel",) if case[5] == 256 else ("dq_atomics", "dq_tma_reduce"))])
+def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, schedule, dtype, monkeypatch):
     """Gradients through the public functions, which take the Gluon backward here: within 3x
     PyTorch's same-precision error against float64 (flash-attn's rule), every element written;
-    dQ summed by atomic adds or by the copy engine's reduce."""
+    dQ summed by atomic adds or by the copy engine's reduce (D = 64 / 128), or by the tl dQ kernel
+    (D = 256)."""
     from test_attention_backward import check_grads, _leaves
 
     calls = _spy_backward(monkeypatch)
     variant = gluon.bwd_variant
-    monkeypatch.setattr(gluon, "bwd_variant", lambda head_dim, causal: {**variant(head_dim, causal), **schedule})
+    monkeypatch.setattr(gluon, "bwd_variant",
+                        lambda head_dim, causal: {**variant(head_dim, causal), **DQ_SCHEDULES[schedule]})
     inputs = _leaves((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype)
     if bottom_right:
         check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, causal=causal),

@@ -50,8 +50,11 @@ consumers, their latency had been the tile's: 1.08-1.20 x faster without it). Ea
 tile goes to a float32 buffer through shared memory and the copy engine's reduce-add
 (``cp.reduce.async.bulk.tensor``), which runs on while the consumer starts its next tile (or by
 float32 atomic adds from registers, DQ_TMA off); either way the sums arrive in any order, so dQ
-is not bitwise reproducible. It is the public backward at D = 64 and 128 (``bwd_preferred``;
-benchmarks/NOTES.md, eighth, sixteenth and seventeenth rounds).
+is not bitwise reproducible. At D = 256 (``_attn_bwd_dkdv_ws_kernel``) a CTA keeps 64 keys, the
+two consumers split dK and dV by head-dim halves (transposed, P and dS through shared memory),
+and dQ comes from the tl dQ kernel: reduced here it took as long as the rest (64 KB of float32 a
+tile pair). It is the public backward at every head dim (``bwd_preferred``; benchmarks/NOTES.md,
+eighth, sixteenth to eighteenth rounds).
 """
 
 from __future__ import annotations
@@ -643,25 +646,25 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 # Backward
 # ----------------------------------------------------------------------------------------------
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
+BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
+WIDE_BLOCK_N = 64  # the D = 256 dK / dV kernel's keys a CTA: 32 of S and dP for each consumer
 BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
 # at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
 
 
-def bwd_blocks(head_dim: int) -> Tuple[int, int]:
-    """(keys a CTA keeps, dQ columns a reduce-add): 128 keys, 64 for each consumer warpgroup, and
-    half the head dim at D = 64 / 128; 64 keys and 64-column chunks at D = 256, where the two
-    consumers split dK and dV by head-dim halves."""
-    return (64, 64) if head_dim > 128 else (128, head_dim // 2)
-
-
 def bwd_variant(head_dim: int, causal: bool) -> dict:
-    """The backward kernel's schedule, as measured on the H200: dQ through shared memory and the
-    copy engine's reduce-add (DQ_TMA) right after its own tile. At D = 128 1.07-1.16 x the atomic
-    adds' best schedule and 1.05-1.10 x sending it while the next tile's products run
-    (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic adds took 5 of
-    13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64 1.08 / 1.11 x the
-    atomic adds without a mask at 1k / 16k (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json)."""
-    return dict(STAGES=BWD_STAGES, DQ_TMA=True, LATE_DQ1=False, WITH_DQ=True)
+    """The backward kernel's schedule, as measured on the H200. D = 64 / 128: dQ through shared
+    memory and the copy engine's reduce-add (DQ_TMA) right after its own tile. At D = 128
+    1.07-1.16 x the atomic adds' best schedule and 1.05-1.10 x sending it while the next tile's
+    products run (gluon_bwd_dq_tma_h200_2026-11-30_s16c.json, ..._order_..._s16d.json; the atomic
+    adds took 5 of 13 ms at 16k tokens, gluon_bwd_ablation_h200_2026-11-30_s16b.json); at D = 64
+    1.08 / 1.11 x the atomic adds without a mask at 1k / 16k
+    (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json). D = 256 (dK / dV only): two Q slots
+    and two dO slots, 1.05-1.08 x one dO slot; three Q slots ran 0.97-0.99 x without a mask and
+    0.58-0.67 x causal (gluon_bwd_d256_dkdv_variants_h200_2026-11-30_s18h.json)."""
+    if head_dim > 128:
+        return dict(STAGES=BWD_STAGES, DO_SLOTS=2)
+    return dict(STAGES=BWD_STAGES, DQ_TMA=True)
 
 
 @gluon.jit
@@ -689,16 +692,16 @@ def _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL: gl.
 def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring,
                      k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q, seqlen_k, shift,
                      num_heads_kv, kv_group, num_n_blocks, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, WIDE: gl.constexpr):
+                     CAUSAL: gl.constexpr, DO_APART: gl.constexpr):
     """One warp: the CTA's K and V block once, then Q, dO, lse and delta of every query block
     of every query head of the GQA group through a ring of STAGES slots (lse and delta by the
-    copy engine too: loaded by the consumers, their latency was the tile's). WIDE (D = 256): dO
-    has a slot of its own with its own barriers (``do_ready``, ``do_empty``), which the
-    consumers release before Q's."""
+    copy engine too: loaded by the consumers, their latency was the tile's). DO_APART (the D = 256
+    dK / dV kernel): dO in a ring of its own with its own barriers (``do_ready``, ``do_empty``),
+    which the consumers release before Q's."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    # What lands on q_ready: Q (and dO unless WIDE), lse and delta.
-    Q_BYTES: gl.constexpr = (1 if WIDE else 2) * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
+    # What lands on q_ready: Q (and dO unless DO_APART), lse and delta.
+    Q_BYTES: gl.constexpr = (1 if DO_APART else 2) * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
     b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
                                                  BLOCK_M, BLOCK_N)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
@@ -718,10 +721,12 @@ def _attn_bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ri
             tma.async_copy_global_to_shared(lse_desc, [row_base + j * BLOCK_M], q_ready.index(s), lse_ring.index(s))
             tma.async_copy_global_to_shared(delta_desc, [row_base + j * BLOCK_M], q_ready.index(s),
                                             delta_ring.index(s))
-            if WIDE:
-                mbarrier.wait(do_empty, (c & 1) ^ 1)
-                mbarrier.expect(do_ready, do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [row, col], do_ready, do_ring.index(0))
+            if DO_APART:
+                DO_SLOTS: gl.constexpr = do_ring.shape[0]
+                sd = c % DO_SLOTS
+                mbarrier.wait(do_empty.index(sd), ((c // DO_SLOTS) & 1) ^ 1)
+                mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(sd), do_ring.index(sd))
             else:
                 tma.async_copy_global_to_shared(do_desc, [row, col], q_ready.index(s), do_ring.index(s))
             c += 1
@@ -738,16 +743,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _send_dq(DQ, dq_desc, dq_smem, slot, row0, col0, row_stride, rows, cols, dq, DQ_TMA: gl.constexpr,
-             PENDING: gl.constexpr = 1):
-    """dQ[row0 + i, col0 + j] += dq[i, j] (DQ viewed as (batch * seqlen_q, heads * headdim)):
-    through buffer ``slot`` of shared memory and the copy engine's reduce-add (DQ_TMA: one thread
-    issues it and the consumer goes on; it waits only until at most PENDING earlier reduces are
-    still reading their buffers: 1 with two buffers), or by float32 atomic adds from registers
-    (``rows`` = i * row_stride, ``cols`` = j)."""
+def _send_dq(DQ, dq_desc, dq_smem, t, row0, col0, row_stride, rows, cols, dq, DQ_TMA: gl.constexpr):
+    """dQ[row0 + i, col0 + j] += dq[i, j] (DQ viewed as (batch * seqlen_q, heads * headdim)) for
+    tile t: through shared memory and the copy engine's reduce-add (DQ_TMA: one thread issues it
+    and the consumer goes on; two buffers, so it waits only for the reduce issued a tile
+    earlier), or by float32 atomic adds from registers (``rows`` = i * row_stride, ``cols`` = j)."""
     if DQ_TMA:
-        buf = dq_smem.index(slot)
-        tma.store_wait(pendings=PENDING)  # this buffer's previous reduce has read it ...
+        buf = dq_smem.index(t % 2)
+        tma.store_wait(pendings=1)  # this buffer's previous reduce has read it ...
         gl.thread_barrier()  # ... as every thread of the warpgroup sees
         buf.store(dq)
         fence_async_shared()  # the stores, visible to the copy engine
@@ -850,7 +853,7 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
         mbarrier.arrive(ds_free.index(sb), count=1)
         mbarrier.arrive(q_empty.index(s), count=1)
         # The tile's place in the (batch * seqlen_q, heads * headdim) view: its rows, my half of D.
-        _send_dq(DQ, dq_desc, dq_smem, t % 2, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
+        _send_dq(DQ, dq_desc, dq_smem, t, b * seqlen_q + m0, h * HEAD_DIM + DQ_COL0, dq_stride, dq_row, dq_col,
                  dq * softmax_scale, DQ_TMA)
     if DQ_TMA:
         tma.store_wait(pendings=0)  # the last reduces have read their buffers before the CTA ends
@@ -863,38 +866,80 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
-def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                            p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free,
-                            seqlen_q, seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale,
-                            softmax_scale, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            WHICH: gl.constexpr, DQ_TMA: gl.constexpr,
-                            LATE_DQ1: gl.constexpr, WITH_DQ: gl.constexpr):
-    """One warpgroup of the D = 256 backward (FlashAttention-3's hdim-256 layout). The 64 x 256
-    float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread each),
-    so the two consumers split them by head-dim halves, transposed (head dims are the rows,
-    wgmma's M), and P and dS, the right operands, meet in shared memory:
+def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
+                        shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One CTA per (key block of 128, batch, kv head): two consumer warpgroups of 64 keys each
+    and a loader warp (FlashAttention-3's backward; dQ summed in float32 by the copy engine's
+    reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each.
+    DQ_BUFS: gl.constexpr = 2 if DQ_TMA else 1
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=2)
+        mbarrier.init(ds_free.index(s), count=2)
+    gl.warp_specialize([
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              0, DQ_TMA)),
+        (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                              ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
+                              num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL,
+                              1, DQ_TMA)),
+        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
+                            delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, q_ready, q_empty, seqlen_q,
+                            seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL, False)),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _attn_bwd_dkdv_consumer(DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                            q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free, seqlen_q, seqlen_k, shift,
+                            num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WHICH: gl.constexpr):
+    """One warpgroup of the D = 256 dK / dV kernel (FlashAttention-3's hdim-256 layout). The 64 x
+    256 float32 dK and dV of a CTA's 64 keys do not fit one warpgroup's registers (128 a thread
+    each), so the two consumers split them by head-dim halves, transposed (head dims are the
+    rows, wgmma's M), and P and dS, the right operands, meet in shared memory:
 
         S = Q K^T, dP = dO V^T                  for my 32 of the 64 keys (m64n32)
         P = exp2(S * scale * log2 e - lse * log2 e),  dS = P * (dP - delta)
         P, dS -> shared memory ([64 rows, 64 keys]: each consumer writes its 32 columns)
         dV^T[my 128 dims] += dO^T P,  dK^T[my 128 dims] += Q^T dS
-        dQ[rows, my 128 dims] += scale * dS K  (two 64-column chunks through one buffer and the
-                                                copy engine's reduce-add, or atomic adds)
 
-    dO has one ring slot (two do not fit beside two Q slots and dQ's buffers): it is released as
-    soon as dV^T is done and the next dO loads while dK^T and dQ run."""
+    dQ is the tl dQ kernel's: summing it here (dS K through the copy engine's reduce-add, 64 KB of
+    float32 a tile pair, twice D = 128's bytes a FLOP) cost as much as the rest of the kernel."""
     BLOCK_M: gl.constexpr = q_ring.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
+    DO_SLOTS: gl.constexpr = do_ring.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of S and dP a consumer computes
-    DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK, dV and dQ a consumer owns
+    DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK and dV a consumer owns
     DIM0: gl.constexpr = WHICH * DIMS
-    CHUNK: gl.constexpr = dq_smem.shape[2]  # dQ columns a reduce-add
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     kvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, CHUNK, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
     b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
                                                  BLOCK_M, BLOCK_N)
@@ -903,31 +948,20 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
     k_mine = k_smem.slice(WHICH * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
     v_mine = v_smem.slice(WHICH * KEYS, KEYS, dim=0)
     keys = n0 + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-    dq_stride = num_heads_kv * kv_group * HEAD_DIM  # of the (batch * seqlen_q, heads * headdim) view
-    dq_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)) * dq_stride
-    dq_col = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, dq_layout))
     zeros_s = gl.zeros((BLOCK_M, KEYS), gl.float32, s_layout)
-    zeros_dq = gl.zeros((BLOCK_M, CHUNK), gl.float32, dq_layout)
     dkt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
     dvt = gl.zeros((DIMS, BLOCK_N), gl.float32, kvt_layout)
-    dq_late = zeros_dq
-    row_late = 0
-    col_late = 0
     mbarrier.wait(kv_ready, 0)
     for t in range(num_tiles):
         s = t % STAGES
+        sd = t % DO_SLOTS
         q = q_ring.index(s)  # [BLOCK_M, HEAD_DIM]
-        do = do_ring.index(0)  # [BLOCK_M, HEAD_DIM]
-        h = h_kv * kv_group + t // per_head
+        do = do_ring.index(sd)  # [BLOCK_M, HEAD_DIM]
         m0 = (m_lo + t % per_head) * BLOCK_M
         mbarrier.wait(q_ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(q, k_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
-        mbarrier.wait(do_ready, t & 1)
+        mbarrier.wait(do_ready.index(sd), (t // DO_SLOTS) & 1)
         dp = warpgroup_mma(do, v_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
-        if LATE_DQ1:
-            if t > 0:
-                _send_dq(DQ, dq_desc, dq_smem, 0, row_late, col_late, dq_stride, dq_row, dq_col, dq_late, DQ_TMA,
-                         PENDING=0)
         lse = lse_ring.index(s).load(row_s) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
         delta = delta_ring.index(s).load(row_s)  # [BLOCK_M]
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -940,8 +974,7 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
 
         # Both consumers' halves of P and dS in shared memory, [BLOCK_M, BLOCK_N] each, once the
-        # last tile's products have read them (one buffer each: two ran 0.86-0.89 x as fast,
-        # gluon_bwd_d256_variants_h200_2026-11-30_s18b.json).
+        # last tile's products have read them.
         mbarrier.wait(pds_free, (t & 1) ^ 1)
         p_smem.slice(WHICH * KEYS, KEYS, dim=1).store(p.to(q_ring.dtype))
         ds_smem.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_ring.dtype))
@@ -949,47 +982,17 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
         gl.thread_barrier()  # ... from all 128 threads before one of them arrives
         mbarrier.arrive(pds_ready, count=1)
         mbarrier.wait(pds_ready, t & 1)
-        # dO and Q are released as soon as dV^T and dK^T are done (issuing dQ's products first,
-        # so that its reduces run beside them, was 0.81-0.95 x as fast, s18b).
         dvt = warpgroup_mma(do.slice(DIM0, DIMS, dim=1).permute((1, 0)), p_smem, dvt, is_async=True)  # [DIMS, BLOCK_N]
         dkt = warpgroup_mma(q.slice(DIM0, DIMS, dim=1).permute((1, 0)), ds_smem, dkt, is_async=True)
-        if WITH_DQ:
-            dq0 = warpgroup_mma(ds_smem, k_smem.slice(DIM0, CHUNK, dim=1), zeros_dq, use_acc=False,
-                                is_async=True)  # [BLOCK_M, CHUNK]
-            dq1 = warpgroup_mma(ds_smem, k_smem.slice(DIM0 + CHUNK, CHUNK, dim=1), zeros_dq, use_acc=False,
-                                is_async=True)
-            dvt = warpgroup_mma_wait(num_outstanding=3, deps=(dvt,))
-            mbarrier.arrive(do_empty, count=1)  # the loader may bring the next dO
-            dkt = warpgroup_mma_wait(num_outstanding=2, deps=(dkt,))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            # dQ's tile: rows m0.., my half of the head's columns, in two chunks through one buffer.
-            dq0 = warpgroup_mma_wait(num_outstanding=1, deps=(dq0,))
-            _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0, dq_stride, dq_row, dq_col,
-                     dq0 * softmax_scale, DQ_TMA, PENDING=0)
-            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1,))
-            mbarrier.arrive(pds_free, count=1)
-            if LATE_DQ1:  # sent at the next tile's start, while its S and dP run
-                dq_late = dq1 * softmax_scale
-                row_late = b * seqlen_q + m0
-                col_late = h * HEAD_DIM + DIM0 + CHUNK
-            else:
-                _send_dq(DQ, dq_desc, dq_smem, 0, b * seqlen_q + m0, h * HEAD_DIM + DIM0 + CHUNK, dq_stride, dq_row,
-                         dq_col, dq1 * softmax_scale, DQ_TMA, PENDING=0)
-        else:  # dQ by another kernel
-            dvt = warpgroup_mma_wait(num_outstanding=1, deps=(dvt,))
-            mbarrier.arrive(do_empty, count=1)
-            dkt = warpgroup_mma_wait(num_outstanding=0, deps=(dkt,))
-            mbarrier.arrive(q_empty.index(s), count=1)
-            mbarrier.arrive(pds_free, count=1)
-    if LATE_DQ1:
-        if num_tiles > 0:
-            _send_dq(DQ, dq_desc, dq_smem, 0, row_late, col_late, dq_stride, dq_row, dq_col, dq_late, DQ_TMA,
-                     PENDING=0)
-    if DQ_TMA:
-        tma.store_wait(pendings=0)  # the last reduce has read its buffer before the CTA ends
+        dvt = warpgroup_mma_wait(num_outstanding=1, deps=(dvt,))
+        mbarrier.arrive(do_empty.index(sd), count=1)  # the loader may bring the next dO
+        dkt = warpgroup_mma_wait(num_outstanding=0, deps=(dkt,))
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(pds_free, count=1)
     # dK^T, dV^T: element (d, j) goes to row n0 + j, column h_kv * HEAD_DIM + DIM0 + d of the
     # (batch * seqlen_k, heads_kv * headdim) views: first to a layout where each thread holds 8
-    # consecutive head dims, for 16-byte stores (through shared memory; 1.00-1.03 x, s18b).
+    # consecutive head dims, for 16-byte stores (through shared memory; 1.00-1.03 x,
+    # gluon_bwd_d256_variants_h200_2026-11-30_s18b.json).
     out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
                                                 warps_per_cta=[1, 4], order=[0, 1])
     dims = DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(1, out_layout))
@@ -1001,90 +1004,54 @@ def _attn_bwd_wide_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_r
 
 
 @gluon.jit
-def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
-                        shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LATE_DQ1: gl.constexpr,
-                        WITH_DQ: gl.constexpr):
-    """One CTA per (key block, batch, kv head): two consumer warpgroups and a loader warp
-    (FlashAttention-3's backward; dQ summed in float32 by the copy engine's reduce-add from shared
-    memory, DQ_TMA, or by atomic adds). D = 64 / 128: 128 keys, 64 a consumer
-    (``_attn_bwd_consumer``); D = 256 (WIDE): 64 keys, dK and dV split by head-dim halves
-    (``_attn_bwd_wide_consumer``)."""
-    WIDE: gl.constexpr = HEAD_DIM > 128
+def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, lse_desc, delta_desc, seqlen_q, seqlen_k, shift,
+                             num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                             STAGES: gl.constexpr, DO_SLOTS: gl.constexpr, CAUSAL: gl.constexpr):
+    """dK and dV at D = 256: one CTA per (64 keys, batch, kv head), two consumer warpgroups
+    (``_attn_bwd_dkdv_consumer``) and the loader warp; Q in a ring of STAGES slots, dO in one of
+    DO_SLOTS with barriers of its own (released as soon as dV^T is done)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    DO_SLOTS: gl.constexpr = 1 if WIDE else STAGES
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_ring = gl.allocate_shared_memory(do_desc.dtype, [DO_SLOTS, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each (one
-    # at D = 256, where two do not fit).
-    DQ_BUFS: gl.constexpr = 1 if WIDE or not DQ_TMA else 2
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole 64-byte
+    # swizzle atom.
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_SLOTS, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_SLOTS, 1], mbarrier.MBarrierLayout())
+    pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
-    if WIDE:
-        # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole
-        # 64-byte swizzle atom.
-        pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-        p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
-        do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(do_ready, count=1)
-        mbarrier.init(do_empty, count=2)
-        mbarrier.init(pds_ready, count=2)
-        mbarrier.init(pds_free, count=2)
-        gl.warp_specialize([
-            (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem,
-                                       v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                                       pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 0, DQ_TMA, LATE_DQ1,
-                                       WITH_DQ)),
-            (_attn_bwd_wide_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem,
-                                       v_smem, p_smem, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                                       pds_ready, pds_free, seqlen_q, seqlen_k, shift, num_heads_kv, kv_group,
-                                       num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES, CAUSAL, 1, DQ_TMA, LATE_DQ1,
-                                       WITH_DQ)),
-            (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
-                                delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
-                                seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                True)),
-        ], [4, 1], [240, 24])
-    else:
-        # dS^T of both consumers, [BLOCK_N, BLOCK_M], two buffers.
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(ds_ready.index(s), count=2)
-            mbarrier.init(ds_free.index(s), count=2)
-        gl.warp_specialize([
-            (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                                  ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
-                                  num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES,
-                                  CAUSAL, 0, DQ_TMA)),
-            (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem1, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
-                                  ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
-                                  num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM, STAGES,
-                                  CAUSAL, 1, DQ_TMA)),
-            (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
-                                delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, q_ready, q_empty, seqlen_q,
-                                seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL,
-                                False)),
-        ], [4, 1], [240, 24])
+    for s in gl.static_range(DO_SLOTS):
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(do_empty.index(s), count=2)
+    mbarrier.init(pds_ready, count=2)
+    mbarrier.init(pds_free, count=2)
+    gl.warp_specialize([
+        (_attn_bwd_dkdv_consumer, (DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, p_smem, ds_smem,
+                                   kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free, seqlen_q,
+                                   seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale,
+                                   HEAD_DIM, STAGES, CAUSAL, 0)),
+        (_attn_bwd_dkdv_consumer, (DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, p_smem, ds_smem,
+                                   kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free, seqlen_q,
+                                   seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale,
+                                   HEAD_DIM, STAGES, CAUSAL, 1)),
+        (_attn_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring,
+                            delta_ring, k_smem, v_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, seqlen_q,
+                            seqlen_k, shift, num_heads_kv, kv_group, num_n_blocks, HEAD_DIM, STAGES, CAUSAL, True)),
+    ], [4, 1], [240, 24])
 
 
 @functools.lru_cache(maxsize=None)
@@ -1106,22 +1073,23 @@ def _vector_descriptor(t: torch.Tensor, block: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_dq_layout(cols: int):
-    """A consumer's float32 dQ tile in shared memory, [64, cols], for the copy engine's reduce."""
-    return nvmma_layout((BWD_BLOCK_M, cols), gl.float32)
+def _bwd_dq_layout(head_dim: int):
+    """A consumer's float32 dQ tile in shared memory, [64, head_dim / 2], for the copy engine's reduce."""
+    return nvmma_layout((BWD_BLOCK_M, head_dim // 2), gl.float32)
 
 
 def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     """Whether the public functions send a backward that fits here rather than to the tl
-    kernels: at D = 64 and 128, with or without the causal mask, since lse and delta come
-    through the copy engine with Q and dO. Kernel alone on the H200, side by side
-    (gluon_bwd_lse_tma_d128_h200_2026-11-30_s17c.json, TFLOP/s at 1k / 4k / 16k tokens, D = 128):
-    408 / 506 / 516 against the tl kernels' 330 / 414 / 400 without a mask, 298 / 451 / 505
-    against 255 / 364 / 399 causal; at D = 64 (..._stages_d64_..._s17f.json) 344 / 427 / 442
+    kernels: at every head dim, with or without the causal mask. Kernel alone on the H200, side
+    by side (gluon_bwd_lse_tma_d128_h200_2026-11-30_s17c.json, TFLOP/s at 1k / 4k / 16k tokens,
+    D = 128): 408 / 506 / 516 against the tl kernels' 330 / 414 / 400 without a mask, 298 / 451 /
+    505 against 255 / 364 / 399 causal; at D = 64 (..._stages_d64_..._s17f.json) 344 / 427 / 442
     against 323 / 365 / 389 and 255 / 380 / 416 against 228 / 327 / 361. Through the public
-    functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json). Calls that
-    ask for determinism keep to the tl kernels (``_fast_backward_fits``): here dQ's sums arrive
-    in any order."""
+    functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json). At D = 256
+    (this dK / dV kernel and the tl dQ kernel) 1.15-1.18 x the tl kernels
+    (gluon_bwd_d256_dkdv_variants_h200_2026-11-30_s18h.json, one dO slot). Calls that ask for
+    determinism keep to the tl kernels (``_fast_backward_fits``): at D = 64 / 128 dQ's sums
+    arrive in any order."""
     return head_dim in HEAD_DIMS
 
 
@@ -1140,6 +1108,7 @@ def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 
 _bwd_launcher = CachedLauncher(_attn_bwd_ws_kernel)
+_bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_ws_kernel)
 
 
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -1147,26 +1116,31 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """(dq, dk, dv) for a call that ``bwd_why_not`` has accepted, given the forward's lse and
     delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. dQ is summed
     in a float32 buffer (reduce-adds or atomic adds, in any order), so it can differ in the last
-    bits from run to run.
+    bits from run to run. At D = 256 dq is None: this kernel computes dK and dV only, and the
+    caller runs the tl dQ kernel (``attention.attention_backward``).
     ``variant`` overrides ``bwd_variant`` (to measure the others)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
     kv_layout = _bwd_kv_layout(head_dim)
-    dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
-    variant = {**bwd_variant(head_dim, causal), **variant}
-    block_n, dq_cols = bwd_blocks(head_dim)
+    wide = head_dim > 128
+    block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
     num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
+    common = (_rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
+              _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout), dk, dv)
+    rest = (_vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
+            heads_kv, heads // heads_kv, num_n_blocks, softmax_scale * RCP_LN2.value, softmax_scale)
+    variant = {**bwd_variant(head_dim, causal), **variant}
+    if wide:
+        _bwd_dkdv_launcher[(num_n_blocks * batch * heads_kv,)](
+            *common, *rest, HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant)
+        return None, dk, dv
+    dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
-        _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
-        _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout),
-        dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(dq_cols), dq_cols),
-        _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
-        heads_kv, heads // heads_kv, num_n_blocks,
-        softmax_scale * RCP_LN2.value, softmax_scale,
+        *common, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2), *rest,
         HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant,
     )
     return dq_acc.to(q.dtype), dk, dv
@@ -1180,14 +1154,18 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
     kv = _bwd_kv_layout(head_dim)
-    variant = {**bwd_variant(head_dim, causal), **variant}
-    block_n, dq_cols = bwd_blocks(head_dim)
+    wide = head_dim > 128
+    block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
-             "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}", "DQ": "*fp32",
-             "dq_desc": f"tensordesc<fp32[{BWD_BLOCK_M}, {dq_cols}],{_bwd_dq_layout(dq_cols)!r}>",
+             "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}",
              "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
              "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32",
              "seqlen_k": "i32", "shift": "i32",
              "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
              "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_ws_kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal, **variant))
+    if not wide:
+        types.update(DQ="*fp32", dq_desc=f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],"
+                                         f"{_bwd_dq_layout(head_dim)!r}>")
+    kernel = _attn_bwd_dkdv_ws_kernel if wide else _attn_bwd_ws_kernel
+    return build_for_sm90(kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
+                                              **{**bwd_variant(head_dim, causal), **variant}))

@@ -333,9 +333,9 @@ def flash_attn_func(
         softcap: > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
         alibi_slopes: (heads,) or (batch, heads) fp32; adds ``-slope * |i + Sk - Sq - j|``.
         deterministic: bitwise-identical gradients from run to run. The tl backward always is.
-            On Hopper at head dims 64 and 128 (``bwd_preferred``) the default
-            backward is the Gluon one (``attention_gluon.py``), whose dQ sums arrive in any
-            order, as flash-attn's do by default; ``deterministic=True`` or
+            On Hopper (``bwd_preferred``) the default backward is the Gluon one
+            (``attention_gluon.py``), whose dQ sums arrive in any order at head dims 64 and
+            128, as flash-attn's do by default; ``deterministic=True`` or
             ``torch.use_deterministic_algorithms(True)`` keeps a call on the tl kernels.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
