@@ -239,7 +239,7 @@ def test_causal_heads_per_group_is_even(num_bh, m_blocks, programs, block_m, blo
 def test_backward_builds_for_sm90(d, dtype, causal):
     """Compiled offline: a loader warp and two consumer warpgroups (setmaxnreg), the products on
     wgmma, Q / dO / lse / delta through TMA, dQ by the copy engine's reduce-add (no atomic adds;
-    at D = 256 no dQ: the tl dQ kernel's), one CTA in shared memory, and no wgmma that ptxas had
+    at D = 256 no dQ: its own kernel's), one CTA in shared memory, and no wgmma that ptxas had
     to serialize."""
     kernel = sm90_build("qflash.kernels.attention_gluon", d, dtype, causal=causal, backward=True)
     ptx = kernel["ptx"]
@@ -249,6 +249,21 @@ def test_backward_builds_for_sm90(d, dtype, causal):
     assert "relaxed.add.f32" not in ptx and "ld.global" not in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)
+
+
+@pytest.mark.parametrize("dtype,causal", [(torch.bfloat16, False), (torch.float16, True)])
+def test_backward_dq_kernel_builds_for_sm90(dtype, causal):
+    """D = 256's dQ kernel, compiled offline: wgmma, Q / dO / K / V / lse / delta through TMA, no
+    atomic adds or reduces (each query block sums its own dQ), one CTA in shared memory, and
+    nothing that ptxas serialized or spilled."""
+    kernel = sm90_build("qflash.kernels.attention_gluon", 256, dtype, causal=causal, dq=True)
+    ptx = kernel["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    assert "cp.async.bulk.tensor.1d" in ptx  # lse and delta
+    assert "cp.reduce" not in ptx and "atom.global" not in ptx and "red.global" not in ptx and "ld.global" not in ptx
+    assert kernel["shared"] <= 227 * 1024
+    report = ptxas_report(ptx)
+    assert "serialized" not in report and "0 bytes spill stores" in report
 
 
 def test_backward_names_what_it_does_not_take():
@@ -296,19 +311,19 @@ def _spy_backward(monkeypatch, force=True):
 
 
 # How dQ is summed: at D = 64 / 128 by atomic adds or the copy engine's reduce-add; at D = 256 the
-# Gluon kernel computes dK and dV, and dQ is the tl dQ kernel's.
-DQ_SCHEDULES = {"dq_atomics": dict(DQ_TMA=False), "dq_tma_reduce": dict(DQ_TMA=True), "dq_tl_kernel": {}}
+# dK / dV kernel is followed by the dQ kernel, neither with atomics.
+DQ_SCHEDULES = {"dq_atomics": dict(DQ_TMA=False), "dq_tma_reduce": dict(DQ_TMA=True), "dq_kernel": {}}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,bottom_right,schedule", [
     pytest.param(*case, name, id=f"{'-'.join(map(str, case))}-{name}") for case in BWD_CASES
-    for name in (("dq_tl_kernel",) if case[5] == 256 else ("dq_atomics", "dq_tma_reduce"))])
+    for name in (("dq_kernel",) if case[5] == 256 else ("dq_atomics", "dq_tma_reduce"))])
 def test_gpu_backward_matches_reference(b, sq, sk, h, hkv, d, causal, bottom_right, schedule, dtype, monkeypatch):
     """Gradients through the public functions, which take the Gluon backward here: within 3x
     PyTorch's same-precision error against float64 (flash-attn's rule), every element written;
-    dQ summed by atomic adds or by the copy engine's reduce (D = 64 / 128), or by the tl dQ kernel
+    dQ summed by atomic adds or by the copy engine's reduce (D = 64 / 128), or by its own kernel
     (D = 256)."""
     from test_attention_backward import check_grads, _leaves
 

@@ -24,8 +24,7 @@ of storing them (FlashAttention-2): a preprocess pass computes
 blocks (and, for GQA, every query head of its group) to accumulate dK and dV, and
 another holds a Q block and sweeps the key blocks for dQ. No atomics: the
 gradients are bitwise identical from run to run. (On Hopper the public backward takes the
-Gluon kernel instead, ``attention_gluon.py``, unless determinism is asked for; at D = 256 that
-kernel computes dK and dV, and dQ still comes from the dQ kernel here.)
+Gluon kernels instead, ``attention_gluon.py``, unless determinism is asked for.)
 """
 
 from __future__ import annotations
@@ -1064,8 +1063,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256,
     lengths multiple of 128, not ``deterministic``) go there after the delta pass where
-    ``bwd_preferred`` says so (every head dim it has); at D = 256 it computes dK and dV, and dQ
-    comes from the tl dQ kernel here.
+    ``bwd_preferred`` says so (every head dim it has).
     """
     varlen = opts.varlen
     if varlen:
@@ -1098,36 +1096,27 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
-    def launch_dq(tma_ok: bool):
-        dq = new_output(q.shape, dtype=q.dtype, device=q.device)
-        num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
-        _bwd_dq_launcher[(num_m * batch * num_heads,)](
-            q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides,
-            *_bshd_strides(dq, varlen), *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
-            num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
-            HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
-        )
-        return dq
-
     if configs is None and _fast_backward_fits(dout, q, k, v, out, lse, opts):
         from qflash.kernels import attention_gluon
 
-        dq, dk, dv = attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
-                                                     causal=opts.window_right == 0, bottom_right=opts.bottom_right)
-        if dq is None:  # D = 256: the Gluon kernel computes dK and dV only
-            tma_ok = tma_compatible(q, k, v, dout)
-            if tma_ok and dq_cfg.use_tma:
-                ensure_descriptor_allocator(q.device)
-            dq = launch_dq(tma_ok)
-        return dq, dk, dv, None
+        return (*attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
+                                                 causal=opts.window_right == 0, bottom_right=opts.bottom_right),
+                None)
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
+    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
-    dq = launch_dq(tma_ok)
-    dk = new_output(k.shape, dtype=k.dtype, device=k.device)
-    dv = new_output(v.shape, dtype=v.dtype, device=v.device)
+    num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    _bwd_dq_launcher[(num_m * batch * num_heads,)](
+        q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
+        *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, kv_group=num_heads // heads_kv,
+        num_m_blocks=num_m, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
+        HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
+    )
     num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
         q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),

@@ -50,11 +50,12 @@ consumers, their latency had been the tile's: 1.08-1.20 x faster without it). Ea
 tile goes to a float32 buffer through shared memory and the copy engine's reduce-add
 (``cp.reduce.async.bulk.tensor``), which runs on while the consumer starts its next tile (or by
 float32 atomic adds from registers, DQ_TMA off); either way the sums arrive in any order, so dQ
-is not bitwise reproducible. At D = 256 (``_attn_bwd_dkdv_ws_kernel``) a CTA keeps 64 keys, the
-two consumers split dK and dV by head-dim halves (transposed, P and dS through shared memory),
-and dQ comes from the tl dQ kernel: reduced here it took as long as the rest (64 KB of float32 a
-tile pair). It is the public backward at every head dim (``bwd_preferred``; benchmarks/NOTES.md,
-eighth, sixteenth to eighteenth rounds).
+is not bitwise reproducible. At D = 256 two kernels run: ``_attn_bwd_dkdv_ws_kernel`` keeps 64
+keys a CTA, its two consumers splitting dK and dV by head-dim halves (transposed, P and dS through
+shared memory), and ``_attn_bwd_dq_ws_kernel`` keeps 64 query rows a CTA, its consumers splitting
+dQ the same way: summed in the first kernel, dQ's reduces (64 KB of float32 a tile pair) took as
+long as the rest. Neither has atomics. It is the public backward at every head dim
+(``bwd_preferred``; benchmarks/NOTES.md, eighth, sixteenth to eighteenth rounds).
 """
 
 from __future__ import annotations
@@ -622,9 +623,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     backward: bool = False, seqlen_k: int = 0):
-    """Build the forward (or backward) kernel for sm_90 without a GPU (what the CPU tests check):
-    the compiled kernel."""
+                     backward: bool = False, seqlen_k: int = 0, dq: bool = False):
+    """Build the forward (or backward; ``dq``: D = 256's dQ kernel) kernel for sm_90 without a GPU
+    (what the CPU tests check): the compiled kernel."""
+    if dq:
+        return _compile_dq_for_sm90(head_dim, dtype, causal)
     if backward:
         return _compile_backward_for_sm90(head_dim, dtype, causal)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
@@ -928,8 +931,9 @@ def _attn_bwd_dkdv_consumer(DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_sme
         P, dS -> shared memory ([64 rows, 64 keys]: each consumer writes its 32 columns)
         dV^T[my 128 dims] += dO^T P,  dK^T[my 128 dims] += Q^T dS
 
-    dQ is the tl dQ kernel's: summing it here (dS K through the copy engine's reduce-add, 64 KB of
-    float32 a tile pair, twice D = 128's bytes a FLOP) cost as much as the rest of the kernel."""
+    dQ is ``_attn_bwd_dq_ws_kernel``'s: summing it here (dS K through the copy engine's reduce-add,
+    64 KB of float32 a tile pair, twice D = 128's bytes a FLOP) cost as much as the rest of the
+    kernel (gluon_bwd_d256_ablation_h200_2026-11-30_s18c.json)."""
     BLOCK_M: gl.constexpr = q_ring.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     DO_SLOTS: gl.constexpr = do_ring.shape[0]
@@ -1054,6 +1058,154 @@ def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, lse_desc, 
     ], [4, 1], [240, 24])
 
 
+@gluon.jit
+def _dq_item(seqlen_q, seqlen_k, shift, num_heads, num_m_blocks, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """This CTA's query block (query blocks run fastest: the CTAs of one head read its K and V from
+    L2) and the key blocks its rows see: [0, n_full) by every row, [n_full, n_end) across the
+    causal diagonal."""
+    pid = gl.program_id(0)
+    m0 = (pid % num_m_blocks) * BLOCK_M
+    bh = pid // num_m_blocks
+    n_end = seqlen_k // BLOCK_N
+    n_full = n_end
+    if CAUSAL:
+        # Row i sees key j when j <= i + shift: the block's last row sees keys up to
+        # m0 + BLOCK_M - 1 + shift, its first row up to m0 + shift (clamped at 0 before dividing).
+        n_end = gl.minimum((gl.maximum(m0 + BLOCK_M + shift, 0) + BLOCK_N - 1) // BLOCK_N, n_end)
+        n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_end)
+    return bh // num_heads, bh % num_heads, m0, n_full, n_end
+
+
+@gluon.jit
+def _attn_bwd_dq_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                        k_ring, v_ring, q_ready, kv_ready, kv_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group,
+                        num_m_blocks, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: the CTA's Q, dO, lse and delta once, then K and V tiles through a ring."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_ring.shape[0]
+    b, h, m0, n_full, n_end = _dq_item(seqlen_q, seqlen_k, shift, num_heads, num_m_blocks, CAUSAL, BLOCK_M, BLOCK_N)
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0, h * HEAD_DIM], q_ready, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [b * seqlen_q + m0, h * HEAD_DIM], q_ready, do_smem)
+    tma.async_copy_global_to_shared(lse_desc, [(b * num_heads + h) * seqlen_q + m0], q_ready, lse_smem)
+    tma.async_copy_global_to_shared(delta_desc, [(b * num_heads + h) * seqlen_q + m0], q_ready, delta_smem)
+    kv_col = (h // kv_group) * HEAD_DIM
+    for j in range(n_end):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+        mbarrier.expect(kv_ready.index(s), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + j * BLOCK_N, kv_col], kv_ready.index(s),
+                                        k_ring.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + j * BLOCK_N, kv_col], kv_ready.index(s),
+                                        v_ring.index(s))
+
+
+@gluon.jit
+def _attn_bwd_dq_consumer(DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, ds_smem, q_ready, kv_ready,
+                          kv_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads, num_m_blocks, qk_scale,
+                          softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WHICH: gl.constexpr):
+    """One warpgroup of the D = 256 dQ kernel: the dK / dV kernel's layout with the roles of
+    queries and keys swapped. For each K / V tile, S = Q K^T and dP = dO V^T for my 32 of its 64
+    keys, dS = P * (dP - delta) into my 32 columns of a shared [64, 64] buffer, and then
+    dQ[:, my 128 head dims] += dS K (64 registers a thread; dQ stays in registers, no atomics)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    STAGES: gl.constexpr = k_ring.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2
+    DIMS: gl.constexpr = HEAD_DIM // 2
+    DIM0: gl.constexpr = WHICH * DIMS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DIMS, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    b, h, m0, n_full, n_end = _dq_item(seqlen_q, seqlen_k, shift, num_heads, num_m_blocks, CAUSAL, BLOCK_M, BLOCK_N)
+    zeros_s = gl.zeros((BLOCK_M, KEYS), gl.float32, s_layout)
+    dq = gl.zeros((BLOCK_M, DIMS), gl.float32, dq_layout)
+    mbarrier.wait(q_ready, 0)
+    lse = lse_smem.load(row_s) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
+    delta = delta_smem.load(row_s)  # [BLOCK_M]
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+    for j in range(n_end):
+        s = j % STAGES
+        k = k_ring.index(s)  # [BLOCK_N, HEAD_DIM]
+        v = v_ring.index(s)
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        st = warpgroup_mma(q_smem, k.slice(WHICH * KEYS, KEYS, dim=0).permute((1, 0)), zeros_s, use_acc=False,
+                           is_async=True)  # [BLOCK_M, KEYS]
+        dp = warpgroup_mma(do_smem, v.slice(WHICH * KEYS, KEYS, dim=0).permute((1, 0)), zeros_s, use_acc=False,
+                           is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # [BLOCK_M, KEYS]
+        if CAUSAL:
+            if j >= n_full:  # the diagonal: key c is visible to row i when c <= i + shift
+                keys = j * BLOCK_N + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1), p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
+        mbarrier.wait(ds_free, (j & 1) ^ 1)
+        ds_smem.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_smem.dtype))
+        fence_async_shared()  # the stores, visible to the tensor cores' reads
+        gl.thread_barrier()  # ... from all 128 threads before one of them arrives
+        mbarrier.arrive(ds_ready, count=1)
+        mbarrier.wait(ds_ready, j & 1)
+        dq = warpgroup_mma(ds_smem, k.slice(DIM0, DIMS, dim=1), dq, is_async=True)  # [BLOCK_M, DIMS]
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        mbarrier.arrive(ds_free, count=1)
+    # Rows m0.. of the (batch * seqlen_q, heads * headdim) view, my half of the head's columns,
+    # each thread holding 8 consecutive head dims (16-byte stores).
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                                warps_per_cta=[4, 1], order=[1, 0])
+    rows_o = b * seqlen_q + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    cols_o = h * HEAD_DIM + DIM0 + gl.arange(0, DIMS, layout=gl.SliceLayout(0, out_layout))
+    offs = gl.expand_dims(rows_o.to(gl.int64) * (num_heads * HEAD_DIM), 1) + gl.expand_dims(cols_o, 0)
+    gl.store(DQ + offs, gl.convert_layout((dq * softmax_scale).to(DQ.dtype.element_ty), out_layout))
+
+
+@gluon.jit
+def _attn_bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, DQ, lse_desc, delta_desc, seqlen_q, seqlen_k, shift,
+                           num_heads, kv_group, num_m_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """dQ at D = 256: one CTA per (64 query rows, batch, head), two consumer warpgroups
+    (``_attn_bwd_dq_consumer``) and a loader warp; K and V tiles of 64 keys in a ring of STAGES
+    slots."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], delta_desc.layout)
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
+    mbarrier.init(ds_ready, count=2)
+    mbarrier.init(ds_free, count=2)
+    gl.warp_specialize([
+        (_attn_bwd_dq_consumer, (DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, ds_smem, q_ready, kv_ready,
+                                 kv_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads, num_m_blocks,
+                                 qk_scale, softmax_scale, HEAD_DIM, CAUSAL, 0)),
+        (_attn_bwd_dq_consumer, (DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, ds_smem, q_ready, kv_ready,
+                                 kv_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads, num_m_blocks,
+                                 qk_scale, softmax_scale, HEAD_DIM, CAUSAL, 1)),
+        (_attn_bwd_dq_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                               delta_smem, k_ring, v_ring, q_ready, kv_ready, kv_empty, seqlen_q, seqlen_k, shift,
+                               num_heads, kv_group, num_m_blocks, HEAD_DIM, CAUSAL)),
+    ], [4, 1], [240, 24])
+
+
 @functools.lru_cache(maxsize=None)
 def _bwd_kv_layout(head_dim: int):
     """K and V in shared memory for the backward: each consumer reads the columns of its half of
@@ -1085,11 +1237,10 @@ def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     D = 128): 408 / 506 / 516 against the tl kernels' 330 / 414 / 400 without a mask, 298 / 451 /
     505 against 255 / 364 / 399 causal; at D = 64 (..._stages_d64_..._s17f.json) 344 / 427 / 442
     against 323 / 365 / 389 and 255 / 380 / 416 against 228 / 327 / 361. Through the public
-    functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json). At D = 256
-    (this dK / dV kernel and the tl dQ kernel) 1.15-1.18 x the tl kernels
-    (gluon_bwd_d256_dkdv_variants_h200_2026-11-30_s18h.json, one dO slot). Calls that ask for
-    determinism keep to the tl kernels (``_fast_backward_fits``): at D = 64 / 128 dQ's sums
-    arrive in any order."""
+    functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json); at D = 256
+    (the dK / dV and dQ kernels) 1.21-1.45 x (attention_bwd_d256_h200_2026-11-30_s18l.json).
+    Calls that ask for determinism keep to the tl kernels (``_fast_backward_fits``): at D = 64 /
+    128 dQ's sums arrive in any order."""
     return head_dim in HEAD_DIMS
 
 
@@ -1109,15 +1260,37 @@ def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 _bwd_launcher = CachedLauncher(_attn_bwd_ws_kernel)
 _bwd_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv_ws_kernel)
+_bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_ws_kernel)
+DQ_STAGES = 2  # K / V ring slots of the D = 256 dQ kernel
+
+
+def launch_dq(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+              delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, stages: int = DQ_STAGES):
+    """dq (like q) at D = 256 for a call that ``bwd_why_not`` has accepted: every query block sums
+    its own dQ in registers (no atomics, bitwise reproducible)."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
+    kv_layout = _bwd_kv_layout(head_dim)
+    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+    num_m_blocks = seqlen_q // BWD_BLOCK_M
+    _bwd_dq_launcher[(num_m_blocks * batch * heads,)](
+        _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
+        _rows_descriptor(k, WIDE_BLOCK_N, kv_layout), _rows_descriptor(v, WIDE_BLOCK_N, kv_layout), dq,
+        _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k,
+        seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv, num_m_blocks,
+        softmax_scale * RCP_LN2.value, softmax_scale, HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, num_warps=4,
+    )
+    return dq
 
 
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, **variant):
     """(dq, dk, dv) for a call that ``bwd_why_not`` has accepted, given the forward's lse and
-    delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. dQ is summed
-    in a float32 buffer (reduce-adds or atomic adds, in any order), so it can differ in the last
-    bits from run to run. At D = 256 dq is None: this kernel computes dK and dV only, and the
-    caller runs the tl dQ kernel (``attention.attention_backward``).
+    delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. At D = 64 / 128
+    dQ is summed in a float32 buffer (reduce-adds or atomic adds, in any order), so it can differ
+    in the last bits from run to run; at D = 256 two kernels run, dK / dV and then dQ
+    (``launch_dq``), both without atomics.
     ``variant`` overrides ``bwd_variant`` (to measure the others)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -1137,7 +1310,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if wide:
         _bwd_dkdv_launcher[(num_n_blocks * batch * heads_kv,)](
             *common, *rest, HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant)
-        return None, dk, dv
+        return launch_dq(dout, q, k, v, lse, delta, softmax_scale, causal, bottom_right), dk, dv
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
         *common, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2), *rest,
@@ -1169,3 +1342,17 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     kernel = _attn_bwd_dkdv_ws_kernel if wide else _attn_bwd_ws_kernel
     return build_for_sm90(kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
                                               **{**bwd_variant(head_dim, causal), **variant}))
+
+
+def _compile_dq_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
+    kv = _bwd_kv_layout(head_dim)
+    rows = f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>"
+    types = {"q_desc": f"tensordesc<{name}[{BWD_BLOCK_M}, {head_dim}],{qo!r}>",
+             "do_desc": f"tensordesc<{name}[{BWD_BLOCK_M}, {head_dim}],{qo!r}>",
+             "k_desc": f"tensordesc<{name}[{WIDE_BLOCK_N}, {head_dim}],{kv!r}>",
+             "v_desc": f"tensordesc<{name}[{WIDE_BLOCK_N}, {head_dim}],{kv!r}>", "DQ": f"*{name}",
+             "lse_desc": rows, "delta_desc": rows, "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
+             "num_heads": "i32", "kv_group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
+    return build_for_sm90(_attn_bwd_dq_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=DQ_STAGES, CAUSAL=causal))
