@@ -598,8 +598,8 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
 def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, opts: AttnOptions) -> bool:
     """Whether the Gluon backward (Hopper, D = 64 / 128 / 256) takes this call: as the forward, and
-    neither ``deterministic`` nor ``torch.use_deterministic_algorithms`` asked for (its dQ is
-    summed in any order)."""
+    neither ``deterministic`` nor ``torch.use_deterministic_algorithms`` asked for (at D = 64 /
+    128 its dQ is summed in any order)."""
     if not _plain(q, opts) or opts.deterministic or torch.are_deterministic_algorithms_enabled():
         return False
     from qflash.kernels import attention_gluon
