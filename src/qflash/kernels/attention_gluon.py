@@ -86,6 +86,13 @@ EVEN_ENOUGH = 1.04
 SHORT_HEAD = 4  # query blocks a head: at most this many, a group spans at least a round of items
 
 
+@gluon.constexpr_function
+def _acc_layout(cols):
+    """The registers of one warpgroup's wgmma accumulator with ``cols`` columns (m64 x cols x k16
+    instructions, rows in steps of 64)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 # Row reductions written out: gl.max / gl.sum are triton.jit functions, which Triton's
 # interpreter mode (the CPU tests) replaces by Python ones that a Gluon build cannot call.
 @gluon.jit
@@ -252,10 +259,8 @@ def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready
     BLOCK_N: gl.constexpr = k_ring.shape[1]
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     # wgmma accumulators: scores [ROWS, BLOCK_N] and output [ROWS, HEAD_DIM], 4 warps down M.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -790,12 +795,9 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
     # each adds half of dQ's columns.
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     DQ_COL0: gl.constexpr = WHICH * DQ_COLS
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+    st_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    kv_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = _acc_layout(DQ_COLS)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_st: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row (a column of S^T)
     b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
@@ -917,6 +919,20 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
 
 
 @gluon.jit
+def _tile_p_ds(st, dp, lse, delta, qk_scale, rows, keys, shift, diagonal, CAUSAL: gl.constexpr):
+    """P = exp2(S * scale * log2 e - lse * log2 e) and dS = P * (dP - delta) for a [rows, keys]
+    tile of the D = 256 kernels, once S and then dP (issued in that order) are done. On a tile
+    across the causal diagonal (``diagonal``) key j is visible to row i when j <= i + shift."""
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # [ROWS, KEYS]
+    if CAUSAL:
+        if diagonal:
+            p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1), p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+    return p, p * (dp - gl.expand_dims(delta, 1))
+
+
+@gluon.jit
 def _attn_bwd_dkdv_consumer(DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                             q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free, seqlen_q, seqlen_k, shift,
                             num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
@@ -940,10 +956,8 @@ def _attn_bwd_dkdv_consumer(DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_sme
     KEYS: gl.constexpr = BLOCK_N // 2  # keys of S and dP a consumer computes
     DIMS: gl.constexpr = HEAD_DIM // 2  # head dims of dK and dV a consumer owns
     DIM0: gl.constexpr = WHICH * DIMS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, KEYS, 16])
-    kvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = _acc_layout(KEYS)
+    kvt_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
     b, h_kv, n0, m_lo, m_full, m_end = _bwd_item(seqlen_q, seqlen_k, shift, num_heads_kv, num_n_blocks, CAUSAL,
                                                  BLOCK_M, BLOCK_N)
@@ -968,14 +982,9 @@ def _attn_bwd_dkdv_consumer(DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_sme
         dp = warpgroup_mma(do, v_mine.permute((1, 0)), zeros_s, use_acc=False, is_async=True)  # [BLOCK_M, KEYS]
         lse = lse_ring.index(s).load(row_s) * RCP_LN2  # [BLOCK_M], log2 domain; +inf for rows that see no key
         delta = delta_ring.index(s).load(row_s)  # [BLOCK_M]
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # [BLOCK_M, KEYS]
-        if CAUSAL:
-            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-            if m0 < m_full * BLOCK_M:  # the diagonal: key j is visible to row i when j <= i + shift
-                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1), p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+        p, ds = _tile_p_ds(st, dp, lse, delta, qk_scale, rows, keys, shift, m0 < m_full * BLOCK_M,
+                           CAUSAL)  # [BLOCK_M, KEYS]
 
         # Both consumers' halves of P and dS in shared memory, [BLOCK_M, BLOCK_N] each, once the
         # last tile's products have read them.
@@ -1116,10 +1125,8 @@ def _attn_bwd_dq_consumer(DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_r
     KEYS: gl.constexpr = BLOCK_N // 2
     DIMS: gl.constexpr = HEAD_DIM // 2
     DIM0: gl.constexpr = WHICH * DIMS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, KEYS, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DIMS, 16])
+    s_layout: gl.constexpr = _acc_layout(KEYS)
+    dq_layout: gl.constexpr = _acc_layout(DIMS)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     b, h, m0, n_full, n_end = _dq_item(seqlen_q, seqlen_k, shift, num_heads, num_m_blocks, CAUSAL, BLOCK_M, BLOCK_N)
     zeros_s = gl.zeros((BLOCK_M, KEYS), gl.float32, s_layout)
@@ -1137,14 +1144,8 @@ def _attn_bwd_dq_consumer(DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_r
                            is_async=True)  # [BLOCK_M, KEYS]
         dp = warpgroup_mma(do_smem, v.slice(WHICH * KEYS, KEYS, dim=0).permute((1, 0)), zeros_s, use_acc=False,
                            is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # [BLOCK_M, KEYS]
-        if CAUSAL:
-            if j >= n_full:  # the diagonal: key c is visible to row i when c <= i + shift
-                keys = j * BLOCK_N + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1), p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        ds = p * (dp - gl.expand_dims(delta, 1))  # [BLOCK_M, KEYS]
+        keys = j * BLOCK_N + WHICH * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        _, ds = _tile_p_ds(st, dp, lse, delta, qk_scale, rows, keys, shift, j >= n_full, CAUSAL)  # [BLOCK_M, KEYS]
         mbarrier.wait(ds_free, (j & 1) ^ 1)
         ds_smem.slice(WHICH * KEYS, KEYS, dim=1).store(ds.to(q_smem.dtype))
         fence_async_shared()  # the stores, visible to the tensor cores' reads
