@@ -871,6 +871,22 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
+def _bwd_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 DO_SLOTS: gl.constexpr):
+    """The dK / dV kernels' shared memory for what the loader brings: rings of STAGES slots for Q,
+    lse and delta and of DO_SLOTS for dO, and the CTA's K and V block."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(do_desc.dtype, [DO_SLOTS, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    return q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem
+
+
+@gluon.jit
 def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, lse_desc, delta_desc, seqlen_q, seqlen_k,
                         shift, num_heads_kv, kv_group, num_n_blocks, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -879,12 +895,8 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     reduce-add from shared memory, DQ_TMA, or by atomic adds)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem = _bwd_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc,
+                                                                        delta_desc, HEAD_DIM, STAGES, STAGES)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     # Each consumer's dQ tiles on their way to the copy engine's reduce: two buffers each.
@@ -1025,12 +1037,8 @@ def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, lse_desc, 
     DO_SLOTS with barriers of its own (released as soon as dV^T is done)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_ring = gl.allocate_shared_memory(do_desc.dtype, [DO_SLOTS, BLOCK_M, HEAD_DIM], do_desc.layout)
-    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem = _bwd_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc,
+                                                                        delta_desc, HEAD_DIM, STAGES, DO_SLOTS)
     # P and dS, [BLOCK_M, BLOCK_N]: each consumer writes 32 of the 64 columns, a whole 64-byte
     # swizzle atom.
     pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
