@@ -50,7 +50,7 @@ for stage in "${stages[@]}"; do
     gluonbwd) timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/test_attention_gluon.py -m gpu -q -p no:cacheprovider -n 8 \
               -k "backward or gradients" 2>&1 | tee "$OUT/gpu_tests_gluon_bwd.log" | tail -n 25
             timeout 300 python3 -m qflash.cli bench attention-backward --seqlens ${SEQLENS:-1024,4096,16384} \
-              --providers ${GLUON_PROVIDERS:-qflash,qflash_deterministic,sdpa_cudnn,sdpa_flash} --head-dims ${HEAD_DIMS:-64,128} \
+              --providers ${GLUON_PROVIDERS:-qflash,qflash_deterministic,sdpa_cudnn,sdpa_flash} --head-dims ${HEAD_DIMS:-64,128,256} \
               --out "$OUT/attention_bwd_gluon.json" 2>&1 | tail -n 40 ;;
     gluonmm) timeout 200 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q -p no:cacheprovider -n 8 2>&1 \
               | tee "$OUT/gpu_tests_gluon_matmul.log" | tail -n 15
