@@ -631,10 +631,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      backward: bool = False, seqlen_k: int = 0, dq: bool = False):
     """Build the forward (or backward; ``dq``: D = 256's dQ kernel) kernel for sm_90 without a GPU
     (what the CPU tests check): the compiled kernel."""
-    if dq:
-        return _compile_dq_for_sm90(head_dim, dtype, causal)
-    if backward:
-        return _compile_backward_for_sm90(head_dim, dtype, causal)
+    if backward or dq:
+        return _compile_backward_for_sm90(head_dim, dtype, causal, dq=dq)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def desc(rows: int, cols: int = head_dim) -> str:
@@ -1273,33 +1271,13 @@ _bwd_dq_launcher = CachedLauncher(_attn_bwd_dq_ws_kernel)
 DQ_STAGES = 2  # K / V ring slots of the D = 256 dQ kernel
 
 
-def launch_dq(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-              delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, stages: int = DQ_STAGES):
-    """dq (like q) at D = 256 for a call that ``bwd_why_not`` has accepted: every query block sums
-    its own dQ in registers (no atomics, bitwise reproducible)."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    qo_layout = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[q.dtype])
-    kv_layout = _bwd_kv_layout(head_dim)
-    dq = new_output(q.shape, dtype=q.dtype, device=q.device)
-    num_m_blocks = seqlen_q // BWD_BLOCK_M
-    _bwd_dq_launcher[(num_m_blocks * batch * heads,)](
-        _rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
-        _rows_descriptor(k, WIDE_BLOCK_N, kv_layout), _rows_descriptor(v, WIDE_BLOCK_N, kv_layout), dq,
-        _vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k,
-        seqlen_k - seqlen_q if bottom_right else 0, heads, heads // heads_kv, num_m_blocks,
-        softmax_scale * RCP_LN2.value, softmax_scale, HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, num_warps=4,
-    )
-    return dq
-
-
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     delta: torch.Tensor, softmax_scale: float, causal: bool, bottom_right: bool, **variant):
     """(dq, dk, dv) for a call that ``bwd_why_not`` has accepted, given the forward's lse and
     delta = rowsum(dO * O), both (batch, heads, seqlen_q) float32 and contiguous. At D = 64 / 128
     dQ is summed in a float32 buffer (reduce-adds or atomic adds, in any order), so it can differ
-    in the last bits from run to run; at D = 256 two kernels run, dK / dV and then dQ
-    (``launch_dq``), both without atomics.
+    in the last bits from run to run; at D = 256 two kernels run, dK / dV and then dQ, both
+    without atomics.
     ``variant`` overrides ``bwd_variant`` (to measure the others)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -1311,24 +1289,33 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
     num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
-    common = (_rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
-              _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout), dk, dv)
-    rest = (_vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift,
-            heads_kv, heads // heads_kv, num_n_blocks, softmax_scale * RCP_LN2.value, softmax_scale)
+    tiles = (_rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
+             _rows_descriptor(k, block_n, kv_layout), _rows_descriptor(v, block_n, kv_layout))
+    rows = (_vector_descriptor(lse, BWD_BLOCK_M), _vector_descriptor(delta, BWD_BLOCK_M), seqlen_q, seqlen_k, shift)
+    scales = (softmax_scale * RCP_LN2.value, softmax_scale)
     variant = {**bwd_variant(head_dim, causal), **variant}
     if wide:
         _bwd_dkdv_launcher[(num_n_blocks * batch * heads_kv,)](
-            *common, *rest, HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant)
-        return launch_dq(dout, q, k, v, lse, delta, softmax_scale, causal, bottom_right), dk, dv
+            *tiles, dk, dv, *rows, heads_kv, heads // heads_kv, num_n_blocks, *scales,
+            HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant)
+        # dQ from the same descriptors: 64 query rows a CTA, K / V in 64-key tiles.
+        dq = new_output(q.shape, dtype=q.dtype, device=q.device)
+        num_m_blocks = seqlen_q // BWD_BLOCK_M
+        _bwd_dq_launcher[(num_m_blocks * batch * heads,)](
+            *tiles, dq, *rows, heads, heads // heads_kv, num_m_blocks, *scales,
+            HEAD_DIM=head_dim, STAGES=DQ_STAGES, CAUSAL=causal, num_warps=4)
+        return dq, dk, dv
     dq_acc = torch.zeros((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
     _bwd_launcher[(num_n_blocks * batch * heads_kv,)](
-        *common, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2), *rest,
-        HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant,
+        *tiles, dk, dv, dq_acc, _rows_descriptor(dq_acc, BWD_BLOCK_M, _bwd_dq_layout(head_dim), head_dim // 2), *rows,
+        heads_kv, heads // heads_kv, num_n_blocks, *scales, HEAD_DIM=head_dim, CAUSAL=causal, num_warps=4, **variant,
     )
     return dq_acc.to(q.dtype), dk, dv
 
 
-def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, **variant):
+def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, dq: bool = False, **variant):
+    """The backward kernel for sm_90 without a GPU, typed as ``launch_backward`` launches it (``dq``:
+    D = 256's dQ kernel)."""
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
     def desc(rows: int, layout) -> str:
@@ -1338,30 +1325,17 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
     kv = _bwd_kv_layout(head_dim)
     wide = head_dim > 128
     block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
+    vector = f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>"
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
-             "v_desc": desc(block_n, kv), "DK": f"*{name}", "DV": f"*{name}",
-             "lse_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>",
-             "delta_desc": f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>", "seqlen_q": "i32",
-             "seqlen_k": "i32", "shift": "i32",
-             "num_heads_kv": "i32", "kv_group": "i32", "num_n_blocks": "i32", "qk_scale": "fp32",
-             "softmax_scale": "fp32"}
+             "v_desc": desc(block_n, kv), "lse_desc": vector, "delta_desc": vector, "seqlen_q": "i32",
+             "seqlen_k": "i32", "shift": "i32", "kv_group": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
+    if dq:
+        types.update(DQ=f"*{name}", num_heads="i32", num_m_blocks="i32")
+        return build_for_sm90(_attn_bwd_dq_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=DQ_STAGES, CAUSAL=causal))
+    types.update(DK=f"*{name}", DV=f"*{name}", num_heads_kv="i32", num_n_blocks="i32")
     if not wide:
         types.update(DQ="*fp32", dq_desc=f"tensordesc<fp32[{BWD_BLOCK_M}, {head_dim // 2}],"
                                          f"{_bwd_dq_layout(head_dim)!r}>")
     kernel = _attn_bwd_dkdv_ws_kernel if wide else _attn_bwd_ws_kernel
     return build_for_sm90(kernel, types, dict(HEAD_DIM=head_dim, CAUSAL=causal,
                                               **{**bwd_variant(head_dim, causal), **variant}))
-
-
-def _compile_dq_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool):
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
-    kv = _bwd_kv_layout(head_dim)
-    rows = f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>"
-    types = {"q_desc": f"tensordesc<{name}[{BWD_BLOCK_M}, {head_dim}],{qo!r}>",
-             "do_desc": f"tensordesc<{name}[{BWD_BLOCK_M}, {head_dim}],{qo!r}>",
-             "k_desc": f"tensordesc<{name}[{WIDE_BLOCK_N}, {head_dim}],{kv!r}>",
-             "v_desc": f"tensordesc<{name}[{WIDE_BLOCK_N}, {head_dim}],{kv!r}>", "DQ": f"*{name}",
-             "lse_desc": rows, "delta_desc": rows, "seqlen_q": "i32", "seqlen_k": "i32", "shift": "i32",
-             "num_heads": "i32", "kv_group": "i32", "num_m_blocks": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
-    return build_for_sm90(_attn_bwd_dq_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=DQ_STAGES, CAUSAL=causal))
