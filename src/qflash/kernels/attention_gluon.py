@@ -869,6 +869,18 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
+def _ring_barriers(SLOTS: gl.constexpr, FILLS: gl.constexpr, RELEASES: gl.constexpr):
+    """(ready, empty) barriers of a ring of SLOTS shared-memory slots: ready[s] completes after
+    FILLS arrivals (the copies' expect counts one), empty[s] once RELEASES consumers let go."""
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(s), count=FILLS)
+        mbarrier.init(empty.index(s), count=RELEASES)
+    return ready, empty
+
+
+@gluon.jit
 def _bwd_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                  DO_SLOTS: gl.constexpr):
     """The dK / dV kernels' shared memory for what the loader brings: rings of STAGES slots for Q,
@@ -902,17 +914,9 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
-    for s in gl.static_range(2):
-        mbarrier.init(ds_ready.index(s), count=2)
-        mbarrier.init(ds_free.index(s), count=2)
+    q_ready, q_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    ds_ready, ds_free = _ring_barriers(2, 2, 2)  # both consumers write their half, both read it
     gl.warp_specialize([
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
                               ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
@@ -1043,19 +1047,11 @@ def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, lse_desc, 
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [DO_SLOTS, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [DO_SLOTS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    q_ready, q_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    do_ready, do_empty = _ring_barriers(DO_SLOTS, 1, 2)
     pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=2)  # both consumers release a slot
-    for s in gl.static_range(DO_SLOTS):
-        mbarrier.init(do_ready.index(s), count=1)
-        mbarrier.init(do_empty.index(s), count=2)
     mbarrier.init(pds_ready, count=2)
     mbarrier.init(pds_free, count=2)
     gl.warp_specialize([
@@ -1190,14 +1186,10 @@ def _attn_bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, DQ, lse_desc, delta_
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    kv_ready, kv_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)  # both consumers release a slot
     mbarrier.init(ds_ready, count=2)
     mbarrier.init(ds_free, count=2)
     gl.warp_specialize([
