@@ -152,10 +152,39 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+def _fp8_product(a, b, fresh, turn, which, j, SCHEDULE: gl.constexpr):
+    """One FP8 product of a K step, A (64 x 128) times B^T (128 x 128 columns), into a fresh partial,
+    waited for. SCHEDULE (an experiment): 0 the consumers issue when their slot has landed; 1 they
+    take turns issuing, the turn passed on once issued; 2 turns, each product in two 64-deep halves,
+    the turn passed once the first half is done; 3 consumer 1 waits once, at its first product, for
+    consumer 0's first product to finish (a one-time stagger)."""
+    BK: gl.constexpr = a.shape[1]
+    if SCHEDULE == 1 or SCHEDULE == 2:
+        mbarrier.wait(turn.index(which), (j & 1) ^ (1 - which))
+    if SCHEDULE == 3:
+        mbarrier.wait(turn.index(1), 0, pred=(which == 1) & (j == 0))
+    if SCHEDULE == 2:
+        first = warpgroup_mma(a.slice(0, BK // 2, dim=1), b.slice(0, BK // 2, dim=1).permute((1, 0)), fresh,
+                              use_acc=False, is_async=True)
+        part = warpgroup_mma(a.slice(BK // 2, BK // 2, dim=1), b.slice(BK // 2, BK // 2, dim=1).permute((1, 0)),
+                             first, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=1, deps=(part,))
+        mbarrier.arrive(turn.index(1 - which), count=1)
+    else:
+        part = warpgroup_mma(a, b.permute((1, 0)), fresh, use_acc=False, is_async=True)
+        if SCHEDULE == 1:
+            mbarrier.arrive(turn.index(1 - which), count=1)
+    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+    if SCHEDULE == 3:
+        mbarrier.arrive(turn.index(1), count=1, pred=(which == 0) & (j == 0))
+    return part
+
+
+@gluon.jit
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr):
+                 SPLIT_K: gl.constexpr, SCHEDULE: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -173,6 +202,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0
+    j = 0  # FP8 products this consumer has issued (SCHEDULE: its turns)
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         if IS_INT8:
@@ -209,24 +239,54 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     hi_ok = False
                 a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
-            for kk in range(k_lo, k_hi):
+            if SCHEDULE == 4 and not WIDE:
+                # K steps in pairs, two partials: the first step's is scaled and added while the
+                # second's product runs. An odd last step goes through the loop below.
+                for kk in range(k_lo, k_hi - 1, 2):
+                    s0 = c % STAGES
+                    s1 = (c + 1) % STAGES
+                    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+                    p0 = warpgroup_mma(a_ring.index(2 * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
+                                       use_acc=False, is_async=True)
+                    mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
+                    p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
+                                       use_acc=False, is_async=True)
+                    if SCALES == SCALES_BLOCK:
+                        a_sc1, b_sc1, b_sc1_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                              stride_ask, stride_bsn, stride_bsk)
+                    p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    if SCALES == SCALES_BLOCK:
+                        acc = acc + p0 * gl.expand_dims(a_sc * b_sc, 1)
+                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
+                                                           stride_ask, stride_bsn, stride_bsk)
+                    else:
+                        acc = acc + p0
+                    p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                    mbarrier.arrive(empty.index(s1), count=1)
+                    if SCALES == SCALES_BLOCK:
+                        acc = acc + p1 * gl.expand_dims(a_sc1 * b_sc1, 1)
+                    else:
+                        acc = acc + p1
+                    c += 2
+            k_first = k_lo + (k_hi - k_lo) // 2 * 2 if SCHEDULE == 4 and not WIDE else k_lo
+            for kk in range(k_first, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
-                part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
                     a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                part = _fp8_product(a, b.slice(0, HALF), fresh, turn, which, j, SCHEDULE)
+                j += 1
                 if SCALES == SCALES_BLOCK:
                     acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
                 else:
                     acc = acc + part
                 if WIDE:
-                    part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
-                                         is_async=True)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    part = _fp8_product(a, b.slice(HALF, HALF), fresh, turn, which, j, SCHEDULE)
+                    j += 1
                     if SCALES == SCALES_BLOCK:
                         acc_hi = acc_hi + part * gl.expand_dims(a_sc * b_sc_hi, 1)
                     else:
@@ -251,7 +311,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, SCHEDULE: gl.constexpr = 0):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -266,14 +326,17 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # SCHEDULE: whose product next
+    for w in gl.static_range(2):
+        mbarrier.init(turn.index(w), count=1)
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K,
+                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
+                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SCHEDULE)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K,
+                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES,
+                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SCHEDULE)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
@@ -367,7 +430,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int) -> _Plan:
+          group_m: int, sms: int, schedule: int = 0) -> _Plan:
     config = tile_config(m, n, k, int8, sms)
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -385,7 +448,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, SCHEDULE=schedule)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -402,7 +465,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M) -> torch.Tensor:
+           group_m: int = GROUP_M, schedule: int = 0) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -414,7 +477,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device))
+                 split_k, group_m, sm_count(a_q.device), schedule)
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -437,7 +500,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1):
+                     tma_store: bool = False, split_k: int = 1, schedule: int = 0):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -453,5 +516,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, SCHEDULE=schedule)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
