@@ -32,21 +32,16 @@ VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 def variant(text):
     """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, split_k=1, group_m=16); 'auto' ->
-    tile_config's choice; a trailing 'S<n>' picks the consumers' schedule n (``launch``'s ``schedule``)."""
-    schedule = re.search(r"S(\d+)$", text)
-    if schedule:
-        text = text[:schedule.start()]
-    out = {} if text == "auto" else None
+    tile_config's choice."""
+    if text == "auto":
+        return {}
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
-    if out is None and match is None:
-        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], then [S<n>], got {text!r}")
-    if match:
-        block_n, stages, tma, split, group = match.groups()
-        out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
-        if group:
-            out["group_m"] = int(group)
-    if schedule:
-        out["schedule"] = int(schedule.group(1))
+    if match is None:
+        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
+    block_n, stages, tma, split, group = match.groups()
+    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
+    if group:
+        out["group_m"] = int(group)
     return out
 
 

@@ -19,13 +19,15 @@ gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 @pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
     (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, False, 1),
     (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4),
-    (False, "block", 256, 3, True, 1)])
+    (False, "block", 256, 3, True, 1), (False, "block", 128, 5, True, 1), (False, "tensor", 128, 5, True, 3)])
 def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
     product into its float32 total (twice the float32 adds of the INT8 build). 256-wide FP8 tiles
     run as two 128-wide halves; C (or split K's partial sums) can leave through shared memory and
-    bulk copies."""
+    bulk copies. 128-wide FP8 tiles take their K steps in pairs: the first partial is added while
+    the second's product is still in flight (a wait that leaves one group outstanding), with block
+    scales by fused multiply-adds."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
                         tma_store=tma_store, split_k=split_k)
     ptx = kernel["ptx"]
@@ -39,7 +41,10 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
         def adds(text):
             return len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
 
-        assert adds(ptx) > adds(sm90_build("qflash.kernels.matmul_gluon", True, scales)["ptx"])
+        if not (scales == "block" and block_n == 128):  # there: fused multiply-adds
+            assert adds(ptx) > adds(sm90_build("qflash.kernels.matmul_gluon", True, scales)["ptx"])
+        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == (block_n == 128)
+        assert ("fma.rn.f32" in ptx) == (scales == "block" and block_n == 128)
 
 
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
@@ -214,6 +219,10 @@ def test_tile_config_follows_the_measurements():
     below that, with K split when the tiles fill less than half the SMs; INT8 as in session 7."""
     assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1)
     assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1)  # 128 wide tiles: 0.97 wave
+    # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
+    assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1)
+    assert gluon.tile_config(1024, 10240, 8192, int8=False) == (128, 5, True, 1)  # 0.81 -> 0.97
+    assert gluon.tile_config(8192, 10240, 8192, int8=False) == (256, 3, True, 1)  # 0.97 vs 0.995: wide
     assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1)  # 80 tiles: no split
     assert gluon.tile_config(128, 4096, 4096, int8=False) == (128, 5, True, 4)  # 32 tiles: 4 runs of K
     assert gluon.tile_config(128, 6144, 4096, int8=False) == (128, 5, True, 2)

@@ -24,10 +24,11 @@ weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exa
 FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
 bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
-tile is two 128-wide halves that take turns with one partial. Scales: per tensor, or per row of
+tile is two 128-wide halves that take turns with one partial; a 128-wide tile takes its K steps
+in pairs with two partials, so that its own next product runs while it adds. Scales: per tensor, or per row of
 A times per row of B (an output column), applied in the epilogue in the reference's order, with
 the launch's floating-point fusion off so that INT8 results are bit-exact; block scales (1 x 128
-for A, 128 x 128 for B) multiply each K step's partial. With split K each run's sum goes
+for A, 128 x 128 for B) multiply each K step's partial (in 128-wide tiles by fused multiply-adds). With split K each run's sum goes
 unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
 fixed order and applies the scales and bias.
 """
@@ -152,39 +153,22 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 
 
 @gluon.jit
-def _fp8_product(a, b, fresh, turn, which, j, SCHEDULE: gl.constexpr):
-    """One FP8 product of a K step, A (64 x 128) times B^T (128 x 128 columns), into a fresh partial,
-    waited for. SCHEDULE (an experiment): 0 the consumers issue when their slot has landed; 1 they
-    take turns issuing, the turn passed on once issued; 2 turns, each product in two 64-deep halves,
-    the turn passed once the first half is done; 3 consumer 1 waits once, at its first product, for
-    consumer 0's first product to finish (a one-time stagger)."""
-    BK: gl.constexpr = a.shape[1]
-    if SCHEDULE == 1 or SCHEDULE == 2:
-        mbarrier.wait(turn.index(which), (j & 1) ^ (1 - which))
-    if SCHEDULE == 3:
-        mbarrier.wait(turn.index(1), 0, pred=(which == 1) & (j == 0))
-    if SCHEDULE == 2:
-        first = warpgroup_mma(a.slice(0, BK // 2, dim=1), b.slice(0, BK // 2, dim=1).permute((1, 0)), fresh,
-                              use_acc=False, is_async=True)
-        part = warpgroup_mma(a.slice(BK // 2, BK // 2, dim=1), b.slice(BK // 2, BK // 2, dim=1).permute((1, 0)),
-                             first, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=1, deps=(part,))
-        mbarrier.arrive(turn.index(1 - which), count=1)
-    else:
-        part = warpgroup_mma(a, b.permute((1, 0)), fresh, use_acc=False, is_async=True)
-        if SCHEDULE == 1:
-            mbarrier.arrive(turn.index(1 - which), count=1)
-    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-    if SCHEDULE == 3:
-        mbarrier.arrive(turn.index(1), count=1, pred=(which == 0) & (j == 0))
-    return part
+def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
+    """The float32 total plus one K step's partial; with block scales the partial is times its
+    A rows' and B block's scales first, in one fused multiply-add a element with FUSED (a 256-wide
+    tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
+    if SCALES == SCALES_BLOCK:
+        if FUSED:
+            return gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
+        return acc + part * gl.expand_dims(a_sc * b_sc, 1)
+    return acc + part
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K, stride_cm,
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, SCHEDULE: gl.constexpr):
+                 SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -202,7 +186,6 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0
-    j = 0  # FP8 products this consumer has issued (SCHEDULE: its turns)
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         if IS_INT8:
@@ -221,9 +204,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
-            # runs. (Reading a partial before its wait, or carrying one in flight into the next
-            # iteration, makes ptxas serialize every wgmma.) A wide tile's halves take turns with
-            # one partial: 128 + 64 registers of float32 a thread instead of 256.
+            # (and in a narrow tile, this consumer's next one) runs. (Reading a partial before its
+            # wait, or carrying one in flight into the next iteration, makes ptxas serialize every
+            # wgmma.) A wide tile's halves take turns with one partial: 128 + 64 registers of
+            # float32 a thread instead of 256; a narrow tile has 64 + 2 x 64.
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
@@ -239,10 +223,14 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     hi_ok = False
                 a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
-            if SCHEDULE == 4 and not WIDE:
-                # K steps in pairs, two partials: the first step's is scaled and added while the
-                # second's product runs. An odd last step goes through the loop below.
-                for kk in range(k_lo, k_hi - 1, 2):
+            else:
+                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
+            k_single = k_lo  # the K steps from here on go one at a time
+            if not WIDE:
+                # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
+                # the first step's partial is added while the second's product runs.
+                k_single = k_lo + (k_hi - k_lo) // 2 * 2
+                for kk in range(k_lo, k_single, 2):
                     s0 = c % STAGES
                     s1 = (c + 1) % STAGES
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -251,46 +239,36 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
                     p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
+                    a_sc1, b_sc1 = a_sc, b_sc
                     if SCALES == SCALES_BLOCK:
-                        a_sc1, b_sc1, b_sc1_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
-                                                              stride_ask, stride_bsn, stride_bsk)
+                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
+                                                       stride_bsn, stride_bsk)
                     p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
                     mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
                     if SCALES == SCALES_BLOCK:
-                        acc = acc + p0 * gl.expand_dims(a_sc * b_sc, 1)
                         a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
                                                            stride_ask, stride_bsn, stride_bsk)
-                    else:
-                        acc = acc + p0
                     p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                     mbarrier.arrive(empty.index(s1), count=1)
-                    if SCALES == SCALES_BLOCK:
-                        acc = acc + p1 * gl.expand_dims(a_sc1 * b_sc1, 1)
-                    else:
-                        acc = acc + p1
+                    acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
                     c += 2
-            k_first = k_lo + (k_hi - k_lo) // 2 * 2 if SCHEDULE == 4 and not WIDE else k_lo
-            for kk in range(k_first, k_hi):
+            for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
+                part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
                     a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
-                part = _fp8_product(a, b.slice(0, HALF), fresh, turn, which, j, SCHEDULE)
-                j += 1
-                if SCALES == SCALES_BLOCK:
-                    acc = acc + part * gl.expand_dims(a_sc * b_sc, 1)
-                else:
-                    acc = acc + part
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if WIDE:
-                    part = _fp8_product(a, b.slice(HALF, HALF), fresh, turn, which, j, SCHEDULE)
-                    j += 1
-                    if SCALES == SCALES_BLOCK:
-                        acc_hi = acc_hi + part * gl.expand_dims(a_sc * b_sc_hi, 1)
-                    else:
-                        acc_hi = acc_hi + part
+                    part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
+                                         is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
                 if SCALES == SCALES_BLOCK:
                     a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
@@ -311,7 +289,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, SCHEDULE: gl.constexpr = 0):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -326,23 +304,25 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # SCHEDULE: whose product next
-    for w in gl.static_range(2):
-        mbarrier.init(turn.index(w), count=1)
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K,
-                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
-                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SCHEDULE)),
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, turn, M, N, K,
-                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES,
-                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SCHEDULE)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
+
+
+def _wave_fill(tiles: int, sms: int) -> float:
+    """How full the SMs are, on average, over the rounds of ``tiles`` equal work items."""
+    return tiles / (cdiv(tiles, sms) * sms)
 
 
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
@@ -357,7 +337,10 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
       quarter (8192^3, both with bulk stores: 1121 -> 1204 TFLOP/s; both with plain stores, 0.76-0.93
       -> 0.79-1.00x cuBLAS at M = 1024 / 8192, matmul_gluon_tiles_h200_2026-11-29_s9a.json);
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
-      tiles 1.5-1.8x faster at N = 4096-10240);
+      tiles 1.5-1.8x faster at N = 4096-10240), and where their rounds of work fill the SMs
+      better by more than a tenth (M = 1024, N = 6144: 192 wide tiles fill two rounds to 0.73,
+      384 narrow ones three to 0.97; with K steps in pairs, 0.91 -> 1.03x cuBLAS per tensor,
+      ..._paired_steps_h200_2026-11-30_s19b.json);
     - split K into ``sms // tiles`` runs when the tiles fill less than half of the SMs (M = 128,
       N = 4096: 307 -> 378 TFLOP/s, K = 14336: 369 -> 576; it lost where the tiles fill half or
       more, ..._split_k_h200_2026-11-29_s9d.json).
@@ -365,7 +348,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
     INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
     if int8:
         return BLOCK_N, STAGES, False, 1
-    if cdiv(m, 2 * SUB_M) * cdiv(n, 256) * 4 >= sms * 3:
+    wide = cdiv(m, 2 * SUB_M) * cdiv(n, 256)
+    if wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
         return 256, 3, True, 1
     tiles = cdiv(m, 2 * SUB_M) * cdiv(n, 128)
     return 128, 5, True, max(1, sms // tiles) if 2 * tiles < sms else 1
@@ -430,7 +414,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, schedule: int = 0) -> _Plan:
+          group_m: int, sms: int) -> _Plan:
     config = tile_config(m, n, k, int8, sms)
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -448,7 +432,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, SCHEDULE=schedule)
+                      TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -465,7 +449,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, schedule: int = 0) -> torch.Tensor:
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -477,7 +461,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), schedule)
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -500,7 +484,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, schedule: int = 0):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -516,5 +500,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, SCHEDULE=schedule)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
