@@ -215,8 +215,9 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
 
 
 def test_tile_config_follows_the_measurements():
-    """128 x 256 FP8 tiles with bulk stores where they make 3/4 of a wave on 132 SMs; 128-wide ones
-    below that, with K split when the tiles fill less than half the SMs; INT8 as in session 7."""
+    """128 x 256 FP8 tiles with bulk stores where they make 3/4 of a wave on 132 SMs and fill its
+    rounds about as well as 128-wide ones; 128-wide ones otherwise, and for block scales, with K
+    split when the tiles fill less than half the SMs; INT8 as in session 7."""
     assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1)
     assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1)  # 128 wide tiles: 0.97 wave
     # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
@@ -227,6 +228,8 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(128, 4096, 4096, int8=False) == (128, 5, True, 4)  # 32 tiles: 4 runs of K
     assert gluon.tile_config(128, 6144, 4096, int8=False) == (128, 5, True, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1)
+    assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1)  # pairs, FMA
+    assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (128, 5, True, 4)
     for m, n, k in [(1, 1, 16), (128, 4096, 4096), (8192, 28672, 4096)]:
         block_n, stages, _, _ = gluon.tile_config(m, n, k, int8=False)
         assert stages * gluon._slot_bytes(block_n) + 2 * 64 * 128 * 4 <= gluon.SMEM_BYTES  # float32 C blocks fit

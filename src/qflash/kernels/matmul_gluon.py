@@ -325,7 +325,7 @@ def _wave_fill(tiles: int, sms: int) -> float:
     return tiles / (cdiv(tiles, sms) * sms)
 
 
-def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
+def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> tuple:
     """(block_n, stages, tma_store, split_k) for a product on ``sms`` SMs, as measured on the H200
     side by side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and
     ..._m128_..._s9b.json, FP8):
@@ -345,11 +345,14 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132) -> tuple:
       N = 4096: 307 -> 378 TFLOP/s, K = 14336: 369 -> 576; it lost where the tiles fill half or
       more, ..._split_k_h200_2026-11-29_s9d.json).
 
-    INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
+    Block scales take 128-wide tiles everywhere: there the K steps go in pairs and the scales by
+    fused multiply-adds (1.04-1.24x the 256-wide tiles at M = 1024 / 8192,
+    ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
+    stores): it stays on the tl kernel."""
     if int8:
         return BLOCK_N, STAGES, False, 1
     wide = cdiv(m, 2 * SUB_M) * cdiv(n, 256)
-    if wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
+    if not block_scales and wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
         return 256, 3, True, 1
     tiles = cdiv(m, 2 * SUB_M) * cdiv(n, 128)
     return 128, 5, True, max(1, sms // tiles) if 2 * tiles < sms else 1
@@ -415,7 +418,7 @@ class _Plan(NamedTuple):
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int) -> _Plan:
-    config = tile_config(m, n, k, int8, sms)
+    config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
