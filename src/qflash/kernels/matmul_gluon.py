@@ -25,12 +25,13 @@ FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's pr
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
 bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
 tile is two 128-wide halves that take turns with one partial; a 128-wide tile takes its K steps
-in pairs with two partials, so that its own next product runs while it adds. Scales: per tensor, or per row of
-A times per row of B (an output column), applied in the epilogue in the reference's order, with
-the launch's floating-point fusion off so that INT8 results are bit-exact; block scales (1 x 128
-for A, 128 x 128 for B) multiply each K step's partial (in 128-wide tiles by fused multiply-adds). With split K each run's sum goes
-unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
-fixed order and applies the scales and bias.
+in pairs with two partials, so that its own next product runs while it adds. Scales: per tensor,
+or per row of A times per row of B (an output column), applied in the epilogue in the
+reference's order, with the launch's floating-point fusion off so that INT8 results are
+bit-exact; block scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in
+128-wide tiles by fused multiply-adds). With split K each run's sum goes unscaled to a float32
+(int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a fixed order and
+applies the scales and bias.
 """
 
 from __future__ import annotations
@@ -154,9 +155,9 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 
 @gluon.jit
 def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
-    """The float32 total plus one K step's partial; with block scales the partial is times its
-    A rows' and B block's scales first, in one fused multiply-add a element with FUSED (a 256-wide
-    tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
+    """The float32 total plus one K step's partial; with block scales the partial is multiplied
+    by its A rows' and B block's scales first, in one fused multiply-add an element with FUSED (a
+    256-wide tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
     if SCALES == SCALES_BLOCK:
         if FUSED:
             return gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
