@@ -347,7 +347,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       more, ..._split_k_h200_2026-11-29_s9d.json).
 
     Block scales take 128-wide tiles everywhere: there the K steps go in pairs and the scales by
-    fused multiply-adds (1.04-1.24x the 256-wide tiles at M = 1024 / 8192,
+    fused multiply-adds (1.03-1.24x the 256-wide tiles at M = 1024 / 8192,
     ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
     stores): it stays on the tl kernel."""
     if int8:
