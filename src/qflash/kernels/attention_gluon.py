@@ -74,6 +74,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
+from qflash.kernels.gluon_common import barrier, ring_barriers
 from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
@@ -869,26 +870,6 @@ def _attn_bwd_consumer(DK, DV, DQ, dq_desc, dq_smem, q_ring, do_ring, lse_ring, 
 
 
 @gluon.jit
-def _barrier(count: gl.constexpr):
-    """One barrier in shared memory that completes after ``count`` arrivals."""
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=count)
-    return bar
-
-
-@gluon.jit
-def _ring_barriers(SLOTS: gl.constexpr, FILLS: gl.constexpr, RELEASES: gl.constexpr):
-    """(ready, empty) barriers of a ring of SLOTS shared-memory slots: ready[s] completes after
-    FILLS arrivals (the copies' expect counts one), empty[s] once RELEASES consumers let go."""
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(s), count=FILLS)
-        mbarrier.init(empty.index(s), count=RELEASES)
-    return ready, empty
-
-
-@gluon.jit
 def _bwd_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                  DO_SLOTS: gl.constexpr):
     """The dK / dV kernels' shared memory for what the loader brings: rings of STAGES slots for Q,
@@ -921,9 +902,9 @@ def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ, dq_desc, ls
     DQ_BUFS: gl.constexpr = 2 if DQ_TMA else 1
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
-    kv_ready = _barrier(1)
-    q_ready, q_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
-    ds_ready, ds_free = _ring_barriers(2, 2, 2)  # both consumers write their half, both read it
+    kv_ready = barrier(1)
+    q_ready, q_empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    ds_ready, ds_free = ring_barriers(2, 2, 2)  # both consumers write their half, both read it
     gl.warp_specialize([
         (_attn_bwd_consumer, (DK, DV, DQ, dq_desc, dq_smem0, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
                               ds_smem, kv_ready, q_ready, q_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift,
@@ -1053,11 +1034,11 @@ def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, lse_desc, 
     pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], pds_layout)
-    kv_ready = _barrier(1)
-    q_ready, q_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
-    do_ready, do_empty = _ring_barriers(DO_SLOTS, 1, 2)
-    pds_ready = _barrier(2)  # both consumers have written their halves
-    pds_free = _barrier(2)  # both consumers' products have read them
+    kv_ready = barrier(1)
+    q_ready, q_empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    do_ready, do_empty = ring_barriers(DO_SLOTS, 1, 2)
+    pds_ready = barrier(2)  # both consumers have written their halves
+    pds_free = barrier(2)  # both consumers' products have read them
     gl.warp_specialize([
         (_attn_bwd_dkdv_consumer, (DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem, p_smem, ds_smem,
                                    kv_ready, q_ready, q_empty, do_ready, do_empty, pds_ready, pds_free, seqlen_q,
@@ -1189,10 +1170,10 @@ def _attn_bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, DQ, lse_desc, delta_
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
-    q_ready = _barrier(1)
-    kv_ready, kv_empty = _ring_barriers(STAGES, 1, 2)  # both consumers release a slot
-    ds_ready = _barrier(2)  # both consumers have written their halves
-    ds_free = _barrier(2)  # both consumers' products have read them
+    q_ready = barrier(1)
+    kv_ready, kv_empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    ds_ready = barrier(2)  # both consumers have written their halves
+    ds_free = barrier(2)  # both consumers' products have read them
     gl.warp_specialize([
         (_attn_bwd_dq_consumer, (DQ, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, ds_smem, q_ready, kv_ready,
                                  kv_empty, ds_ready, ds_free, seqlen_q, seqlen_k, shift, num_heads, num_m_blocks,
