@@ -39,7 +39,7 @@ def main():
         baselines[path] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baselines[path])
     g.bwd_preferred = lambda head_dim, causal, seqlen_k: True  # the launcher's whole Gluon path, wherever it fits
-    flags = lambda name: [bool(int(x)) for x in getattr(args, name).split(",")]  # noqa: E731
+    dq_tma_flags = [bool(int(x)) for x in args.dq_tma.split(",")]
     for d, n, causal in itertools.product(map(int, args.head_dims.split(",")), map(int, args.seqlens.split(",")),
                                           (False, True)):
         q, k, v, o, do = sized_inputs(n, d, count=5)
@@ -52,7 +52,7 @@ def main():
                          for one in args.variants.split(";")]
         else:
             schedules = [dict(STAGES=stages, DQ_TMA=dq_tma)
-                         for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), flags("dq_tma"))
+                         for stages, dq_tma in itertools.product(map(int, args.stages.split(",")), dq_tma_flags)
                          if not (stages == 3 and dq_tma and d == 128)]  # that one does not fit shared memory
         for schedule in schedules:
             fn = lambda: g.launch_backward(do, q, k, v, lse, delta, 1 / math.sqrt(d), causal, True, **schedule)
