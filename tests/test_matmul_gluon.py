@@ -201,7 +201,8 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
     portable = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "block",
                              config=MatmulConfig(128, 128, 128, 8, 3, use_tma=False))
     for opts in [{}, dict(block_n=128, stages=5, tma_store=True), dict(block_n=256, stages=3, tma_store=True),
-                 dict(block_n=128, stages=5, split_k=3)]:
+                 dict(block_n=128, stages=5, split_k=3), dict(stage_scales=False),
+                 dict(block_n=256, stages=3, stage_scales=False)]:
         with poisoned():
             c = gluon.launch(a_q, b_q, a_s, b_s, bias, torch.float32, "block", **opts)
         assert_written(c)
@@ -212,6 +213,23 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
             assert 1 - cos < 1e-3, opts
         else:
             assert rel_l2_err(c, ref) < bound, (opts, rel_l2_err(c, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_gpu_fp8_block_scales_any_strides(block_n):
+    """Block scales are read through their strides: column-major scales (DeepGEMM's layout) and
+    a view with a gap between rows give the same bits as contiguous ones."""
+    m, n, k = 200, 300, 1000
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.float32, "block", block_n=block_n)
+    a_cols = a_s.t().contiguous().t()
+    b_gap = torch.full((b_s.shape[0], b_s.shape[1] + 3), float("nan"), device="cuda")[:, :b_s.shape[1]]
+    b_gap.copy_(b_s)
+    got = gluon.launch(a_q, b_q, a_cols, b_gap, None, torch.float32, "block", block_n=block_n)
+    assert torch.equal(got, want)
 
 
 def test_tile_config_follows_the_measurements():
