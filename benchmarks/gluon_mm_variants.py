@@ -26,25 +26,24 @@ from qflash.reference.matmul import fp8_matmul_ref
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M, c / l: block scales
-# staged in shared memory by the loader / loaded by the consumers; auto: tile_config's
+# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M; auto: tile_config's
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
 def variant(text):
     """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, split_k=1, group_m=16); 'auto' ->
     tile_config's choice."""
-    if text in ("auto", "autoc", "autol"):
-        return {} if text == "auto" else dict(stage_scales=text == "autoc")
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?([cl]?)", text)
+    if text == "auto":
+        return {}
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?(?:d(\d))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
-    block_n, stages, tma, split, group, staged = match.groups()
+    block_n, stages, tma, split, group, diag = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
+    if diag:
+        out["diag"] = int(diag)
     if group:
         out["group_m"] = int(group)
-    if staged:
-        out["stage_scales"] = staged == "c"
     return out
 
 

@@ -42,7 +42,6 @@ from typing import NamedTuple, Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
@@ -80,20 +79,13 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 
 @gluon.jit
-def _mm_loader(a_desc, b_desc, a_ring, b_ring, sc_ring, ready, empty, AScale, BScale, M, N, K, stride_asm, stride_ask,
-               stride_bsn, stride_bsk, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-               STAGE_SCALES: gl.constexpr):
+def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+               SPLIT_K: gl.constexpr):
     """One warp: the A halves and the B tile of every K step of every work item of this CTA.
-    Edges past M, N or K arrive as zeros (the descriptors' bounds), which add nothing. With
-    STAGE_SCALES (block scales) the step's scales come along into the slot's row of ``sc_ring``
-    by plain asynchronous copies that the slot's ready barrier also waits for: A's for each
-    consumer's 64 rows, and B's for the tile's (first and second) 128 columns, each repeated 64
-    times so that a consumer reads it in its rows' layout. Scales past M or N arrive as zeros."""
+    Edges past M, N or K arrive as zeros (the descriptors' bounds), which add nothing."""
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    lanes: gl.constexpr = gl.BlockedLayout([SUB // 32], [32], [1], [0])
-    offs = gl.arange(0, SUB, layout=lanes)  # [SUB]
     num_m = gl.cdiv(M, 2 * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -104,19 +96,6 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, sc_ring, ready, empty, AScale, BS
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            if STAGE_SCALES:
-                rows = pid_m * 2 * SUB + offs
-                a_ptrs = AScale + rows * stride_asm + kk * stride_ask
-                async_copy.async_copy_global_to_shared(sc_ring.index(4 * s), a_ptrs, mask=rows < M)
-                async_copy.async_copy_global_to_shared(sc_ring.index(4 * s + 1), a_ptrs + SUB * stride_asm,
-                                                       mask=rows + SUB < M)
-                b_ptrs = BScale + pid_n * (BN // 128) * stride_bsn + kk * stride_bsk + offs * 0
-                async_copy.async_copy_global_to_shared(sc_ring.index(4 * s + 2), b_ptrs)
-                if BN == 256:
-                    async_copy.async_copy_global_to_shared(sc_ring.index(4 * s + 3), b_ptrs + stride_bsn,
-                                                           mask=offs * 0 + pid_n * BN + 128 < N)
-                # Counts one more arrival now, made when these copies have landed: the phase waits for them.
-                async_copy.mbarrier_arrive(ready.index(s))
             mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB, kk * BK], ready.index(s), a_ring.index(2 * s))
             tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB + SUB, kk * BK], ready.index(s),
@@ -176,10 +155,14 @@ def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn,
 
 
 @gluon.jit
-def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
+def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, DIAG: gl.constexpr = 0):
     """The float32 total plus one K step's partial; with block scales the partial is multiplied
     by its A rows' and B block's scales first, in one fused multiply-add an element with FUSED (a
     256-wide tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
+    if DIAG == 1:
+        return acc + part
+    if DIAG == 3:
+        return gl.fma(part, a_sc, acc)
     if SCALES == SCALES_BLOCK:
         if FUSED:
             return gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
@@ -188,24 +171,10 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _staged_scales(sc_ring, s, which, layout: gl.constexpr, WIDE: gl.constexpr):
-    """Block scales of the K step in ring slot ``s``, from shared memory (the loader's copies):
-    A's for consumer ``which``'s rows and B's for the tile's first and (WIDE) second 128 columns,
-    each [SUB] in the layout of the accumulator's rows."""
-    a_sc = sc_ring.index(4 * s + which).load(layout)
-    b_sc = sc_ring.index(4 * s + 2).load(layout)
-    if WIDE:
-        b_sc_hi = sc_ring.index(4 * s + 3).load(layout)
-    else:
-        b_sc_hi = b_sc
-    return a_sc, b_sc, b_sc_hi
-
-
-@gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_ring, ready, empty, M, N, K, stride_cm,
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, STAGE_SCALES: gl.constexpr):
+                 SPLIT_K: gl.constexpr, DIAG: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -219,7 +188,6 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
     gl.static_assert(BN == HALF or (WIDE and not IS_INT8), "tiles are 128 wide, or 256 for FP8")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     num_m = gl.cdiv(M, 2 * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -249,7 +217,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
-            if SCALES == SCALES_BLOCK and not STAGE_SCALES:
+            if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
@@ -263,6 +231,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
                                                    stride_bsn, stride_bsk)
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
+                if DIAG == 3:
+                    a_sc = gl.load(AScale) * 0.0 + 1.0
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE:
                 # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
@@ -274,33 +244,22 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
                     p0 = warpgroup_mma(a_ring.index(2 * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
-                    if STAGE_SCALES:
-                        sa0, sb0, _ = _staged_scales(sc_ring, s0, which, row_layout, False)
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
                     p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
-                    if STAGE_SCALES:
-                        sa1, sb1, _ = _staged_scales(sc_ring, s1, which, row_layout, False)
-                        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, p0, sa0, sb0, SCALES, True)
-                        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                        mbarrier.arrive(empty.index(s1), count=1)
-                        acc = _promote(acc, p1, sa1, sb1, SCALES, True)
-                    else:
-                        a_sc1, b_sc1 = a_sc, b_sc
-                        if SCALES == SCALES_BLOCK:
-                            a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
-                                                           stride_bsn, stride_bsk)
-                        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
-                        if SCALES == SCALES_BLOCK:
-                            a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
-                                                               stride_ask, stride_bsn, stride_bsk)
-                        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                        mbarrier.arrive(empty.index(s1), count=1)
-                        acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
+                    a_sc1, b_sc1 = a_sc, b_sc
+                    if SCALES == SCALES_BLOCK and DIAG != 2:
+                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
+                                                       stride_bsn, stride_bsk)
+                    p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, p0, a_sc, b_sc, SCALES, True, DIAG)
+                    if SCALES == SCALES_BLOCK and DIAG != 2:
+                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
+                                                           stride_ask, stride_bsn, stride_bsk)
+                    p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                    mbarrier.arrive(empty.index(s1), count=1)
+                    acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True, DIAG)
                     c += 2
             for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
@@ -308,30 +267,19 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
-                if STAGE_SCALES:
-                    sa, sb, sb_hi = _staged_scales(sc_ring, s, which, row_layout, WIDE)
+                if SCALES == SCALES_BLOCK:
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                             stride_ask, stride_bsn, stride_bsk)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
+                if WIDE:
+                    part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
+                                         is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    acc = _promote(acc, part, sa, sb, SCALES, not WIDE)
-                    if WIDE:
-                        part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
-                                             is_async=True)
-                        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                        acc_hi = _promote(acc_hi, part, sa, sb_hi, SCALES, False)
-                    mbarrier.arrive(empty.index(s), count=1)
-                else:
-                    if SCALES == SCALES_BLOCK:
-                        a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
-                                                                 stride_ask, stride_bsn, stride_bsk)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
-                    if WIDE:
-                        part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
-                                             is_async=True)
-                        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                        acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    if SCALES == SCALES_BLOCK:
-                        a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
+                    acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
+                mbarrier.arrive(empty.index(s), count=1)
+                if SCALES == SCALES_BLOCK:
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
@@ -349,7 +297,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_rin
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, STAGE_SCALES: gl.constexpr):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, DIAG: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -359,21 +307,16 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
-    if STAGE_SCALES:  # a slot's block scales: A's for each consumer's rows, B's for the two column halves
-        sc_ring = gl.allocate_shared_memory(gl.float32, [4 * STAGES, SUB], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        sc_ring = a_ring  # not used
     ready, empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_ring, ready, empty, M, N, K,
-                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
-                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, STAGE_SCALES)),
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, sc_ring, ready, empty, M, N, K,
-                        stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES,
-                        HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, STAGE_SCALES)),
-        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, sc_ring, ready, empty, AScale, BScale, M, N, K, stride_asm,
-                      stride_ask, stride_bsn, stride_bsk, GROUP_M, STAGES, SPLIT_K, STAGE_SCALES)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, DIAG)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, DIAG)),
+        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
 
@@ -478,15 +421,14 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, stage_scales: Optional[bool] = None) -> _Plan:
+          group_m: int, sms: int, diag: int = 0) -> _Plan:
     config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    stage_scales = scales == "block" if stage_scales is None else stage_scales and scales == "block"
-    ring_bytes = stages * (_slot_bytes(block_n) + (4 * SUB_M * 4 if stage_scales else 0))
+    ring_bytes = stages * _slot_bytes(block_n)
     if ring_bytes > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
@@ -497,7 +439,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, STAGE_SCALES=stage_scales)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, DIAG=diag)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -514,7 +456,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, stage_scales: Optional[bool] = None) -> torch.Tensor:
+           group_m: int = GROUP_M, diag: int = 0) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -526,7 +468,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), stage_scales)
+                 split_k, group_m, sm_count(a_q.device), diag)
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -549,7 +491,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, stage_scales: Optional[bool] = None):
+                     tma_store: bool = False, split_k: int = 1, diag: int = 0):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -565,6 +507,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k,
-                     STAGE_SCALES=scales == "block" if stage_scales is None else stage_scales)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, DIAG=diag)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
