@@ -35,13 +35,11 @@ def variant(text):
     tile_config's choice."""
     if text == "auto":
         return {}
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?(?:d(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
-    block_n, stages, tma, split, group, diag = match.groups()
+    block_n, stages, tma, split, group = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
-    if diag:
-        out["diag"] = int(diag)
     if group:
         out["group_m"] = int(group)
     return out

@@ -144,25 +144,17 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
-def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
-    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
-    for the tile's first and (``hi_ok``) second 128 columns."""
-    ok = kk < k_hi
-    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
-    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
-    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
-    return a_sc, b_sc, b_sc_hi
+def _step_scales(a_ptrs, b_ptr, kk, stride_ask, stride_bsk):
+    """Block scales of K step ``kk``: A's for the consumer's rows, B's for the tile's first 128
+    columns. No masks: the caller keeps ``kk`` inside the run and the rows inside A."""
+    return gl.load(a_ptrs + kk * stride_ask), gl.load(b_ptr + kk * stride_bsk)
 
 
 @gluon.jit
-def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, DIAG: gl.constexpr = 0):
+def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
     """The float32 total plus one K step's partial; with block scales the partial is multiplied
     by its A rows' and B block's scales first, in one fused multiply-add an element with FUSED (a
     256-wide tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
-    if DIAG == 1:
-        return acc + part
-    if DIAG == 3:
-        return gl.fma(part, a_sc, acc)
     if SCALES == SCALES_BLOCK:
         if FUSED:
             return gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
@@ -174,7 +166,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, D
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, DIAG: gl.constexpr):
+                 SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -219,20 +211,17 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
-                # before it joins the total; the next step's scales load while this one's product runs.
+                # before it joins the total; the next steps' scales load while these products run.
+                # Loads without masks: rows past M read row M - 1's scales (their A rows arrive as
+                # zeros, and C takes no such rows), steps past the run re-read its last step's.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-                a_ptrs = AScale + rows * stride_asm
+                a_ptrs = AScale + gl.minimum(rows, M - 1) * stride_asm
                 b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
-                if WIDE:
-                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
-                else:
-                    hi_ok = False
-                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
-                                                   stride_bsn, stride_bsk)
+                k_last = k_hi - 1
+                a_sc, b_sc = _step_scales(a_ptrs, b_ptr, k_lo, stride_ask, stride_bsk)
+                a_sc1, b_sc1 = _step_scales(a_ptrs, b_ptr, gl.minimum(k_lo + 1, k_last), stride_ask, stride_bsk)
             else:
-                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
-                if DIAG == 3:
-                    a_sc = gl.load(AScale) * 0.0 + 1.0
+                a_sc, b_sc, a_sc1, b_sc1 = 1.0, 1.0, 1.0, 1.0  # not used: no scales in the K loop
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE:
                 # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
@@ -247,19 +236,18 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
                     p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
-                    a_sc1, b_sc1 = a_sc, b_sc
-                    if SCALES == SCALES_BLOCK and DIAG != 2:
-                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
-                                                       stride_bsn, stride_bsk)
+                    a_nx, b_nx, a_nx1, b_nx1 = a_sc, b_sc, a_sc1, b_sc1
+                    if SCALES == SCALES_BLOCK:  # the next pair's
+                        a_nx, b_nx = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 2, k_last), stride_ask, stride_bsk)
+                        a_nx1, b_nx1 = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 3, k_last), stride_ask,
+                                                    stride_bsk)
                     p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
                     mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, p0, a_sc, b_sc, SCALES, True, DIAG)
-                    if SCALES == SCALES_BLOCK and DIAG != 2:
-                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
-                                                           stride_ask, stride_bsn, stride_bsk)
+                    acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
                     p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                     mbarrier.arrive(empty.index(s1), count=1)
-                    acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True, DIAG)
+                    acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
+                    a_sc, b_sc, a_sc1, b_sc1 = a_nx, b_nx, a_nx1, b_nx1
                     c += 2
             for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
@@ -267,19 +255,21 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
+                a_nx, b_nx = a_sc, b_sc
+                b_hi = b_sc
                 if SCALES == SCALES_BLOCK:
-                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
-                                                             stride_ask, stride_bsn, stride_bsk)
+                    a_nx, b_nx = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 1, k_last), stride_ask, stride_bsk)
+                    if WIDE:  # the second 128 columns' block, if inside B (its product is zero otherwise)
+                        b_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=pid_n * BN + HALF < N, other=0.0)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if WIDE:
                     part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
+                    acc_hi = _promote(acc_hi, part, a_sc, b_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
-                if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
+                a_sc, b_sc = a_nx, b_nx
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
@@ -297,7 +287,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, DIAG: gl.constexpr):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -312,10 +302,10 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     gl.warp_specialize([
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, DIAG)),
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K, DIAG)),
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
@@ -421,7 +411,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, diag: int = 0) -> _Plan:
+          group_m: int, sms: int) -> _Plan:
     config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -439,7 +429,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, DIAG=diag)
+                      TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -456,7 +446,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, diag: int = 0) -> torch.Tensor:
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -468,7 +458,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), diag)
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
@@ -491,7 +481,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, diag: int = 0):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -507,5 +497,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, DIAG=diag)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
