@@ -144,10 +144,14 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
-def _step_scales(a_ptrs, b_ptr, kk, stride_ask, stride_bsk):
-    """Block scales of K step ``kk``: A's for the consumer's rows, B's for the tile's first 128
-    columns. No masks: the caller keeps ``kk`` inside the run and the rows inside A."""
-    return gl.load(a_ptrs + kk * stride_ask), gl.load(b_ptr + kk * stride_bsk)
+def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
+    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
+    for the tile's first and (``hi_ok``) second 128 columns."""
+    ok = kk < k_hi
+    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
+    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
+    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
+    return a_sc, b_sc, b_sc_hi
 
 
 @gluon.jit
@@ -211,17 +215,18 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
-                # before it joins the total; the next steps' scales load while these products run.
-                # Loads without masks: rows past M read row M - 1's scales (their A rows arrive as
-                # zeros, and C takes no such rows), steps past the run re-read its last step's.
+                # before it joins the total; the next step's scales load while this one's product runs.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-                a_ptrs = AScale + gl.minimum(rows, M - 1) * stride_asm
+                a_ptrs = AScale + rows * stride_asm
                 b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
-                k_last = k_hi - 1
-                a_sc, b_sc = _step_scales(a_ptrs, b_ptr, k_lo, stride_ask, stride_bsk)
-                a_sc1, b_sc1 = _step_scales(a_ptrs, b_ptr, gl.minimum(k_lo + 1, k_last), stride_ask, stride_bsk)
+                if WIDE:
+                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
+                else:
+                    hi_ok = False
+                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
+                                                   stride_bsn, stride_bsk)
             else:
-                a_sc, b_sc, a_sc1, b_sc1 = 1.0, 1.0, 1.0, 1.0  # not used: no scales in the K loop
+                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE:
                 # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
@@ -236,18 +241,19 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
                     p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
-                    a_nx, b_nx, a_nx1, b_nx1 = a_sc, b_sc, a_sc1, b_sc1
-                    if SCALES == SCALES_BLOCK:  # the next pair's
-                        a_nx, b_nx = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 2, k_last), stride_ask, stride_bsk)
-                        a_nx1, b_nx1 = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 3, k_last), stride_ask,
-                                                    stride_bsk)
+                    a_sc1, b_sc1 = a_sc, b_sc
+                    if SCALES == SCALES_BLOCK:
+                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
+                                                       stride_bsn, stride_bsk)
                     p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
+                    if SCALES == SCALES_BLOCK:
+                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
+                                                           stride_ask, stride_bsn, stride_bsk)
                     p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                     mbarrier.arrive(empty.index(s1), count=1)
                     acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
-                    a_sc, b_sc, a_sc1, b_sc1 = a_nx, b_nx, a_nx1, b_nx1
                     c += 2
             for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
@@ -255,21 +261,19 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 a = a_ring.index(2 * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
-                a_nx, b_nx = a_sc, b_sc
-                b_hi = b_sc
                 if SCALES == SCALES_BLOCK:
-                    a_nx, b_nx = _step_scales(a_ptrs, b_ptr, gl.minimum(kk + 1, k_last), stride_ask, stride_bsk)
-                    if WIDE:  # the second 128 columns' block, if inside B (its product is zero otherwise)
-                        b_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=pid_n * BN + HALF < N, other=0.0)
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                             stride_ask, stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if WIDE:
                     part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    acc_hi = _promote(acc_hi, part, a_sc, b_hi, SCALES, False)
+                    acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
-                a_sc, b_sc = a_nx, b_nx
+                if SCALES == SCALES_BLOCK:
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
