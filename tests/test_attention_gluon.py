@@ -3,8 +3,10 @@ which calls it does not take, and on the H200 meets the flash-attn rule against 
 and without the causal mask, for GQA, seqlen_q != seqlen_k and sliced (packed) inputs; the
 public functions send it the calls it takes. The Gluon backward: the same, with gradients within
 3x PyTorch's error (the tests send every call it fits there, whatever the dispatch prefers), and
-``deterministic`` keeps calls off it."""
+``deterministic`` keeps calls off it at D = 64 / 128, where its dQ sums arrive in any order, but
+not at D = 256, where it gives the same bits run after run."""
 
+import functools
 import itertools
 import math
 
@@ -128,6 +130,57 @@ def test_gpu_output_paths_agree(d, causal, seqlen):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     ref, _, pt = _reference(q, k, v, causal, True, q.dtype)
     assert_flash_rule(results[0][0], ref, pt)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_deterministic_calls_reach_only_the_fixed_order_backward(d, monkeypatch):
+    """The dispatch, without a GPU (a Hopper call that fits stood in for): the Gluon backward
+    takes calls that ask for the same bits each run (``deterministic=True`` or
+    ``torch.use_deterministic_algorithms``) only at D = 256, and every call that does not ask."""
+    from qflash.kernels import attention as tl_attention
+
+    monkeypatch.setattr(tl_attention, "_plain", lambda q, opts: True)
+    monkeypatch.setattr(gluon, "bwd_why_not", lambda *args: None)
+    q, k, v = _qkv(1, 128, 128, 2, 2, d, torch.float16, "cpu")
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(1, 2, 128, dtype=torch.float32)
+    scale = 1 / math.sqrt(d)
+    fits = functools.partial(tl_attention._fast_backward_fits, dout, q, k, v, out, lse)
+    assert fits(tl_attention.AttnOptions(scale, window_right=0))
+    assert fits(tl_attention.AttnOptions(scale, window_right=0, deterministic=True)) == (d == 256)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert fits(tl_attention.AttnOptions(scale, window_right=0)) == (d == 256)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_deterministic_at_256_takes_the_gluon_kernels(monkeypatch):
+    """At D = 256 deterministic=True and torch.use_deterministic_algorithms keep the Gluon
+    backward (dK / dV, then dQ, no atomics): the same bits run after run and with the default
+    call, within the rule against float64, GQA and causal."""
+    from test_attention_backward import _grads, _leaves, check_grads
+
+    calls = _spy_backward(monkeypatch)
+    inputs = _leaves((2, 512, 4, 256), (2, 512, 2, 256), (2, 512, 2, 256), dtype=torch.bfloat16)
+    check_grads(lambda q, k, v: qflash.flash_attn_func(q, k, v, causal=True, deterministic=True),
+                lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, upcast=upcast,
+                                                      reorder_ops=not upcast)[0], inputs)
+    assert calls
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 512, 512, 4, 2, 256, torch.bfloat16, "cuda"))
+    dout = torch.randn_like(q)
+    calls.clear()
+    runs = [_grads(lambda *a: qflash.flash_attn_func(*a, causal=True, deterministic=True), (q, k, v), dout)
+            for _ in range(3)]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs.append(_grads(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v), dout))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    runs.append(_grads(lambda *a: qflash.flash_attn_func(*a, causal=True), (q, k, v), dout))
+    assert len(calls) == 5
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
 @pytest.mark.gpu

@@ -102,8 +102,10 @@ def _qflash_provider(config=None):
 
 
 def _qflash_deterministic(q, k, v, causal):
-    """The public function with ``deterministic=True``: the same forward, and the backward on the
-    tl kernels, which use no atomics (the Gluon backward sums dQ with atomic adds)."""
+    """The public function with ``deterministic=True``: the same forward, and the backward on
+    kernels that give the same bits each run: the tl kernels at D = 64 / 128 (there the Gluon
+    backward sums dQ in any order), the Gluon dK / dV and dQ kernels at D = 256 (session 20 on;
+    before, the tl kernels there too)."""
     import qflash
 
     return lambda: qflash.flash_attn_func(q, k, v, causal=causal, deterministic=True)

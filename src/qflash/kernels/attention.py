@@ -598,12 +598,16 @@ def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
 def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, opts: AttnOptions) -> bool:
     """Whether the Gluon backward (Hopper, D = 64 / 128 / 256) takes this call: as the forward, and
-    neither ``deterministic`` nor ``torch.use_deterministic_algorithms`` asked for (at D = 64 /
-    128 its dQ is summed in any order)."""
-    if not _plain(q, opts) or opts.deterministic or torch.are_deterministic_algorithms_enabled():
+    where ``deterministic`` or ``torch.use_deterministic_algorithms`` asks for the same bits from
+    run to run, only at a head dim where it gives them (D = 256; at D = 64 / 128 its dQ is summed
+    in any order)."""
+    if not _plain(q, opts):
         return False
     from qflash.kernels import attention_gluon
 
+    deterministic = opts.deterministic or torch.are_deterministic_algorithms_enabled()
+    if deterministic and not attention_gluon.bwd_deterministic(q.shape[-1]):
+        return False
     return (attention_gluon.bwd_preferred(q.shape[-1], opts.window_right == 0, k.shape[1])
             and lse.dtype == torch.float32 and lse.is_contiguous() and lse.data_ptr() % 16 == 0  # read by TMA
             and attention_gluon.bwd_why_not(q, k, v, out, dout) is None)

@@ -1220,9 +1220,15 @@ def bwd_preferred(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     against 323 / 365 / 389 and 255 / 380 / 416 against 228 / 327 / 361. Through the public
     functions: 1.07-1.27 x the tl kernels (attention_bwd_h200_2026-11-30_s17d.json); at D = 256
     (the dK / dV and dQ kernels) 1.21-1.45 x (attention_bwd_d256_h200_2026-11-30_s18l.json).
-    Calls that ask for determinism keep to the tl kernels (``_fast_backward_fits``): at D = 64 /
-    128 dQ's sums arrive in any order."""
+    Calls that ask for determinism take it only where ``bwd_deterministic`` (``_fast_backward_fits``)."""
     return head_dim in HEAD_DIMS
+
+
+def bwd_deterministic(head_dim: int) -> bool:
+    """Whether the backward gives the same bits from run to run at this head dim: at D = 256 the
+    dK / dV kernel and then the dQ kernel each sum their tile in one CTA in a fixed order (no
+    atomics); at D = 64 / 128 dQ's sums arrive in any order (reduce-adds or atomic adds)."""
+    return head_dim > 128
 
 
 def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):

@@ -335,8 +335,9 @@ def flash_attn_func(
         deterministic: bitwise-identical gradients from run to run. The tl backward always is.
             On Hopper (``bwd_preferred``) the default backward is the Gluon one
             (``attention_gluon.py``), whose dQ sums arrive in any order at head dims 64 and
-            128, as flash-attn's do by default; ``deterministic=True`` or
-            ``torch.use_deterministic_algorithms(True)`` keeps a call on the tl kernels.
+            128, as flash-attn's do by default; there ``deterministic=True`` or
+            ``torch.use_deterministic_algorithms(True)`` keeps a call on the tl kernels. At
+            head dim 256 the Gluon backward sums in a fixed order and takes such calls too.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
 
     Returns:
