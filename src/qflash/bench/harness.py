@@ -11,6 +11,7 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -35,10 +36,24 @@ def environment() -> Dict[str, object]:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, sm_count=props.multi_processor_count,
                    capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                   cudnn=torch.backends.cudnn.version())
+                   cudnn=torch.backends.cudnn.version(), **gpu_limits(f"GPU-{props.uuid}"))
     else:
         env.update(gpu=None, cpu=platform.processor() or platform.machine())
     return env
+
+
+def gpu_limits(device: str) -> Dict[str, Optional[float]]:
+    """The board's power limit (W) and top SM clock (MHz) as ``nvidia-smi`` reports them for
+    ``device`` (an index or ``GPU-<uuid>``); None where it cannot say. Large FP8 products run the
+    H200 at its power limit, below the top clock (benchmarks/NOTES.md, twentieth round), so a
+    result's speed depends on both."""
+    query = ["nvidia-smi", "-i", device, "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader,nounits"]
+    try:
+        line = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
+        power, clock = (float(field) for field in line.split(","))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {"power_limit_w": None, "sm_clock_max_mhz": None}
+    return {"power_limit_w": power, "sm_clock_max_mhz": clock}
 
 
 def time_ms(fn: Callable[[], object], *, rep_ms: int = 100, device: str = "cuda") -> Dict[str, float]:
