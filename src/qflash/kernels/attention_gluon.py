@@ -655,6 +655,17 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
 BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
 WIDE_BLOCK_N = 64  # the D = 256 dK / dV kernel's keys a CTA: 32 of S and dP for each consumer
+def _wide_backward(head_dim: int) -> bool:
+    """Whether the backward at this head dim is D = 256's: dK / dV in 64-key CTAs
+    (``_attn_bwd_dkdv_ws_kernel``), then dQ in a kernel of its own, rather than one kernel."""
+    return head_dim > 128
+
+
+def _bwd_block_n(head_dim: int) -> int:
+    """Keys a CTA of the dK / dV kernel keeps."""
+    return WIDE_BLOCK_N if _wide_backward(head_dim) else BWD_BLOCK_N
+
+
 BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
 # at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
 
@@ -669,7 +680,7 @@ def bwd_variant(head_dim: int, causal: bool) -> dict:
     (gluon_bwd_split_rotate_d64_h200_2026-11-30_s17a.json). D = 256 (dK / dV only): two Q slots
     and two dO slots, 1.05-1.08 x one dO slot; three Q slots ran 0.97-0.99 x without a mask and
     0.58-0.67 x causal (gluon_bwd_d256_dkdv_variants_h200_2026-11-30_s18h.json)."""
-    if head_dim > 128:
+    if _wide_backward(head_dim):
         return dict(STAGES=BWD_STAGES, DO_SLOTS=2)
     return dict(STAGES=BWD_STAGES, DQ_TMA=True)
 
@@ -1228,7 +1239,7 @@ def bwd_deterministic(head_dim: int) -> bool:
     """Whether the backward gives the same bits from run to run at this head dim: at D = 256 the
     dK / dV kernel and then the dQ kernel each sum their tile in one CTA in a fixed order (no
     atomics); at D = 64 / 128 dQ's sums arrive in any order (reduce-adds or atomic adds)."""
-    return head_dim > 128
+    return _wide_backward(head_dim)
 
 
 def bwd_why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor):
@@ -1265,8 +1276,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kv_layout = _bwd_kv_layout(head_dim)
     dk = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = new_output((batch, seqlen_k, heads_kv, head_dim), dtype=v.dtype, device=v.device)
-    wide = head_dim > 128
-    block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
+    wide = _wide_backward(head_dim)
+    block_n = _bwd_block_n(head_dim)
     num_n_blocks = seqlen_k // block_n
     shift = seqlen_k - seqlen_q if bottom_right else 0
     tiles = (_rows_descriptor(q, BWD_BLOCK_M, qo_layout), _rows_descriptor(dout, BWD_BLOCK_M, qo_layout),
@@ -1303,8 +1314,8 @@ def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, 
 
     qo = nvmma_layout((BWD_BLOCK_M, head_dim), _GL_DTYPES[dtype])
     kv = _bwd_kv_layout(head_dim)
-    wide = head_dim > 128
-    block_n = WIDE_BLOCK_N if wide else BWD_BLOCK_N
+    wide = _wide_backward(head_dim)
+    block_n = _bwd_block_n(head_dim)
     vector = f"tensordesc<fp32[{BWD_BLOCK_M}],{_bwd_rows_layout()!r}>"
     types = {"q_desc": desc(BWD_BLOCK_M, qo), "do_desc": desc(BWD_BLOCK_M, qo), "k_desc": desc(block_n, kv),
              "v_desc": desc(block_n, kv), "lse_desc": vector, "delta_desc": vector, "seqlen_q": "i32",

@@ -475,7 +475,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
-        # (For block scales an FFMA a K step measured no faster, and spilled in 256-wide tiles.)
+        # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
     )
     if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
