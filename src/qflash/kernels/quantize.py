@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import CachedLauncher, cdiv, next_power_of_2
+from qflash.kernels.common import CachedLauncher, cdiv, next_power_of_2, sm_count
 from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
 
@@ -166,10 +166,13 @@ def _quantize_kernel(
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_CASTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
-    STATIC_SCALE: tl.constexpr = False,
+    STATIC_SCALE: tl.constexpr = False, REVERSED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if REVERSED:  # last tile first: those the absmax pass read last are still in L2
+        pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_n = tl.num_programs(1) - 1 - pid_n
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)
@@ -242,7 +245,22 @@ def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.
     tl.store(Partial + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
 
 
+@triton.jit
+def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Amax (zeroed) = max |X| (+inf if X holds NaN or inf). Each program sweeps the tiles pid,
+    pid + programs, ... in the quantize kernel's launch order (row blocks first) and adds its
+    maximum with one atomic, so the tiles read last are the tensor's last ones."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        rows = (t % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        amax = tl.maximum(amax, _abs_or_inf(_load_tile(X, rows, cols, M, N, stride_xm, stride_xn)))
+    tl.atomic_max(Amax, tl.max(tl.max(amax, axis=1), axis=0), sem="relaxed")  # all >= 0: float order is int order
+
+
 _quantize_launcher = CachedLauncher(_quantize_kernel)
+_absmax_sweep_launcher = CachedLauncher(_absmax_kernel)
 _absmax_launcher = CachedLauncher(_absmax_partials_kernel)
 
 
@@ -258,7 +276,7 @@ def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) ->
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
              *, static_scale: Optional[torch.Tensor] = None, tile_elems: int = TILE_ELEMS,
-             num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             num_warps: Optional[int] = None, absmax_sweep: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
 
     ``static_scale``: a validated one-element float32 tensor, the per-tensor scale (granularity
@@ -283,7 +301,13 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     elif granularity == "tensor":
         bm, bn = _tile(m, n, 1, 1, tile_elems, num_warps or TILE_WARPS)
         per_tensor = static_scale
-        if static_scale is None:
+        if static_scale is None and absmax_sweep:
+            per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
+            tiles = cdiv(m, bm) * cdiv(n, bn)
+            programs = min(tiles, 8 * sm_count(x.device)) if x.is_cuda else min(tiles, 4)
+            _absmax_sweep_launcher[(programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                                               num_warps=8)
+        elif static_scale is None:
             grid = (cdiv(m, bm), cdiv(n, bn))
             partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
             _absmax_launcher[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
@@ -302,6 +326,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static_scale is not None,
-        num_warps=num_warps or warps,
+        REVERSED=group == GROUP_TENSOR and static_scale is None and absmax_sweep, num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
