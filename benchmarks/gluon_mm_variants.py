@@ -32,9 +32,7 @@ VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 def variant(text):
     """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, split_k=1, group_m=16); 'auto' ->
-    tile_config's choice; a trailing '/2k': split-K runs added by a second kernel."""
-    if text.endswith("/2k"):
-        return dict(variant(text[:-3]), split_in_kernel=False)
+    tile_config's choice."""
     if text == "auto":
         return {}
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
@@ -104,8 +102,7 @@ def main():
                 rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,
                                  tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
                                  vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
-                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None,
-                                 same_as_first=same))
+                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
                       f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "

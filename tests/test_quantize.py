@@ -88,6 +88,25 @@ def test_long_rows_and_columns_are_swept(granularity, qdtype, monkeypatch):
         assert bool(x_q[~finite].float().isnan().all())
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_per_tensor_absmax_found_in_any_tile(where):
+    """The per-tensor absmax is swept by a few programs, each over every few tiles, then the
+    quantize pass runs its tiles in reverse: the largest value (and a NaN) counts from any tile."""
+    from qflash.kernels.quantize import quantize as launch
+
+    x = torch.randn(113, 239, device=DEVICE)
+    row, col = {"first": (0, 0), "middle": (57, 120), "last": (112, 238)}[where]
+    x[row, col] = -40.0
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        with poisoned():
+            x_q, scale = launch(x, qdtype, "tensor", tile_elems=256)  # 8 x 32 tiles: 60 of them
+        ref_q, ref_scale = quantize_ref(x, qdtype, "tensor")
+        assert torch.equal(scale, ref_scale) and scale.item() == pytest.approx(40.0 / QMAX[qdtype], rel=1e-6)
+        assert _same(x_q, ref_q)
+    x[row, col] = math.nan
+    assert math.isnan(launch(x, torch.int8, "tensor", tile_elems=256)[1].item())
+
+
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_saturation_zero_groups_and_nonfinite(qdtype):
     qmax = QMAX[qdtype]

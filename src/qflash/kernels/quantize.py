@@ -4,9 +4,12 @@ Each program loads a [BLOCK_M, BLOCK_N] tile once, into registers. Groups that f
 in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get their
 scale from that tile and are quantized from the same registers: one read, one write.
 Longer rows, and columns, are swept twice (absmax, then quantize; the second read
-mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a small
-kernel writes one partial maximum per tile and PyTorch reduces those few values
-(a static per-tensor scale, given by the caller, skips that pass).
+mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a sweep by
+a few programs per SM, each adding its maximum to one value by an atomic max; the
+quantize pass then takes the tiles in reverse order, so that it starts on those the
+sweep read last, still in L2 (a static per-tensor scale, given by the caller, skips
+the sweep). Two reads of the input against one: about 0.6 of the copy bandwidth at
+most, once the tensor is larger than L2.
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
@@ -36,6 +39,8 @@ MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
 # 1 x 128 blocks (16384 x 8192), against 0.91x / 0.86x for 8192 elements and 8 warps.
 TILE_ELEMS = 4096
 TILE_WARPS = 4
+# The per-tensor absmax pass: this many 8-warp programs an SM, each sweeping every programs-th tile.
+ABSMAX_PROGRAMS_PER_SM = 8
 
 # Which groups share a scale (constexpr GROUP).
 GROUP_TENSOR = tl.constexpr(0)  # one scale, from a tensor-wide absmax computed beforehand
@@ -235,17 +240,6 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _absmax_partials_kernel(X, Partial, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One max |x| per tile (+inf if the tile holds NaN or inf), for per-tensor scales."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a = _abs_or_inf(_load_tile(X, rows, cols, M, N, stride_xm, stride_xn))
-    tl.store(Partial + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
-
-
-@triton.jit
 def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Amax (zeroed) = max |X| (+inf if X holds NaN or inf). Each program sweeps the tiles pid,
     pid + programs, ... in the quantize kernel's launch order (row blocks first) and adds its
@@ -260,8 +254,7 @@ def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, B
 
 
 _quantize_launcher = CachedLauncher(_quantize_kernel)
-_absmax_sweep_launcher = CachedLauncher(_absmax_kernel)
-_absmax_launcher = CachedLauncher(_absmax_partials_kernel)
+_absmax_launcher = CachedLauncher(_absmax_kernel)
 
 
 def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) -> Tuple[int, int]:
@@ -276,7 +269,7 @@ def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) ->
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
              *, static_scale: Optional[torch.Tensor] = None, tile_elems: int = TILE_ELEMS,
-             num_warps: Optional[int] = None, absmax_sweep: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+             num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
 
     ``static_scale``: a validated one-element float32 tensor, the per-tensor scale (granularity
@@ -301,18 +294,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     elif granularity == "tensor":
         bm, bn = _tile(m, n, 1, 1, tile_elems, num_warps or TILE_WARPS)
         per_tensor = static_scale
-        if static_scale is None and absmax_sweep:
+        if static_scale is None:  # the absmax first, swept by a few programs per SM into one value
             per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
             tiles = cdiv(m, bm) * cdiv(n, bn)
-            programs = min(tiles, 8 * sm_count(x.device)) if x.is_cuda else min(tiles, 4)
-            _absmax_sweep_launcher[(programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-                                               num_warps=8)
-        elif static_scale is None:
-            grid = (cdiv(m, bm), cdiv(n, bn))
-            partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
-            _absmax_launcher[grid](x, partials, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-                                   num_warps=8)
-            per_tensor = partials.amax()  # the absmax; +inf when any element is NaN or inf
+            programs = min(tiles, ABSMAX_PROGRAMS_PER_SM * sm_count(x.device) if x.is_cuda else 4)
+            _absmax_launcher[(programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+                                          num_warps=8)
         group, gm, gn = GROUP_TENSOR, 1, 1
     else:  # rows and blocks that fit in a tile
         gm, gn = (1, next_power_of_2(n)) if granularity == "row" else tuple(block_size)
@@ -326,6 +313,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=qmax, OUT=_TL_DTYPES[dtype], GROUP=group, EMULATE_CASTS=x.device.type != "cuda",
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static_scale is not None,
-        REVERSED=group == GROUP_TENSOR and static_scale is None and absmax_sweep, num_warps=num_warps or warps,
+        REVERSED=group == GROUP_TENSOR and static_scale is None, num_warps=num_warps or warps,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
