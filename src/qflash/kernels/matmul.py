@@ -236,15 +236,15 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     """Launch on validated inputs. ``scales`` is "tensor", "row" or "block"."""
     m, k = a_q.shape
     n = b_q.shape[0]
-    c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    if m == 0 or n == 0:
-        return c
     is_int8 = a_q.dtype == torch.int8
     if config is None and a_q.is_cuda and gluon_enabled():
         from qflash.kernels import matmul_gluon
 
         if matmul_gluon.preferred(m, n, k, is_int8) and matmul_gluon.why_not(a_q, b_q, scales) is None:
             return matmul_gluon.launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+    c = new_output((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
     cfg = config or default_config(m, n, k, scales, is_int8, a_q.device)
     problem = config_problem(cfg, scales, is_int8)
     if problem:
