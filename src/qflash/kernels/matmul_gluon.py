@@ -48,7 +48,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.kernels.gluon_common import ring_barriers
-from qflash.kernels.matmul import split_k_counters
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides)
 from qflash.testing import new_output
@@ -146,44 +145,6 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
-def _partial_ptrs(Partial, rows, cols, split, split_rows, N):
-    """Where run ``split`` keeps its sum of C[rows, cols]: Partial holds SPLIT_K contiguous
-    (split_rows, N) sums (64-bit offsets: they can pass 2^31 elements)."""
-    return Partial + gl.expand_dims((split * split_rows + rows).to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
-
-
-@gluon.jit
-def _split_k_finish(acc, C, AScale, BScale, Bias, Partial, counter, split, split_rows, row0, col0, M, N, stride_cm,
-                    stride_asm, stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
-    """Split K inside the kernel, for launches whose work items all run at once (one round):
-    each run stores its sum of the consumer's 64 x 128 block, counts itself in and waits for
-    the block's other runs; then each run adds up 64 / SPLIT_K of the rows, the SPLIT_K sums
-    in split order (the bits of the two-kernel path), and writes them with scales and bias."""
-    SUB: gl.constexpr = acc.type.shape[0]
-    BN: gl.constexpr = acc.type.shape[1]
-    ROWS: gl.constexpr = SUB // SPLIT_K  # this run's share of the block
-    rows = row0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc.type.layout))
-    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
-    gl.store(_partial_ptrs(Partial, rows, cols, split, split_rows, N), acc, mask=gl.expand_dims(cols < N, 0))
-    gl.thread_barrier()  # every thread's stores are issued before the count goes up
-    gl.atomic_add(counter, 1, sem="release", scope="gpu")
-    arrived = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while arrived < SPLIT_K:  # the other runs are running too (one round): they arrive
-        arrived = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    share: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    rows = row0 + split * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, share))
-    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, share))
-    ok = gl.expand_dims(cols < N, 0)
-    total = gl.load(_partial_ptrs(Partial, rows, cols, 0, split_rows, N), mask=ok, other=0)
-    for s in gl.static_range(1, SPLIT_K):
-        total = total + gl.load(_partial_ptrs(Partial, rows, cols, s, split_rows, N), mask=ok, other=0)
-    _mm_epilogue(total, C, C, C, AScale, BScale, Bias, row0 + split * ROWS, col0, 0, M, N, stride_cm, stride_asm,
-                 stride_bsn, SCALES, HAS_BIAS, False, False)
-    if gl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == 2 * SPLIT_K - 1:  # the block's last run out
-        gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-@gluon.jit
 def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
     """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
     for the tile's first and (``hi_ok``) second 128 columns."""
@@ -207,10 +168,10 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Partial, Counters, a_ring, b_ring, ready, empty, M, N, K,
-                 stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                 stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, SPLIT_IN_KERNEL: gl.constexpr):
+                 SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
     step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
@@ -318,13 +279,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Partial, Counters, a_r
         row0 = pid_m * 2 * SUB + which * SUB
         c_buf = c_smem.index(which)
         RAW: gl.constexpr = SPLIT_K > 1
-        if SPLIT_IN_KERNEL:
-            _split_k_finish(acc, C, AScale, BScale, Bias, Partial, Counters + (t // SPLIT_K) * 2 + which, split,
-                            split_rows, row0, pid_n * BN, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS,
-                            SPLIT_K)
-        else:
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
-                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
+        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
+                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
         if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
@@ -333,10 +289,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Partial, Counters, a_r
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Partial, Counters, M, N, K, stride_cm,
-                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
+                         stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, SPLIT_IN_KERNEL: gl.constexpr = False):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -349,12 +305,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Partia
     ready, empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Partial, Counters, a_ring, b_ring, ready, empty, M,
-                        N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                        SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SPLIT_IN_KERNEL)),
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Partial, Counters, a_ring, b_ring, ready, empty, M,
-                        N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
-                        SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, SPLIT_IN_KERNEL)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
+        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
+                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
         (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
     ], [4, 1], [240, 24])
 
@@ -460,7 +416,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, split_in_kernel: bool = True) -> _Plan:
+          group_m: int, sms: int) -> _Plan:
     config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     block_n, stages = block_n or config[0], stages or config[1]
     tma_store = config[2] if tma_store is None else tma_store
@@ -473,16 +429,12 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
     # kernel adds them in a fixed order and applies the scales and bias.
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
-    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
-    # The runs of a tile can wait for each other where every work item runs at once (one round).
-    split_in_kernel = split_in_kernel and 1 < split_k and SUB_M % split_k == 0 and block_n == 128 and items <= sms
-    if split_in_kernel:
-        tma_store = False  # each run writes its rows of C by plain stores
-    c_size = (out_dtype if partial_dtype is None or split_in_kernel else partial_dtype).itemsize
+    c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
+    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, SPLIT_IN_KERNEL=split_in_kernel)
+                      TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
@@ -506,7 +458,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, split_in_kernel: bool = True) -> torch.Tensor:
+           group_m: int = GROUP_M) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
     or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -518,41 +470,35 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
         raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), split_in_kernel)
-    in_kernel = plan.constexprs["SPLIT_IN_KERNEL"]
+                 split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
-    partial = counters = c  # not read without split K
-    if plan.partial_dtype is not None:
-        partial = torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device, dtype=plan.partial_dtype)
-        if in_kernel:
-            counters = split_k_counters(a_q.device, 2 * plan.grid[0] // plan.split_k)  # a tile's consumer each
-    target = partial if plan.partial_dtype is not None and not in_kernel else c
+    target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
+                                                              dtype=plan.partial_dtype)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
     c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
-        partial, counters, m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
+        m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
     )
-    if plan.split_k > 1 and not in_kernel:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
+    if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
         reduce_split_k(target, c, a_scale, b_scale, bias, plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, split_in_kernel: bool = False):
+                     tma_store: bool = False, split_k: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
-    acc = torch.int32 if int8 else torch.float32
-    target = acc if split_k > 1 and not split_in_kernel else out_dtype  # two kernels: C holds the partial sums
+    target = (torch.int32 if int8 else torch.float32) if split_k > 1 else out_dtype  # split K: partial sums
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
 
     def desc(rows: int, dtype=gdt, type_name=name) -> str:
@@ -560,10 +506,8 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
              "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
-             "BScale": "*fp32", "Bias": f"*{out}", "Partial": "*" + ("i32" if int8 else "fp32"), "Counters": "*i32",
-             "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+             "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k,
-                     SPLIT_IN_KERNEL=split_in_kernel)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
