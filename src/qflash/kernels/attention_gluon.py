@@ -74,7 +74,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
-from qflash.kernels.gluon_common import barrier, ring_barriers
+from qflash.kernels.gluon_common import barrier, ring_barriers, unchecked_descriptor
 from qflash.testing import new_output
 
 RCP_LN2 = gl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) == exp2(x * RCP_LN2)
@@ -530,25 +530,12 @@ def _row_stride(t: torch.Tensor) -> Optional[int]:
     return stride_s
 
 
-def _descriptor(base: torch.Tensor, shape: list, strides: list, block_shape: list, layout):
-    """A Gluon tensor descriptor made without the constructor's checks, which ``why_not`` /
-    ``bwd_why_not`` have made already: with them, the four descriptors of a launch took ~50 us of
-    Python (CPU machine) on a 512-token call whose kernel runs ~150 us. The launcher reads the
-    base's address and dtype and the lists here."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
-                         padding="zero")
-    return desc
-
-
 def _rows_descriptor(t: torch.Tensor, rows: int, layout, cols: Optional[int] = None):
     """A tensor descriptor of ``t``'s (batch * seqlen, heads * headdim) view (one head = a column
     band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has
     accepted (or an output we made), without making the view."""
     batch, seqlen, heads, head_dim = t.shape
-    return _descriptor(t, [batch * seqlen, heads * head_dim], [t.stride(1), 1], [rows, cols or head_dim], layout)
+    return unchecked_descriptor(t, [batch * seqlen, heads * head_dim], [t.stride(1), 1], [rows, cols or head_dim], layout)
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -1213,7 +1200,7 @@ def _bwd_rows_layout():
 
 def _vector_descriptor(t: torch.Tensor, block: int):
     """A tensor descriptor of contiguous ``t`` flattened, in blocks of ``block``."""
-    return _descriptor(t, [t.numel()], [1], [block], _bwd_rows_layout())
+    return unchecked_descriptor(t, [t.numel()], [1], [block], _bwd_rows_layout())
 
 
 @functools.lru_cache(maxsize=None)

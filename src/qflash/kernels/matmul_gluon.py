@@ -44,10 +44,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
-from qflash.kernels.gluon_common import ring_barriers
+from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides)
 from qflash.testing import new_output
@@ -438,18 +437,10 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
-class _CheckedDescriptor(TensorDescriptor):
-    """Gluon's host tensor descriptor without the checks its constructor runs (alignment, unit
-    column stride, block shape: about 3 us of Python each, three a launch): ``why_not`` checked
-    A and B, and C and the split-K sums are fresh tensors with 16-byte aligned rows."""
-
-    def __post_init__(self):
-        pass
-
-
 def _desc(t: torch.Tensor, rows: int, dtype):
-    """A host tensor descriptor of ``t`` in blocks of ``rows`` x 128 (C: 64 x 128)."""
-    return _CheckedDescriptor(t, t.shape, t.stride(), [rows, 128], nvmma_layout((rows, 128), dtype))
+    """A host tensor descriptor of ``t`` in blocks of ``rows`` x 128 (C: 64 x 128): ``why_not``
+    checked A and B, and C and the split-K sums are fresh tensors with 16-byte aligned rows."""
+    return unchecked_descriptor(t, t.shape, t.stride(), [rows, 128], nvmma_layout((rows, 128), dtype))
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
