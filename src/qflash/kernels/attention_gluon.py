@@ -535,7 +535,8 @@ def _rows_descriptor(t: torch.Tensor, rows: int, layout, cols: Optional[int] = N
     band) in [rows, cols] blocks (cols: headdim by default), for a tensor that ``why_not`` has
     accepted (or an output we made), without making the view."""
     batch, seqlen, heads, head_dim = t.shape
-    return unchecked_descriptor(t, [batch * seqlen, heads * head_dim], [t.stride(1), 1], [rows, cols or head_dim], layout)
+    return unchecked_descriptor(t, [batch * seqlen, heads * head_dim], [t.stride(1), 1], [rows, cols or head_dim],
+                                layout)
 
 
 def why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
