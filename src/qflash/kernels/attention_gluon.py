@@ -381,20 +381,9 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem  # not used: the output goes out by plain stores
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=CONSUMERS)  # every consumer releases Q (and each slot below)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=CONSUMERS)
-        mbarrier.init(v_empty.index(s), count=CONSUMERS)
+    q_ready, q_empty = ring_barriers(Q_BUFFERS, 1, CONSUMERS)  # every consumer releases Q (and each slot below)
+    k_ready, k_empty = ring_barriers(STAGES, 1, CONSUMERS)
+    v_ready, v_empty = ring_barriers(STAGES, 1, CONSUMERS)
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     # The lists are spelled out: Triton 3.6's Gluon frontend rejects an argument tuple built once
     # and reused (constexprs inside it lose their constness, tuples holding them do not lower).
@@ -643,6 +632,10 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 BWD_BLOCK_M = 64  # query rows a tile (the N of S^T = K Q^T)
 BWD_BLOCK_N = 128  # keys a CTA keeps: 64 for each consumer warpgroup
 WIDE_BLOCK_N = 64  # the D = 256 dK / dV kernel's keys a CTA: 32 of S and dP for each consumer
+BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
+# at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
+
+
 def _wide_backward(head_dim: int) -> bool:
     """Whether the backward at this head dim is D = 256's: dK / dV in 64-key CTAs
     (``_attn_bwd_dkdv_ws_kernel``), then dQ in a kernel of its own, rather than one kernel."""
@@ -652,10 +645,6 @@ def _wide_backward(head_dim: int) -> bool:
 def _bwd_block_n(head_dim: int) -> int:
     """Keys a CTA of the dK / dV kernel keeps."""
     return WIDE_BLOCK_N if _wide_backward(head_dim) else BWD_BLOCK_N
-
-
-BWD_STAGES = 2  # Q / dO ring slots: 3 ran 0.81-1.01x as fast (gluon_bwd_variants_h200_2026-11-29_s8c.json,
-# at D = 64 0.86-0.91x in ..._stages_d64_h200_2026-11-30_s17f.json; at D = 128 they do not fit beside dQ's buffers)
 
 
 def bwd_variant(head_dim: int, causal: bool) -> dict:

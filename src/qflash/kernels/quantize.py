@@ -290,7 +290,7 @@ def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]
         group, gm, gn = GROUP_TENSOR, 1, 1
         bm, bn = _tile(m, n, 1, 1, tile_elems, num_warps or TILE_WARPS)
         if not static:  # the absmax first, swept by a few programs per SM into one value
-            programs = min(cdiv(m, bm) * cdiv(n, bn), ABSMAX_PROGRAMS_PER_SM * sms or 4)
+            programs = min(cdiv(m, bm) * cdiv(n, bn), ABSMAX_PROGRAMS_PER_SM * sms if sms else 4)  # 4: interpreter
     else:  # rows and blocks that fit in a tile
         gm, gn = (1, next_power_of_2(n)) if granularity == "row" else block_size
         bm, bn = _tile(m, n, gm, gn, tile_elems, num_warps or TILE_WARPS)
