@@ -20,26 +20,33 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
+from qflash.kernels.matmul import scaled_matmul
 from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
 
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, sN: K split in N runs, gN: GROUP_M; auto: tile_config's
+# block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
+# tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
+# GROUP_M; auto: tile_config's;
+# public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no)
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
 def variant(text):
     """'256x4tg16' -> dict(block_n=256, stages=4, tma_store=True, split_k=1, group_m=16); 'auto' ->
-    tile_config's choice."""
+    tile_config's choice; 'public' -> None."""
+    if text == "public":
+        return None
     if text == "auto":
         return {}
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+))?(?:g(\d+))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
     block_n, stages, tma, split, group = match.groups()
-    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma), split_k=int(split or 1))
+    out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
+               split_k=split if split == "a" else int(split or 1))
     if group:
         out["group_m"] = int(group)
     return out
@@ -51,6 +58,33 @@ def shapes(ms, cube=True):
     for m in ms:
         for name, (n, k) in LLAMA.items():
             yield name, m, n, k
+
+
+def resolve(opts, m, n):
+    """The variant's options for an M x N product: 'sa' made a number of runs."""
+    if opts is None or opts.get("split_k") != "a":
+        return opts
+    tiles = g.cdiv(m, 2 * g.SUB_M) * g.cdiv(n, opts["block_n"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return dict(opts, split_k=max(1, sms // tiles) if 2 * tiles < sms else 1)
+
+
+def run(opts, a_q, b_q, a_k, b_k, out_dtype, scales):
+    if opts is None:
+        return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
+    return g.launch(a_q, b_q, a_k, b_k, None, out_dtype, scales, **opts)
+
+
+def kernel_names(fn):
+    """The CUDA kernels one call of ``fn`` runs, by name (cuBLAS's name its tile and schedule)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def cublas(a_q, b_q, a_k, b_k, scales):
@@ -79,6 +113,7 @@ def main():
     p.add_argument("--no-cube", action="store_true", help="leave out 8192^3")
     p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN], ...")
     p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
+    p.add_argument("--cublas-kernels", action="store_true", help="record the kernels cuBLAS runs (profiler)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     variants = [(v, variant(v)) for v in args.variants.split(",")]
@@ -90,19 +125,25 @@ def main():
         for scales in args.scales.split(","):
             a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
             cublas_ms = graph_ms(lambda: cublas(*peer))
+            cublas_kernels = kernel_names(lambda: cublas(*peer)) if args.cublas_kernels else None
+            if cublas_kernels:
+                print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
             base = base16 = None
             for label, opts in variants:
-                out = g.launch(a_q, b_q, a_k, b_k, None, torch.float32, scales, **opts)
-                out16 = g.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, scales, **opts)
+                opts = resolve(opts, m, n)
+                out = run(opts, a_q, b_q, a_k, b_k, torch.float32, scales)
+                out16 = run(opts, a_q, b_q, a_k, b_k, torch.bfloat16, scales)
                 base = out if base is None else base
                 base16 = out16 if base16 is None else base16
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                ms = graph_ms(lambda: g.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, scales, **opts))
+                ms = graph_ms(lambda: run(opts, a_q, b_q, a_k, b_k, torch.bfloat16, scales))
                 same = torch.equal(out, base) and torch.equal(out16, base16)
+                opts = opts or {}
                 rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,
                                  tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
                                  vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
-                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None))
+                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None,
+                                 cublas_kernels=cublas_kernels))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
                       f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "

@@ -19,7 +19,9 @@ gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 @pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
     (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, False, 1),
     (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4),
-    (False, "block", 256, 3, True, 1), (False, "block", 128, 5, True, 1), (False, "tensor", 128, 5, True, 3)])
+    (False, "block", 256, 3, True, 1), (False, "block", 128, 5, True, 1), (False, "tensor", 128, 5, True, 3),
+    (False, "tensor", 64, 8, True, 2), (False, "block", 64, 8, True, 1), (True, "row", 64, 8, False, 1),
+    (False, "row", 32, 10, True, 1), (False, "block", 32, 10, True, 2)])
 def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
@@ -33,7 +35,7 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     ptx = kernel["ptx"]
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
-    assert f"m64n128k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    assert f"m64n{min(block_n, 128)}k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel["shared"] <= 227 * 1024
     # Reading a wgmma's accumulator before its wait would make ptxas serialize every wgmma.
     assert "serialized" not in ptxas_report(ptx)
@@ -41,10 +43,12 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
         def adds(text):
             return len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
 
-        if not (scales == "block" and block_n == 128):  # there: fused multiply-adds
-            assert adds(ptx) > adds(sm90_build("qflash.kernels.matmul_gluon", True, scales)["ptx"])
-        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == (block_n == 128)
-        assert ("fma.rn.f32" in ptx) == (scales == "block" and block_n == 128)
+        narrow = block_n <= 128
+        if not (scales == "block" and narrow):  # there: fused multiply-adds
+            int8_ptx = sm90_build("qflash.kernels.matmul_gluon", True, scales, block_n=min(block_n, 128))["ptx"]
+            assert adds(ptx) > adds(int8_ptx)
+        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == narrow
+        assert ("fma.rn.f32" in ptx) == (scales == "block" and narrow)
 
 
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
@@ -110,17 +114,17 @@ def test_gpu_fp8_within_fp32_rounding(m, n, k, scales):
 @pytest.mark.parametrize("scales", ["tensor", "row"])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
 def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
-    """256-wide tiles add the same 128-deep partials in the same order as 128-wide ones, and C
-    written through shared memory and bulk copies is C written by plain stores: the same bits,
-    ragged edges (N not a multiple of 256; rows not 16-byte aligned fall back to plain stores) and
-    bias included."""
+    """256-, 64- and 32-wide tiles add the same 128-deep partials in the same order as 128-wide
+    ones, and C written through shared memory and bulk copies is C written by plain stores: the
+    same bits, ragged edges (N not a multiple of the tile; rows not 16-byte aligned fall back to
+    plain stores) and bias included."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
     a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
     b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     narrow = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=128, stages=6)
     for block_n, stages, tma_store in [(256, 3, False), (256, 4, False), (256, 4, True), (256, 3, True),
-                                       (128, 5, True)]:
+                                       (128, 5, True), (64, 8, True), (64, 8, False), (32, 10, True)]:
         with poisoned():
             wide = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=block_n, stages=stages,
                                 tma_store=tma_store)
@@ -167,10 +171,10 @@ def test_gpu_split_k(m, n, k):
         a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row", "cuda")
         bias = torch.randn(n, device="cuda")
         scales = "tensor" if m == n == 1 else "row"  # the reference reads one value each as per tensor
-        for split_k, tma_store in [(2, True), (3, False), (4, True)]:
+        for split_k, tma_store, block_n in [(2, True, 128), (3, False, 128), (4, True, 128), (2, True, 64)]:
             with poisoned():
                 c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, scales,
-                                 stages=5, split_k=split_k, tma_store=tma_store)
+                                 block_n=block_n, stages=5, split_k=split_k, tma_store=tma_store)
             assert_written(c)
             if qdtype == torch.int8:
                 assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
@@ -201,7 +205,8 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
     portable = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "block",
                              config=MatmulConfig(128, 128, 128, 8, 3, use_tma=False))
     for opts in [{}, dict(block_n=128, stages=5, tma_store=True), dict(block_n=256, stages=3, tma_store=True),
-                 dict(block_n=128, stages=5, split_k=3)]:
+                 dict(block_n=128, stages=5, split_k=3), dict(block_n=64, stages=8, tma_store=True),
+                 dict(block_n=64, stages=8, split_k=2), dict(block_n=32, stages=10, tma_store=True)]:
         with poisoned():
             c = gluon.launch(a_q, b_q, a_s, b_s, bias, torch.float32, "block", **opts)
         assert_written(c)
@@ -215,7 +220,7 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("block_n", [32, 64, 128, 256])
 def test_gpu_fp8_block_scales_any_strides(block_n):
     """Block scales are read through their strides: column-major scales (DeepGEMM's layout) and
     a view with a gap between rows give the same bits as contiguous ones."""
@@ -223,7 +228,7 @@ def test_gpu_fp8_block_scales_any_strides(block_n):
     a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
     a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
     b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-    stages = 5 if block_n == 128 else 3
+    stages = {32: 10, 64: 8, 128: 5, 256: 3}[block_n]
     want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.float32, "block", block_n=block_n, stages=stages)
     a_cols = a_s.t().contiguous().t()
     b_gap = torch.full((b_s.shape[0], b_s.shape[1] + 3), float("nan"), device="cuda")[:, :b_s.shape[1]]
@@ -235,7 +240,9 @@ def test_gpu_fp8_block_scales_any_strides(block_n):
 def test_tile_config_follows_the_measurements():
     """128 x 256 FP8 tiles with bulk stores where they make 3/4 of a wave on 132 SMs and fill its
     rounds about as well as 128-wide ones; 128-wide ones otherwise, and for block scales, with K
-    split when the tiles fill less than half the SMs; INT8 as in session 7."""
+    split when the tiles fill less than half the SMs; there, with K short, tiles halved to 64 or 32
+    columns until they fill half, with K long 64 wide only where 128 fill under a quarter, and K
+    split where the tiles still fill under half (s22b); INT8 as in session 7."""
     assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1)
     assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1)  # 128 wide tiles: 0.97 wave
     # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
@@ -243,19 +250,23 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(1024, 10240, 8192, int8=False) == (128, 5, True, 1)  # 0.81 -> 0.97
     assert gluon.tile_config(8192, 10240, 8192, int8=False) == (256, 3, True, 1)  # 0.97 vs 0.995: wide
     assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1)  # 80 tiles: no split
-    assert gluon.tile_config(128, 4096, 4096, int8=False) == (128, 5, True, 4)  # 32 tiles: 4 runs of K
-    assert gluon.tile_config(128, 6144, 4096, int8=False) == (128, 5, True, 2)
+    assert gluon.tile_config(128, 4096, 4096, int8=False) == (32, 10, True, 1)  # 128 tiles of 32 columns
+    assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 8, True, 1)  # 96 tiles of 64
+    assert gluon.tile_config(128, 8192, 8192, int8=False) == (64, 8, True, 1)  # 128 tiles of 64
+    assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, 8, True, 2)  # long K: 64 tiles, 2 runs
+    assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 5, True, 2)  # long K: 64 tiles of 128, 2 runs
     assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1)
     assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1)  # pairs, FMA
-    assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (128, 5, True, 4)
-    for m, n, k in [(1, 1, 16), (128, 4096, 4096), (8192, 28672, 4096)]:
+    assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (32, 10, True, 1)
+    for m, n, k in [(1, 1, 16), (128, 4096, 4096), (128, 6144, 4096), (8192, 28672, 4096)]:
         block_n, stages, _, _ = gluon.tile_config(m, n, k, int8=False)
-        assert stages * gluon._slot_bytes(block_n) + 2 * 64 * 128 * 4 <= gluon.SMEM_BYTES  # float32 C blocks fit
+        c_blocks = 2 * 64 * min(block_n, 128) * 4  # float32 C blocks (split K's sums) fit beside the ring
+        assert stages * gluon._slot_bytes(block_n) + c_blocks <= gluon.SMEM_BYTES
 
 
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
-    with pytest.raises(ValueError, match="block_n must be 128"):
+    with pytest.raises(ValueError, match="block_n must be 32, 64 or 128"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=256)
 
 

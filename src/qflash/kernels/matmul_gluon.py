@@ -6,7 +6,8 @@ which stays the implementation for everything else (INT8, M < 128, small N or K,
 interpreter). This is the schedule the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its
 warp-specialized 4-warp tiles computed wrong results, NOTES "Third round"):
 
-    one CTA per SM takes work items in turn: 128 x 128 or 128 x 256 output tiles (grouped order:
+    one CTA per SM takes work items in turn: 128 x 128 or 128 x 256 output tiles (128 x 64 or
+    128 x 32 where those would leave SMs idle; grouped order:
     GROUP_M row blocks share each column block of B while it is in L2), or with split K one
     run of a tile's K steps; in three partitions
       consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma)
@@ -24,7 +25,7 @@ weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exa
 FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
 bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
-tile is two 128-wide halves that take turns with one partial; a 128-wide tile takes its K steps
+tile is two 128-wide halves that take turns with one partial; a narrower tile takes its K steps
 in pairs with two partials, so that its own next product runs while it adds. Scales: per tensor,
 or per row of A times per row of B (an output column), applied in the epilogue in the
 reference's order, with the launch's floating-point fusion off so that INT8 results are
@@ -172,16 +173,17 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                  SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
-    step, then the epilogue. A tile is 128 or (FP8 only) 256 columns wide; a wide one is two
+    step, then the epilogue. A tile is 64, 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
     to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
-    HALF: gl.constexpr = 128  # columns of one wgmma
-    WIDE: gl.constexpr = BN == 2 * HALF
+    WIDE: gl.constexpr = BN == 256
+    HALF: gl.constexpr = BN // 2 if WIDE else BN  # columns of one wgmma
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
-    gl.static_assert(BN == HALF or (WIDE and not IS_INT8), "tiles are 128 wide, or 256 for FP8")
+    gl.static_assert(BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
+                     "tiles are 32, 64 or 128 wide, or 256 for FP8")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, 2 * SUB)
@@ -218,7 +220,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 # before it joins the total; the next step's scales load while this one's product runs.
                 rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
                 a_ptrs = AScale + rows * stride_asm
-                b_ptr = BScale + pid_n * (BN // HALF) * stride_bsn
+                if BN >= BK:  # B's first 128 x 128 block of the tile
+                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
+                else:  # 64-wide tiles: two to a block
+                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
                 if WIDE:
                     hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
                 else:
@@ -297,7 +302,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, SUB, BK], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    if TMA_STORE:  # a 64 x 128 block of C for each consumer
+    if TMA_STORE:  # a 64 x 128 (64 x 64) block of C for each consumer
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
@@ -316,6 +321,10 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
+
+
+NARROW_STAGES = {32: 10, 64: 8, 128: 5}  # ring slots of 20 / 24 / 32 KB, C blocks beside them
+LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
 def _wave_fill(tiles: int, sms: int) -> float:
@@ -339,11 +348,21 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       better by more than a tenth (M = 1024, N = 6144: 192 wide tiles fill two rounds to 0.73,
       384 narrow ones three to 0.97; with K steps in pairs, 0.91 -> 1.03x cuBLAS per tensor,
       ..._paired_steps_h200_2026-11-30_s19b.json);
-    - split K into ``sms // tiles`` runs when the tiles fill less than half of the SMs (M = 128,
-      N = 4096: 307 -> 378 TFLOP/s, K = 14336: 369 -> 576; it lost where the tiles fill half or
-      more, ..._split_k_h200_2026-11-29_s9d.json).
+    - where 128-wide tiles fill less than half of the SMs (M = 128 or 256, N <= 8192): with K
+      under LONG_K, tiles of 64 or 32 columns, halved until they fill half of the SMs, and no split
+      of K, whose float32 sums cost a round trip through L2 (s21d, s21e); per tensor against
+      128-wide tiles with K split, x cuBLAS (matmul_fp8_narrow_tiles_h200_2026-11-30_s22b.json):
+      M = 128 8B qkv 0.69 -> 0.88 (64 wide), 8B o 0.69 -> 0.89 (32 wide), 70B o 0.82 -> 0.95;
+      M = 256 8B o 0.75 -> 0.96. Where K is long, the sums weigh less than the narrow tiles' extra
+      reads of A: 64-wide tiles only where 128-wide ones fill under a quarter of the SMs, else
+      128-wide ones with K split (M = 128 70B down: 0.98 either way, block scales 0.98 against
+      0.90; M = 256 8B down 0.98 against 0.97-0.98, block scales 0.90 against 0.80);
+    - split K into ``sms // tiles`` runs when the tiles still fill less than half of the SMs
+      (M = 128 8B down: 64-wide tiles in two runs, 0.88 -> 0.95 x cuBLAS; 128-wide tiles in
+      ..._split_k_h200_2026-11-29_s9d.json, 307 -> 378 TFLOP/s and 369 -> 576 against no
+      split; it lost where the tiles fill half or more).
 
-    Block scales take 128-wide tiles everywhere: there the K steps go in pairs and the scales by
+    Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs and the scales by
     fused multiply-adds (1.03-1.24x the 256-wide tiles at M = 1024 / 8192,
     ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
     stores): it stays on the tl kernel."""
@@ -352,8 +371,15 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     wide = cdiv(m, 2 * SUB_M) * cdiv(n, 256)
     if not block_scales and wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
         return 256, 3, True, 1
-    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, 128)
-    return 128, 5, True, max(1, sms // tiles) if 2 * tiles < sms else 1
+    block_n = 128
+    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, block_n)
+    if 2 * tiles < sms:  # under half the SMs: narrower tiles, or K split
+        if k < LONG_K:
+            while 2 * tiles < sms and block_n > 32:
+                block_n, tiles = block_n // 2, 2 * tiles
+        elif 4 * tiles < sms:
+            block_n, tiles = 64, 2 * tiles
+    return block_n, NARROW_STAGES[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -430,17 +456,19 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
     c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
-    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * 128 * c_size <= SMEM_BYTES
+    c_cols = min(block_n, 128)  # a consumer's block of C: the columns of one wgmma
+    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * c_cols * c_size <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k)
     return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
 
 
-def _desc(t: torch.Tensor, rows: int, dtype):
-    """A host tensor descriptor of ``t`` in blocks of ``rows`` x 128 (C: 64 x 128): ``why_not``
-    checked A and B, and C and the split-K sums are fresh tensors with 16-byte aligned rows."""
-    return unchecked_descriptor(t, t.shape, t.stride(), [rows, 128], nvmma_layout((rows, 128), dtype))
+def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
+    """A host tensor descriptor of ``t`` in blocks of ``rows`` x ``cols`` (A and B: K steps of 128;
+    C: a consumer's 64 x 128 or 64 x 64): ``why_not`` checked A and B, and C and the split-K sums
+    are fresh tensors with 16-byte aligned rows."""
+    return unchecked_descriptor(t, t.shape, t.stride(), [rows, cols], nvmma_layout((rows, cols), dtype))
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
@@ -458,8 +486,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
-    if block_n is not None and (block_n not in (128, 256) or (a_q.dtype == torch.int8 and block_n != 128)):
-        raise ValueError(f"block_n must be 128 (or 256 for FP8), got {block_n}")
+    if block_n is not None and (block_n not in (32, 64, 128, 256) or (a_q.dtype == torch.int8 and block_n == 256)):
+        raise ValueError(f"block_n must be 32, 64 or 128 (or 256 for FP8), got {block_n}")
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
                  split_k, group_m, sm_count(a_q.device))
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
@@ -468,7 +496,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = _desc(target, SUB_M, _GL_OUT[target.dtype]) if plan.constexprs["TMA_STORE"] else a_desc
+    c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], min(plan.block_n, 128)) if plan.constexprs["TMA_STORE"]
+              else a_desc)
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
         m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
@@ -492,11 +521,12 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     target = (torch.int32 if int8 else torch.float32) if split_k > 1 else out_dtype  # split K: partial sums
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
 
-    def desc(rows: int, dtype=gdt, type_name=name) -> str:
-        return f"tensordesc<{type_name}[{rows}, {BLOCK_K}],{nvmma_layout((rows, BLOCK_K), dtype)!r}>"
+    def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
+        return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
-             "c_desc": desc(SUB_M, _GL_OUT[target], out) if tma_store else desc(SUB_M), "AScale": "*fp32",
+             "c_desc": desc(SUB_M, _GL_OUT[target], out, min(block_n, 128)) if tma_store else desc(SUB_M),
+             "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
