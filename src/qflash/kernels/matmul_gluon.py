@@ -173,7 +173,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                  SPLIT_K: gl.constexpr):
     """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
-    step, then the epilogue. A tile is 64, 128 or (FP8 only) 256 columns wide; a wide one is two
+    step, then the epilogue. A tile is 32, 64, 128 or (FP8 only) 256 columns wide; a wide one is two
     halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
     to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
@@ -222,7 +222,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 a_ptrs = AScale + rows * stride_asm
                 if BN >= BK:  # B's first 128 x 128 block of the tile
                     b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
-                else:  # 64-wide tiles: two to a block
+                else:  # 64- or 32-wide tiles: two or four to a block
                     b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
                 if WIDE:
                     hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
@@ -302,7 +302,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, SUB, BK], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    if TMA_STORE:  # a 64 x 128 (64 x 64) block of C for each consumer
+    if TMA_STORE:  # a 64 x 128 (64 x 64, 64 x 32) block of C for each consumer
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
@@ -323,7 +323,7 @@ BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer p
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
 
-NARROW_STAGES = {32: 10, 64: 8, 128: 5}  # ring slots of 20 / 24 / 32 KB, C blocks beside them
+TILE_STAGES = {32: 10, 64: 8, 128: 5}  # ring slots of 20 / 24 / 32 KB for tiles this wide, C blocks beside them
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
@@ -379,7 +379,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
                 block_n, tiles = block_n // 2, 2 * tiles
         elif 4 * tiles < sms:
             block_n, tiles = 64, 2 * tiles
-    return block_n, NARROW_STAGES[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1
+    return block_n, TILE_STAGES[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -466,7 +466,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
     """A host tensor descriptor of ``t`` in blocks of ``rows`` x ``cols`` (A and B: K steps of 128;
-    C: a consumer's 64 x 128 or 64 x 64): ``why_not`` checked A and B, and C and the split-K sums
+    C: a consumer's 64 x 128, 64 x 64 or 64 x 32): ``why_not`` checked A and B, and C and the split-K sums
     are fresh tensors with 16-byte aligned rows."""
     return unchecked_descriptor(t, t.shape, t.stride(), [rows, cols], nvmma_layout((rows, cols), dtype))
 
@@ -478,8 +478,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M) -> torch.Tensor:
-    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (128,
-    or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
+    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
+    128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
     memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
