@@ -20,6 +20,7 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
+from qflash.kernels.common import sm_count
 from qflash.kernels.matmul import scaled_matmul
 from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
@@ -65,7 +66,7 @@ def resolve(opts, m, n):
     if opts is None or opts.get("split_k") != "a":
         return opts
     tiles = g.cdiv(m, 2 * g.SUB_M) * g.cdiv(n, opts["block_n"])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     return dict(opts, split_k=max(1, sms // tiles) if 2 * tiles < sms else 1)
 
 

@@ -260,7 +260,7 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (32, 10, True, 1)
     for m, n, k in [(1, 1, 16), (128, 4096, 4096), (128, 6144, 4096), (8192, 28672, 4096)]:
         block_n, stages, _, _ = gluon.tile_config(m, n, k, int8=False)
-        c_blocks = 2 * 64 * min(block_n, 128) * 4  # float32 C blocks (split K's sums) fit beside the ring
+        c_blocks = 2 * 64 * gluon.c_block_cols(block_n) * 4  # float32 C blocks (split K's sums) fit beside the ring
         assert stages * gluon._slot_bytes(block_n) + c_blocks <= gluon.SMEM_BYTES
 
 

@@ -327,6 +327,12 @@ TILE_STAGES = {32: 10, 64: 8, 128: 5}  # ring slots of 20 / 24 / 32 KB for tiles
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
+def c_block_cols(block_n: int) -> int:
+    """Columns of a consumer's block of C (64 rows): one wgmma's width, the tile's or half of a
+    256-wide one's."""
+    return min(block_n, 128)
+
+
 def _wave_fill(tiles: int, sms: int) -> float:
     """How full the SMs are, on average, over the rounds of ``tiles`` equal work items."""
     return tiles / (cdiv(tiles, sms) * sms)
@@ -456,8 +462,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
     c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
-    c_cols = min(block_n, 128)  # a consumer's block of C: the columns of one wgmma
-    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + 2 * SUB_M * c_cols * c_size <= SMEM_BYTES
+    c_blocks = 2 * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
+    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES
     items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k)
@@ -496,8 +502,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], min(plan.block_n, 128)) if plan.constexprs["TMA_STORE"]
-              else a_desc)
+    c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], c_block_cols(plan.block_n))
+              if plan.constexprs["TMA_STORE"] else a_desc)
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
         m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
@@ -525,7 +531,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
     types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
-             "c_desc": desc(SUB_M, _GL_OUT[target], out, min(block_n, 128)) if tma_store else desc(SUB_M),
+             "c_desc": desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n)) if tma_store else desc(SUB_M),
              "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
