@@ -21,7 +21,7 @@ import torch
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import sm_count
-from qflash.kernels.matmul import scaled_matmul
+from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
 
@@ -30,8 +30,10 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
 # block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
 # tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
-# GROUP_M; auto: tile_config's;
-# public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no)
+# GROUP_M, cN: N consumers (64-row parts of a tile); auto: tile_config's; w / wN: the transposed
+# product (swap_ab) with swap_config's tile and N ring slots;
+# public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
+# tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
 
@@ -40,16 +42,23 @@ def variant(text):
     tile_config's choice; 'public' -> None."""
     if text == "public":
         return None
+    if text == "tl":
+        return {"tl": True}
     if text == "auto":
         return {}
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?", text)
+    swap = re.fullmatch(r"w(\d+)?", text)
+    if swap:
+        return dict(swap_ab=True, **({"stages": int(swap.group(1))} if swap.group(1) else {}))
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, or block_n x stages [t] [sN] [gN], got {text!r}")
-    block_n, stages, tma, split, group = match.groups()
+        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN], got {text!r}")
+    block_n, stages, tma, split, group, consumers = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if group:
         out["group_m"] = int(group)
+    if consumers:
+        out["consumers"] = int(consumers)
     return out
 
 
@@ -63,7 +72,7 @@ def shapes(ms, cube=True):
 
 def resolve(opts, m, n):
     """The variant's options for an M x N product: 'sa' made a number of runs."""
-    if opts is None or opts.get("split_k") != "a":
+    if opts is None or opts.get("tl") or opts.get("split_k") != "a":
         return opts
     tiles = g.cdiv(m, 2 * g.SUB_M) * g.cdiv(n, opts["block_n"])
     sms = sm_count(torch.device("cuda"))
@@ -73,6 +82,9 @@ def resolve(opts, m, n):
 def run(opts, a_q, b_q, a_k, b_k, out_dtype, scales):
     if opts is None:
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
+    if opts.get("tl"):
+        config = default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], scales, False, a_q.device)
+        return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales, config=config)
     return g.launch(a_q, b_q, a_k, b_k, None, out_dtype, scales, **opts)
 
 
@@ -143,7 +155,8 @@ def main():
                 rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,
                                  tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
                                  vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
-                                 same_as_128=same if opts.get("split_k", 1) == 1 and "block_n" in opts else None,
+                                 same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
+                                              and not opts.get("swap_ab") else None),
                                  cublas_kernels=cublas_kernels))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "

@@ -213,7 +213,7 @@ def test_gpu_decode_split_k_counts_reset(m, use_tma):
     transposed product; FP8 from 33 rows: 64-row tiles): exact INT8 results launch after launch
     with fresh inputs (the arrival counts go back to zero), on the default stream and on another
     one, and FP8 within float32 rounding; with pointer loads and with tensor descriptors (the
-    public functions take the default)."""
+    public functions take the default; on Hopper their FP8 product at M = 63 is the Gluon kernel's)."""
     from dataclasses import replace
 
     from qflash.kernels.matmul import _COUNTERS, default_config

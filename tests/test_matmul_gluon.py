@@ -51,6 +51,21 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
         assert ("fma.rn.f32" in ptx) == (scales == "block" and narrow)
 
 
+@pytest.mark.parametrize("int8,scales,block_n,stages", [(False, "tensor", 16, 16), (False, "row", 32, 14),
+                                                        (False, "row", 64, 11), (True, "row", 16, 16)])
+def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages):
+    """The transposed product for decode-sized M: one consumer warpgroup on m64nNk32 wgmma (A's
+    rows as N), a loader warp, and C written back transposed by plain stores."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
+                        consumers=1, swap_ab=True)
+    ptx = kernel["ptx"]
+    kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
+    assert f"m64n{block_n}k32.{kind}" in ptx and "setmaxnreg" in ptx
+    assert "cp.async.bulk.tensor.2d.shared" in ptx and "cp.async.bulk.tensor.2d.global.shared" not in ptx
+    assert kernel["shared"] <= 227 * 1024
+    assert "serialized" not in ptxas_report(ptx)
+
+
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
     a, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
     a_q, a_s = qflash.quantize(a, qdtype, "tensor" if scales == "tensor" else "row")
@@ -242,54 +257,177 @@ def test_tile_config_follows_the_measurements():
     rounds about as well as 128-wide ones; 128-wide ones otherwise, and for block scales, with K
     split when the tiles fill less than half the SMs; there, with K short, tiles halved to 64 or 32
     columns until they fill half, with K long 64 wide only where 128 fill under a quarter, and K
-    split where the tiles still fill under half (s22b); INT8 as in session 7."""
-    assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1)
-    assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1)  # 128 wide tiles: 0.97 wave
+    split where the tiles still fill under half (s22b); INT8 as in session 7. From M <= 64, tiles of
+    64 rows (one consumer), counted by the same rules but halved whatever K (s23b, s23c); 64 x 64
+    one-consumer tiles instead of 128 x 32 ones (s23c)."""
+    assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1, 2)
+    assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1, 2)  # 128 wide tiles: 0.97 wave
     # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
-    assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1)
-    assert gluon.tile_config(1024, 10240, 8192, int8=False) == (128, 5, True, 1)  # 0.81 -> 0.97
-    assert gluon.tile_config(8192, 10240, 8192, int8=False) == (256, 3, True, 1)  # 0.97 vs 0.995: wide
-    assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1)  # 80 tiles: no split
-    assert gluon.tile_config(128, 4096, 4096, int8=False) == (32, 10, True, 1)  # 128 tiles of 32 columns
-    assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 8, True, 1)  # 96 tiles of 64
-    assert gluon.tile_config(128, 8192, 8192, int8=False) == (64, 8, True, 1)  # 128 tiles of 64
-    assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, 8, True, 2)  # long K: 64 tiles, 2 runs
-    assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 5, True, 2)  # long K: 64 tiles of 128, 2 runs
-    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1)
-    assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1)  # pairs, FMA
-    assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (32, 10, True, 1)
-    for m, n, k in [(1, 1, 16), (128, 4096, 4096), (128, 6144, 4096), (8192, 28672, 4096)]:
-        block_n, stages, _, _ = gluon.tile_config(m, n, k, int8=False)
-        c_blocks = 2 * 64 * gluon.c_block_cols(block_n) * 4  # float32 C blocks (split K's sums) fit beside the ring
-        assert stages * gluon._slot_bytes(block_n) + c_blocks <= gluon.SMEM_BYTES
+    assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1, 2)
+    assert gluon.tile_config(1024, 10240, 8192, int8=False) == (128, 5, True, 1, 2)  # 0.81 -> 0.97
+    assert gluon.tile_config(8192, 10240, 8192, int8=False) == (256, 3, True, 1, 2)  # 0.97 vs 0.995: wide
+    assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1, 2)  # 80 tiles: no split
+    # 128 tiles of 128 x 32 become 128 of 64 x 64 (one consumer): 0.90 -> 1.02 x cuBLAS (s23c)
+    assert gluon.tile_config(128, 4096, 4096, int8=False) == (64, 8, True, 1, 1)
+    assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 8, True, 1, 2)  # 96 tiles of 64
+    assert gluon.tile_config(128, 8192, 8192, int8=False) == (64, 8, True, 1, 2)  # 128 tiles of 64
+    assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, 8, True, 2, 2)  # long K: 64 tiles, 2 runs
+    assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 5, True, 2, 2)  # long K: 64 tiles of 128, 2 runs
+    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1, 2)
+    assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1, 2)  # pairs, FMA
+    assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (64, 8, True, 1, 1)
+    assert gluon.tile_config(64, 6144, 4096, int8=False) == (64, 8, True, 1, 1)  # 96 tiles: 1.01 x cuBLAS
+    assert gluon.tile_config(64, 4096, 4096, int8=False) == (32, 10, True, 1, 1)  # 128 tiles: 0.91
+    assert gluon.tile_config(64, 10240, 8192, int8=False) == (128, 6, True, 1, 1)  # 80 tiles: 0.98
+    assert gluon.tile_config(64, 28672, 4096, int8=False) == (256, 3, True, 1, 1)  # 112 wide tiles: 1.01
+    assert gluon.tile_config(64, 4096, 14336, int8=False) == (32, 10, True, 1, 1)  # long K, no split: 0.92
+    assert gluon.tile_config(64, 8192, 28672, int8=False) == (64, 8, True, 1, 1)  # 0.98
+    for m, n, k in [(1, 1, 16), (64, 28672, 4096), (64, 4096, 4096), (128, 4096, 4096), (128, 6144, 4096), (8192, 28672, 4096)]:
+        block_n, stages, _, _, consumers = gluon.tile_config(m, n, k, int8=False)
+        c_blocks = consumers * 64 * gluon.c_block_cols(block_n) * 4  # float32 C blocks (split K's sums) beside the ring
+        assert stages * gluon._slot_bytes(block_n, consumers) + c_blocks <= gluon.SMEM_BYTES
+
+
+def test_plan_consumers():
+    """tile_config's choice of one or two consumers goes with its own tile width: a width of the
+    caller's takes 64-row tiles where M <= 64 and 128-row ones above, unless told."""
+    def plan(m, n, k, **kw):
+        opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False)
+        opts.update(kw)
+        return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, opts["block_n"], opts["stages"],
+                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"])
+
+    assert (plan(128, 4096, 4096).block_n, plan(128, 4096, 4096).consumers) == (64, 1)  # tile_config's 64 x 64
+    assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
+    assert plan(128, 4096, 4096, block_n=32, consumers=1).consumers == 1
+    assert plan(64, 4096, 4096, block_n=128).consumers == 1
+    swapped = plan(4096, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
+    assert (swapped.block_n, swapped.consumers, swapped.constexprs["SWAP_AB"]) == (16, 1, True)
+    assert swapped.grid == (64,) and swapped.constexprs["STAGES"] == 10
 
 
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
-    with pytest.raises(ValueError, match="block_n must be 32, 64 or 128"):
+    with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=256)
 
 
 def test_preferred_only_where_measured():
-    """FP8 from M = 128 with N and K from 4096, the range timed against the tl kernel on the H200."""
+    """FP8 from M = 33 with N and K from 4096, the range timed against the tl kernel on the H200;
+    at M <= 32 the transposed product where B's 64-row tiles fill the SMs (one round 70 %,
+    several 90 %), tensor and row scales."""
     assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
     assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
     assert gluon.preferred(1024, 4096, 4096, int8=False) and gluon.preferred(128, 4096, 14336, int8=False)
-    assert not gluon.preferred(16, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
+    assert gluon.preferred(64, 6144, 4096, int8=False) and gluon.preferred(33, 4096, 4096, int8=False)
+    assert not gluon.preferred(32, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
+    swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672)]
+    tl = [(16, 4096, 4096), (16, 4096, 14336), (16, 10240, 8192), (16, 28672, 4096), (1, 6144, 4096),
+          (64, 6144, 4096), (16, 6144, 2048), (16, 2048, 4096)]  # 64, 64, 160 tiles, 448 (85 %), M = 1 in
+    # one round; M, K or N out of range
+    assert all(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in swap)
+    assert not any(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in tl)
+    assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
+
+
+SWAP_SHAPES = [(1, 1, 16), (5, 1000, 2000), (16, 640, 1152), (33, 384, 4096), (64, 129, 320)]  # decode-sized M
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "mixed"])
+@pytest.mark.parametrize("m,n,k", SWAP_SHAPES)
+def test_gpu_swap_ab_int8_bit_exact(m, n, k, scales):
+    """The transposed product (C^T = B A^T, one consumer, A's rows on the narrow side) is the
+    reference's C bit for bit, bias along C's columns included, with every tile width and ring
+    depth that a decode-sized M gets."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
+    bias = torch.randn(n, device="cuda")
+    kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
+    a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
+    b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
+    want = int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
+    for stages in (None, 4):
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, kind, swap_ab=True, stages=stages)
+        assert_written(c)
+        assert torch.equal(c, want), stages
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scales", ["tensor", "row"])
-def test_gpu_public_fp8_matmul_takes_it(scales, monkeypatch):
+@pytest.mark.parametrize("m,n,k", SWAP_SHAPES + [(16, 4096, 4096)])
+def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
+    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    bias = torch.randn(n, device="cuda")
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True)
+    assert_written(c)
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m,n,k", [(64, 640, 1152), (100, 384, 2000)])
+def test_gpu_one_consumer_tiles_match(m, n, k, scales):
+    """64-row tiles (one consumer) add the same partials in the same order as 128-row ones: the
+    same bits, with plain and bulk stores, K split or not (INT8 for the split: exact either way)."""
+    if scales == "block":
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    else:
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+        a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
+        b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=64, stages=6, consumers=2)
+    for tma_store in (False, True):
+        with poisoned():
+            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=64, stages=8,
+                               tma_store=tma_store, consumers=1)
+        assert_written(got)
+        assert torch.equal(got, want), tma_store
+    if scales == "row":
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
+        want = int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32)
+        got = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, scales,
+                           block_n=64, stages=8, consumers=1, split_k=3)
+        assert torch.equal(got, want)
+
+
+def test_swap_ab_takes_what_it_can():
+    """The transposed product takes tensor and row scales with plain stores and no split of K: it
+    says so for the rest; its tile is A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for
+    64-wide tiles)."""
+    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
+    for kwargs in (dict(split_k=2), dict(tma_store=True)):
+        with pytest.raises(ValueError, match="swap_ab"):
+            gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, **kwargs)
+    with pytest.raises(ValueError, match="consumers must be 1 or 2"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=3)
+    assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)
+    assert gluon.swap_config(17, 4096, 4096)[0] == 32 and gluon.swap_config(64, 4096, 4096)[0] == 64
+    for m in (1, 16, 32, 64):
+        block_n, stages, _, _, consumers = gluon.swap_config(m, 4096, 4096)
+        assert stages * gluon._slot_bytes(block_n, consumers) <= gluon.SMEM_BYTES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k,swap_ab", [(128, 8192, 4096, False), (64, 6144, 4096, False), (16, 6144, 4096, True)])
+def test_gpu_public_fp8_matmul_takes_it(m, n, k, swap_ab, scales, monkeypatch):
     """fp8_matmul at a preferred shape is this kernel's result, bit for bit (the tl kernel's with
-    QFLASH_GLUON=0); both within float32 rounding of the reference, bias included."""
-    m, n, k = 128, 8192, 4096
+    QFLASH_GLUON=0): 128-row tiles, 64-row tiles at M = 64, the transposed product at M = 16; both
+    within float32 rounding of the reference, bias included."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
     bias = torch.randn(n, device="cuda")
     public = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
     a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
     b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
-    assert torch.equal(public, gluon.scaled_matmul_gluon(a_q, b_q, a_k, b_k, bias, torch.float32, scales))
+    assert torch.equal(public, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=swap_ab))
     monkeypatch.setenv("QFLASH_GLUON", "0")
     portable = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)

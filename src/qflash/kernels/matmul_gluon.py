@@ -2,9 +2,10 @@
 
 ``matmul.scaled_matmul`` (so ``fp8_matmul``) sends FP8 products with per-tensor, per-row or
 block scales here on Hopper where ``preferred`` says it measured faster than the ``tl`` kernel,
-which stays the implementation for everything else (INT8, M < 128, small N or K, other GPUs, the
-interpreter). This is the schedule the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its
-warp-specialized 4-warp tiles computed wrong results, NOTES "Third round"):
+which stays the implementation for everything else (INT8, small N or K, the decode-sized
+products that ``swap_preferred`` leaves out, other GPUs, the interpreter). This is the schedule
+the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its warp-specialized 4-warp tiles
+computed wrong results, NOTES "Third round"):
 
     one CTA per SM takes work items in turn: 128 x 128 or 128 x 256 output tiles (128 x 64 or
     128 x 32 where those would leave SMs idle; grouped order:
@@ -18,7 +19,11 @@ warp-specialized 4-warp tiles computed wrong results, NOTES "Third round"):
 
 The ring runs on from one item to the next, so the loads of an item's first K steps overlap the
 previous item's epilogue, and C leaves through shared memory and bulk copies (TMA stores) that
-run on while the consumer starts its next item.
+run on while the consumer starts its next item. Where M <= 64 a tile has 64 rows and one
+consumer (CONSUMERS = 1). Decode-sized products (M <= 32) can run transposed (SWAP_AB):
+C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
+and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
+epilogue writes each block back to C transposed, by plain stores.
 
 C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s
 weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
@@ -81,13 +86,14 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               SPLIT_K: gl.constexpr):
-    """One warp: the A halves and the B tile of every K step of every work item of this CTA.
-    Edges past M, N or K arrive as zeros (the descriptors' bounds), which add nothing."""
+               SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
+    item of this CTA. Edges past M, N or K arrive as zeros (the descriptors' bounds), which add
+    nothing."""
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    num_m = gl.cdiv(M, 2 * SUB)
+    num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0  # K steps over all items: the ring's position
@@ -97,10 +103,10 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB, kk * BK], ready.index(s), a_ring.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [pid_m * 2 * SUB + SUB, kk * BK], ready.index(s),
-                                            a_ring.index(2 * s + 1))
+            mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for part in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(a_desc, [(pid_m * CONSUMERS + part) * SUB, kk * BK], ready.index(s),
+                                                a_ring.index(CONSUMERS * s + part))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_ring.index(s))
             c += 1
 
@@ -108,12 +114,13 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
 @gluon.jit
 def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
                  stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                 RAW: gl.constexpr):
+                 RAW: gl.constexpr, SWAP_AB: gl.constexpr):
     """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
     cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
     from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
     (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
-    clips rows and columns past C's bounds."""
+    clips rows and columns past C's bounds. With SWAP_AB the kernel's product is the user's C
+    transposed: the block goes to C[col0:, row0:] by plain stores, and the bias runs along rows."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
@@ -128,9 +135,15 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
     else:
         a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
         b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
-        out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
+        if SWAP_AB:  # the user's A scale first, as the reference multiplies (INT8: the same bits)
+            out = acc.to(gl.float32) * gl.expand_dims(b_s, 0) * gl.expand_dims(a_s, 1)
+        else:
+            out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
     if HAS_BIAS and not RAW:
-        out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        if SWAP_AB:  # the user's bias is one a row of B, which is the kernel's A
+            out = out + gl.expand_dims(gl.load(Bias + rows, mask=rows < M, other=0.0).to(gl.float32), 1)
+        else:
+            out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
     if TMA_STORE:
         tma.store_wait(0)  # the previous block's copy has read c_buf ...
         gl.thread_barrier()  # ... before any of the 128 threads writes it again
@@ -139,7 +152,10 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
         gl.thread_barrier()  # ... from all 128 threads before one of them issues the copy
         tma.async_copy_shared_to_global(c_desc, [c_row_base + row0, col0], c_buf)
     else:
-        ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        if SWAP_AB:  # element (row, col) is the user's C[col, row]
+            ptrs = C + gl.expand_dims(rows, 1) + gl.expand_dims(cols.to(gl.int64) * stride_cm, 0)
+        else:
+            ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
         ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
         gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
 
@@ -171,22 +187,23 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
                  stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr):
-    """One warpgroup (consumer ``which``): 64 rows of every work item of this CTA, K step by K
-    step, then the epilogue. A tile is 32, 64, 128 or (FP8 only) 256 columns wide; a wide one is two
-    halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum goes as it is
-    to rows split * split_rows + row of a partial-sum buffer, which a second kernel adds up."""
+                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr):
+    """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
+    step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
+    wide one is two halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum
+    goes as it is to rows split * split_rows + row of a partial-sum buffer, which a second kernel
+    adds up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
     WIDE: gl.constexpr = BN == 256
     HALF: gl.constexpr = BN // 2 if WIDE else BN  # columns of one wgmma
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
-    gl.static_assert(BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
-                     "tiles are 32, 64 or 128 wide, or 256 for FP8")
+    gl.static_assert(BN == 16 or BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
+                     "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
-    num_m = gl.cdiv(M, 2 * SUB)
+    num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0
@@ -197,7 +214,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(2 * s + which), b_ring.index(s).permute((1, 0)), acc,
+                acc = warpgroup_mma(a_ring.index(CONSUMERS * s + which), b_ring.index(s).permute((1, 0)), acc,
                                     is_async=True)
                 # One product in flight: the previous K step's is done, so its slot goes back.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -218,7 +235,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
-                rows = pid_m * 2 * SUB + which * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                rows = (pid_m * CONSUMERS + which) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
                 a_ptrs = AScale + rows * stride_asm
                 if BN >= BK:  # B's first 128 x 128 block of the tile
                     b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
@@ -241,10 +258,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                     s0 = c % STAGES
                     s1 = (c + 1) % STAGES
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-                    p0 = warpgroup_mma(a_ring.index(2 * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
+                    p0 = warpgroup_mma(a_ring.index(CONSUMERS * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-                    p1 = warpgroup_mma(a_ring.index(2 * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
+                    p1 = warpgroup_mma(a_ring.index(CONSUMERS * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
                                        use_acc=False, is_async=True)
                     a_sc1, b_sc1 = a_sc, b_sc
                     if SCALES == SCALES_BLOCK:
@@ -263,7 +280,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
             for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_ring.index(2 * s + which)
+                a = a_ring.index(CONSUMERS * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
@@ -280,14 +297,14 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 if SCALES == SCALES_BLOCK:
                     a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
-        row0 = pid_m * 2 * SUB + which * SUB
+        row0 = (pid_m * CONSUMERS + which) * SUB
         c_buf = c_smem.index(which)
         RAW: gl.constexpr = SPLIT_K > 1
         _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
-                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
+                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
         if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
-                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW)
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
@@ -296,34 +313,45 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
                          stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
+                         TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
+                         SWAP_AB: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, SUB, BK], a_desc.layout)
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES, SUB, BK], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     if TMA_STORE:  # a 64 x 128 (64 x 64, 64 x 32) block of C for each consumer
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
-    ready, empty = ring_barriers(STAGES, 1, 2)  # both consumers release a slot
+    ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
-    gl.warp_specialize([
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                        stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES, HAS_BIAS,
-                        GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K)),
-    ], [4, 1], [240, 24])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
+                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES,
+                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
+        ], [4, 1], [240, 24])
+    else:  # 64-row tiles: one consumer
+        gl.warp_specialize([
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
+                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
+                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
+        ], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
 STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile): 192 KB of 227
 
 
-TILE_STAGES = {32: 10, 64: 8, 128: 5}  # ring slots of 20 / 24 / 32 KB for tiles this wide, C blocks beside them
+# Ring slots for tiles of each width, with C blocks beside them: two consumers' slots of 20 / 24 / 32
+# / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
+RING_STAGES = {2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
@@ -339,9 +367,12 @@ def _wave_fill(tiles: int, sms: int) -> float:
 
 
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> tuple:
-    """(block_n, stages, tma_store, split_k) for a product on ``sms`` SMs, as measured on the H200
-    side by side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and
-    ..._m128_..._s9b.json, FP8):
+    """(block_n, stages, tma_store, split_k, consumers) for a product on ``sms`` SMs, as measured on
+    the H200 side by side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and
+    ..._m128_..._s9b.json, FP8). Tiles have 128 rows (two consumers), or 64 (one) where M <= 64,
+    and the rules below count tiles of either height the same way (M = 64, s23b: 0.91-1.01 x
+    cuBLAS at six Llama shapes where the old 64-row tl tiles ran 0.68-1.00 x;
+    matmul_fp8_one_consumer_h200_2026-11-30_s23b.json):
 
     - C through shared memory and bulk copies: +1-19% over plain stores from registers with
       256-wide tiles (8192^3: 1118 -> 1204 TFLOP/s), -1 to +11% with 128-wide ones at M = 128;
@@ -363,6 +394,10 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       reads of A: 64-wide tiles only where 128-wide ones fill under a quarter of the SMs, else
       128-wide ones with K split (M = 128 70B down: 0.98 either way, block scales 0.98 against
       0.90; M = 256 8B down 0.98 against 0.97-0.98, block scales 0.90 against 0.80);
+    - 64 x 64 tiles (one consumer) where 128 x 32 ones would run: as many tiles, each reading 128
+      rows of A and B instead of 160 (M = 128 8B o: 0.90 -> 1.02 x cuBLAS, s23c); 64-row tiles
+      halve their width to fill half of the SMs whatever K (M = 64 8B down, 32 wide: 0.92 against
+      0.88 with 64-wide tiles in two runs; 70B down, 64 wide: 0.98 against 0.97, s23c);
     - split K into ``sms // tiles`` runs when the tiles still fill less than half of the SMs
       (M = 128 8B down: 64-wide tiles in two runs, 0.88 -> 0.95 x cuBLAS; 128-wide tiles in
       ..._split_k_h200_2026-11-29_s9d.json, 307 -> 378 TFLOP/s and 369 -> 576 against no
@@ -373,29 +408,64 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
     stores): it stays on the tl kernel."""
     if int8:
-        return BLOCK_N, STAGES, False, 1
-    wide = cdiv(m, 2 * SUB_M) * cdiv(n, 256)
+        return BLOCK_N, STAGES, False, 1, 2
+    consumers = 1 if m <= SUB_M else 2
+    stages = RING_STAGES[consumers]
+    wide = cdiv(m, consumers * SUB_M) * cdiv(n, 256)
     if not block_scales and wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
-        return 256, 3, True, 1
+        return 256, stages[256], True, 1, consumers
     block_n = 128
-    tiles = cdiv(m, 2 * SUB_M) * cdiv(n, block_n)
+    tiles = cdiv(m, consumers * SUB_M) * cdiv(n, block_n)
     if 2 * tiles < sms:  # under half the SMs: narrower tiles, or K split
-        if k < LONG_K:
+        if k < LONG_K or consumers == 1:  # a 64-row tile's extra reads of A are half as many
             while 2 * tiles < sms and block_n > 32:
                 block_n, tiles = block_n // 2, 2 * tiles
         elif 4 * tiles < sms:
             block_n, tiles = 64, 2 * tiles
-    return block_n, TILE_STAGES[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1
+    if block_n == 32 and consumers == 2:  # as many 64 x 64 tiles, a fifth less to read
+        block_n, consumers, stages = 64, 1, RING_STAGES[1]
+        tiles = cdiv(m, SUB_M) * cdiv(n, block_n)
+    return block_n, stages[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1, consumers
+
+
+def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
+    """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
+    decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
+    width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
+    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles."""
+    block_n = max(16, 1 << max(0, m - 1).bit_length())
+    return block_n, RING_STAGES[1][block_n], False, 1, 1
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 (tensor, row and block
-    scales) from M = 128 with N and K from 4096, where it measured 1.22-1.71x the tl kernel with
-    tensor and row scales (graphs, benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json, and
-    ..._split_k_..._s9d.json at M = 128) and 1.02-2.60x with block scales
-    (..._fp8_block_..._s9e.json). Not M = 16 (0.62-1.02x there), not INT8 (0.86-1.00x the tl
-    kernel in session 7)."""
-    return not int8 and m >= 128 and n >= 4096 and k >= 4096
+    scales) from M = 33 with N and K from 4096, where it measured 1.22-1.71x the tl kernel with
+    tensor and row scales from M = 128 (graphs, benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json,
+    and ..._split_k_..._s9d.json at M = 128), 1.02-2.60x with block scales
+    (..._fp8_block_..._s9e.json), and with 64-row tiles at M = 64 (s23b); M = 65-127 runs M = 128's
+    tiles, with fewer rows to read. Not M <= 32 (the
+    transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl kernel in
+    session 7)."""
+    return not int8 and m > 32 and n >= 4096 and k >= 4096
+
+
+def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
+    """Whether ``scaled_matmul`` takes the transposed product (``swap_ab``, tensor or row scales)
+    for a decode-sized FP8 product: M <= 32 with N and K from 4096, where B's 64-row tiles fill
+    one round of the SMs at least 70 % (from M = 8) or several rounds at least 90 %. Against the
+    tl kernel's transposed product in the same run at M = 8 / 16 / 32, x cuBLAS per tensor
+    (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json): 8B qkv (96 tiles)
+    0.87 / 0.95 / 0.95 against 0.84 / 0.81 / 0.73, 70B gate_up (896) 1.02 / 1.01 / 1.00 against
+    0.92 / 0.93 / 0.97, 70B o and down (128) 0.96-1.07 against 0.93-1.04. The tl kernel, which
+    splits K, stays ahead where the tiles leave SMs idle (s23a, s23b): 8B o and down (64 tiles),
+    70B qkv (160), 8B gate_up (448, four rounds 85 % full)."""
+    if int8 or m > 32 or n < 4096 or k < 4096:
+        return False
+    tiles = cdiv(n, SUB_M)
+    fill = _wave_fill(tiles, sms)
+    # One round: under 8 rows (most of the tile zero-filled by the copy engine) it lost (M = 1,
+    # 8B qkv: 0.98 against 1.10 x cuBLAS, s23c).
+    return fill >= 0.7 and m >= 8 if tiles <= sms else fill >= 0.9
 
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
@@ -430,14 +500,15 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
 SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a CTA, less the ring's barriers
 
 
-def _slot_bytes(block_n: int) -> int:
-    return (2 * SUB_M + block_n) * BLOCK_K  # two A halves and a B tile, one byte an element
+def _slot_bytes(block_n: int, consumers: int = 2) -> int:
+    return (consumers * SUB_M + block_n) * BLOCK_K  # a 64-row part of A a consumer and a B tile, a byte an element
 
 
 class _Plan(NamedTuple):
     """What a launch needs that follows from the shapes and options alone (made once per key)."""
     block_n: int
     split_k: int
+    consumers: int
     m_pad: int  # a split's rows in the partial sums: no tile crosses into the next split
     grid: tuple
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
@@ -447,14 +518,22 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int) -> _Plan:
-    config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
-    block_n, stages = block_n or config[0], stages or config[1]
+          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool) -> _Plan:
+    """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed)."""
+    if swap_ab:
+        config = swap_config(n, m, k, sms)
+    else:
+        config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
+    if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
+        consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
+    if stages is None:  # the ring for the caller's tile width, if any
+        stages = config[1] if block_n is None else RING_STAGES[consumers][block_n]
+    block_n = block_n or config[0]
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    ring_bytes = stages * _slot_bytes(block_n)
+    ring_bytes = stages * _slot_bytes(block_n, consumers)
     if ring_bytes > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
@@ -462,12 +541,14 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
     c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
-    c_blocks = 2 * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
+    c_blocks = consumers * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES
-    items = cdiv(m, 2 * SUB_M) * cdiv(n, block_n) * split_k
+    tile_rows = consumers * SUB_M
+    items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k)
-    return _Plan(block_n, split_k, cdiv(m, 2 * SUB_M) * 2 * SUB_M, (min(items, sms),), partial_dtype, constexprs)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
+    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, sms),), partial_dtype,
+                 constexprs)
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -483,7 +564,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M) -> torch.Tensor:
+           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
     128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -492,11 +573,17 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
-    if block_n is not None and (block_n not in (32, 64, 128, 256) or (a_q.dtype == torch.int8 and block_n == 256)):
-        raise ValueError(f"block_n must be 32, 64 or 128 (or 256 for FP8), got {block_n}")
-    plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device))
+    if block_n is not None and (block_n not in (16, 32, 64, 128, 256) or (a_q.dtype == torch.int8 and block_n == 256)):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128 (or 256 for FP8), got {block_n}")
+    if consumers not in (None, 1, 2):
+        raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+    if swap_ab and (scales == "block" or (split_k or 1) > 1 or tma_store):
+        raise ValueError("the transposed product (swap_ab) takes tensor or row scales, plain stores and no split of K")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
+    if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
+        a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
+    plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab)
     target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                               dtype=plan.partial_dtype)
     qdtype = _GL_DTYPES[a_q.dtype]
@@ -519,7 +606,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1):
+                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -536,5 +623,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
-                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k)
+                     GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
+                     SWAP_AB=swap_ab)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
