@@ -51,19 +51,24 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
         assert ("fma.rn.f32" in ptx) == (scales == "block" and narrow)
 
 
-@pytest.mark.parametrize("int8,scales,block_n,stages", [(False, "tensor", 16, 16), (False, "row", 32, 14),
-                                                        (False, "row", 64, 11), (True, "row", 16, 16)])
-def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages):
+@pytest.mark.parametrize("int8,scales,block_n,stages,split_k", [
+    (False, "tensor", 16, 16, 1), (False, "row", 32, 14, 1), (False, "row", 64, 11, 1), (True, "row", 16, 16, 1),
+    (False, "tensor", 16, 10, 2), (True, "row", 32, 10, 3)])
+def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     """The transposed product for decode-sized M: one consumer warpgroup on m64nNk32 wgmma (A's
-    rows as N), a loader warp, and C written back transposed by plain stores."""
+    rows as N), a loader warp, and C written back transposed by plain stores. With K split, each
+    run counts itself in with one acquire-release atomic a tile, and the last reads the runs back
+    from L2 and sets the count back to zero."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
-                        consumers=1, swap_ab=True)
+                        consumers=1, swap_ab=True, split_k=split_k)
     ptx = kernel["ptx"]
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n{block_n}k32.{kind}" in ptx and "setmaxnreg" in ptx
     assert "cp.async.bulk.tensor.2d.shared" in ptx and "cp.async.bulk.tensor.2d.global.shared" not in ptx
     assert kernel["shared"] <= 227 * 1024
     assert "serialized" not in ptxas_report(ptx)
+    assert (len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1) == (split_k > 1)
+    assert ("ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx) == (split_k > 1)
 
 
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
@@ -301,9 +306,11 @@ def test_plan_consumers():
     assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
     assert plan(128, 4096, 4096, block_n=32, consumers=1).consumers == 1
     assert plan(64, 4096, 4096, block_n=128).consumers == 1
-    swapped = plan(4096, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
+    swapped = plan(6144, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
     assert (swapped.block_n, swapped.consumers, swapped.constexprs["SWAP_AB"]) == (16, 1, True)
-    assert swapped.grid == (64,) and swapped.constexprs["STAGES"] == 10
+    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1
+    swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
+    assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -314,19 +321,21 @@ def test_launch_refuses_wide_int8_tiles():
 
 def test_preferred_only_where_measured():
     """FP8 from M = 33 with N and K from 4096, the range timed against the tl kernel on the H200;
-    at M <= 32 the transposed product where B's 64-row tiles fill the SMs (one round 70 %,
-    several 90 %), tensor and row scales."""
+    at M <= 32 the transposed product where B's 64-row tiles fill the SMs (one round 70 % from
+    M = 8, several 90 %) or, from M = 16, K in two runs fills one round, tensor and row scales."""
     assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
     assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
     assert gluon.preferred(1024, 4096, 4096, int8=False) and gluon.preferred(128, 4096, 14336, int8=False)
     assert gluon.preferred(64, 6144, 4096, int8=False) and gluon.preferred(33, 4096, 4096, int8=False)
     assert not gluon.preferred(32, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
-    swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672)]
-    tl = [(16, 4096, 4096), (16, 4096, 14336), (16, 10240, 8192), (16, 28672, 4096), (1, 6144, 4096),
-          (64, 6144, 4096), (16, 6144, 2048), (16, 2048, 4096)]  # 64, 64, 160 tiles, 448 (85 %), M = 1 in
-    # one round; M, K or N out of range
+    swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672),
+            (16, 4096, 4096), (32, 4096, 14336)]  # 96, 128, 896 tiles; 64 tiles in 2 runs from M = 16
+    tl = [(8, 4096, 4096), (16, 10240, 8192), (16, 28672, 4096), (1, 6144, 4096), (1, 4096, 4096),
+          (64, 6144, 4096), (16, 6144, 2048), (16, 2048, 4096)]  # 64 tiles at M = 8, 160, 448 (85 %), M = 1
+    # in one round; M, K or N out of range
     assert all(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in swap)
     assert not any(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in tl)
+    assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 2, 2]
     assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
 
 
@@ -338,19 +347,20 @@ SWAP_SHAPES = [(1, 1, 16), (5, 1000, 2000), (16, 640, 1152), (33, 384, 4096), (6
 @pytest.mark.parametrize("m,n,k", SWAP_SHAPES)
 def test_gpu_swap_ab_int8_bit_exact(m, n, k, scales):
     """The transposed product (C^T = B A^T, one consumer, A's rows on the narrow side) is the
-    reference's C bit for bit, bias along C's columns included, with every tile width and ring
-    depth that a decode-sized M gets."""
+    reference's C bit for bit, bias along C's columns included, with every tile width that a
+    decode-sized M gets, two ring depths, and K in 2 or 3 runs that the kernel adds up."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
     bias = torch.randn(n, device="cuda")
     kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
     a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
     b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
     want = int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
-    for stages in (None, 4):
+    for stages, split_k in ((None, None), (4, None), (None, 2), (None, 3)):
         with poisoned():
-            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, kind, swap_ab=True, stages=stages)
+            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, kind, swap_ab=True, stages=stages,
+                             split_k=split_k)
         assert_written(c)
-        assert torch.equal(c, want), stages
+        assert torch.equal(c, want), (stages, split_k)
 
 
 @pytest.mark.gpu
@@ -361,11 +371,46 @@ def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
     a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
     b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
     bias = torch.randn(n, device="cuda")
-    with poisoned():
-        c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True)
-    assert_written(c)
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
-    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+    for split_k in (None, 2):
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True, split_k=split_k)
+        assert_written(c)
+        assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5), split_k
+
+
+@pytest.mark.gpu
+def test_gpu_swap_ab_split_k_counts_reset():
+    """The transposed product's runs meet through one count a tile that the last run sets back to
+    zero: exact INT8 launch after launch with fresh inputs, on the default stream and another one
+    (each has its own counts), and in a CUDA graph replayed with new inputs."""
+    from qflash.kernels.matmul import _COUNTERS
+
+    m, n, k = 16, 4096, 4096
+
+    def launch(a_q, b_q, a_s, b_s):
+        return gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, "row",
+                            swap_ab=True, split_k=3)
+
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
+            with poisoned():
+                c = launch(a_q, b_q, a_s, b_s)
+            assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
+        stream.synchronize()
+    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = launch(a_q, b_q, a_s, b_s)
+    for _ in range(2):
+        fresh_q, _, fresh_s, _ = _quantized(m, n, k, torch.int8, "row", "cuda")
+        a_q.copy_(fresh_q)
+        a_s.copy_(fresh_s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
 
 
 @pytest.mark.gpu
@@ -399,13 +444,14 @@ def test_gpu_one_consumer_tiles_match(m, n, k, scales):
 
 
 def test_swap_ab_takes_what_it_can():
-    """The transposed product takes tensor and row scales with plain stores and no split of K: it
-    says so for the rest; its tile is A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for
+    """The transposed product takes tensor and row scales with plain stores: it says so for the
+    rest; its tile is A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for
     64-wide tiles)."""
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
-    for kwargs in (dict(split_k=2), dict(tma_store=True)):
-        with pytest.raises(ValueError, match="swap_ab"):
-            gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, **kwargs)
+    with pytest.raises(ValueError, match="swap_ab"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, tma_store=True)
+    with pytest.raises(ValueError, match="swap_ab"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "block", swap_ab=True)
     with pytest.raises(ValueError, match="consumers must be 1 or 2"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=3)
     assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)

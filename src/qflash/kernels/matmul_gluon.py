@@ -37,7 +37,8 @@ reference's order, with the launch's floating-point fusion off so that INT8 resu
 bit-exact; block scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in
 128-wide tiles by fused multiply-adds). With split K each run's sum goes unscaled to a float32
 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a fixed order and
-applies the scales and bias.
+applies the scales and bias; in the transposed product the last run of a tile to arrive (an
+atomic count) adds them in the kernel, also in a fixed order.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
+from qflash.kernels.matmul import split_k_counters
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides)
 from qflash.testing import new_output
@@ -161,6 +163,33 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
+def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N, SPLIT_K: gl.constexpr):
+    """Split K summed inside the kernel (the transposed product): each run stores its float32
+    (int32) sum of block (row0, col0) to Sums (SPLIT_K runs of split_rows x N) and counts itself in
+    on its tile's counter; the run that counts last reads the runs back in split order (the same
+    sum whichever run is last), sets the count back to zero for the next launch, and returns
+    (True, the total); the others return False."""
+    rows = row0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+    cols = col0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+    offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)  # within a run
+    run = split_rows.to(gl.int64) * N
+    gl.store(Sums + split * run + offs, acc, mask=ok)
+    gl.thread_barrier()  # every thread's stores are issued before the count goes up
+    # acq_rel: our stores are visible to whoever counts after us, and theirs to us
+    arrived = gl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        # .cg: from L2, where the other runs' stores are, not from a stale L1 line
+        total = gl.load(Sums + offs, mask=ok, other=0, cache_modifier=".cg")
+        for s in gl.static_range(1, SPLIT_K):
+            total += gl.load(Sums + s * run + offs, mask=ok, other=0, cache_modifier=".cg")
+        gl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@gluon.jit
 def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
     """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
     for the tile's first and (``hi_ok``) second 128 columns."""
@@ -184,15 +213,15 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                 stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
+                 stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                  SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum
     goes as it is to rows split * split_rows + row of a partial-sum buffer, which a second kernel
-    adds up."""
+    adds up; in the transposed product, to ``Sums``, where the tile's last run adds them up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     BN: gl.constexpr = b_ring.shape[1]
@@ -299,9 +328,16 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
                 c += 1
         row0 = (pid_m * CONSUMERS + which) * SUB
         c_buf = c_smem.index(which)
-        RAW: gl.constexpr = SPLIT_K > 1
-        _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
-                     stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
+        if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a tile's runs writes C
+            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split, pid_m * num_n + pid_n,
+                                       split_rows, M, N, SPLIT_K)
+            if last:
+                _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
+                             stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
+        else:
+            RAW: gl.constexpr = SPLIT_K > 1
+            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
+                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
         if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
@@ -310,8 +346,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready,
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, K, stride_cm, stride_asm,
-                         stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
+def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, Counters, M, N, K, stride_cm,
+                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr):
@@ -328,19 +364,19 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, M, N, 
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
-                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1), SCALES,
-                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
+                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
+                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, a_ring, b_ring, ready, empty, M, N, K, stride_cm,
-                            stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0), SCALES,
-                            HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
+                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [1], [24])
 
@@ -432,9 +468,30 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
     decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
     width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
-    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles."""
+    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles;
+    K in ``_swap_runs`` runs (at least one)."""
     block_n = max(16, 1 << max(0, m - 1).bit_length())
-    return block_n, RING_STAGES[1][block_n], False, 1, 1
+    return block_n, RING_STAGES[1][block_n], False, max(1, _swap_runs(m, cdiv(n, SUB_M), k, sms)), 1
+
+
+def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
+    """Runs of K for the transposed product of ``m`` rows on ``tiles`` 64-row tiles of B, as
+    measured against the tl kernel (s23b-s23f): 1 where the tiles fill several rounds of the SMs
+    at least 90 %, or one round at least 70 % from M = 8 (with fewer rows a tile is mostly the
+    copy engine's zero fill, and one round does not hide it); from M = 16, 2-4 runs of at least 8
+    K steps where one round is under half full and that many runs fill it at least 90 %; 0
+    elsewhere (the tl kernel's turn)."""
+    fill = _wave_fill(tiles, sms)
+    if tiles > sms:
+        return 1 if fill >= 0.9 else 0
+    if m < 8:
+        return 0
+    if fill >= 0.7:
+        return 1
+    runs = min(4, sms // tiles)
+    if m >= 16 and runs >= 2 and cdiv(k, BLOCK_K) >= 8 * runs and _wave_fill(tiles * runs, sms) >= 0.9:
+        return runs
+    return 0
 
 
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
@@ -451,21 +508,21 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
 
 def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
     """Whether ``scaled_matmul`` takes the transposed product (``swap_ab``, tensor or row scales)
-    for a decode-sized FP8 product: M <= 32 with N and K from 4096, where B's 64-row tiles fill
-    one round of the SMs at least 70 % (from M = 8) or several rounds at least 90 %. Against the
-    tl kernel's transposed product in the same run at M = 8 / 16 / 32, x cuBLAS per tensor
-    (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json): 8B qkv (96 tiles)
-    0.87 / 0.95 / 0.95 against 0.84 / 0.81 / 0.73, 70B gate_up (896) 1.02 / 1.01 / 1.00 against
-    0.92 / 0.93 / 0.97, 70B o and down (128) 0.96-1.07 against 0.93-1.04. The tl kernel, which
-    splits K, stays ahead where the tiles leave SMs idle (s23a, s23b): 8B o and down (64 tiles),
-    70B qkv (160), 8B gate_up (448, four rounds 85 % full)."""
+    for a decode-sized FP8 product: M <= 32 with N and K from 4096 where ``_swap_runs`` finds
+    work for it. Against the tl kernel's transposed product in the same run, x cuBLAS per tensor:
+    - no split (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json, M = 8 /
+      16 / 32): 8B qkv (96 tiles) 0.87 / 0.95 / 0.95 against 0.84 / 0.81 / 0.73, 70B gate_up
+      (896) 1.02 / 1.01 / 1.00 against 0.92 / 0.93 / 0.97, 70B o and down (128) 0.96-1.07
+      against 0.93-1.04; at M = 1 only 70B gate_up (1.01 against 0.90);
+    - K in two runs summed in the kernel (``matmul_fp8_decode_split*_h200_2026-12-01_s23f.json``,
+      M = 16 / 32): 8B o (64 tiles) 0.91 / 0.85 against 0.87 / 0.80, 8B down 1.10 / 0.92 against
+      1.10 / 0.90.
+    The tl kernel stays ahead at 70B qkv (160 tiles, two rounds: 0.80 in three runs against 0.93
+    at M = 16), 8B gate_up (448, four rounds 85 % full: 0.76 in two runs against 0.98) and at
+    M = 1 where one round runs (8B o 0.83 in two runs against 1.02)."""
     if int8 or m > 32 or n < 4096 or k < 4096:
         return False
-    tiles = cdiv(n, SUB_M)
-    fill = _wave_fill(tiles, sms)
-    # One round: under 8 rows (most of the tile zero-filled by the copy engine) it lost (M = 1,
-    # 8B qkv: 0.98 against 1.10 x cuBLAS, s23c).
-    return fill >= 0.7 and m >= 8 if tiles <= sms else fill >= 0.9
+    return _swap_runs(m, cdiv(n, SUB_M), k, sms) > 0
 
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
@@ -577,15 +634,22 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"block_n must be 16, 32, 64 or 128 (or 256 for FP8), got {block_n}")
     if consumers not in (None, 1, 2):
         raise ValueError(f"consumers must be 1 or 2, got {consumers}")
-    if swap_ab and (scales == "block" or (split_k or 1) > 1 or tma_store):
-        raise ValueError("the transposed product (swap_ab) takes tensor or row scales, plain stores and no split of K")
+    if swap_ab and (scales == "block" or tma_store):
+        raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
                  split_k, group_m, sm_count(a_q.device), consumers, swap_ab)
-    target = c if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
-                                                              dtype=plan.partial_dtype)
+    partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
+                                                                  dtype=plan.partial_dtype)
+    # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
+    # product to ``sums``, where each tile's last run adds them up in the kernel.
+    target = c if partial is None or swap_ab else partial
+    sums = counters = c  # not read without that split
+    if partial is not None and swap_ab:
+        tiles = cdiv(m, plan.consumers * SUB_M) * cdiv(n, plan.block_n)
+        sums, counters = partial, split_k_counters(a_q.device, tiles)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
@@ -593,13 +657,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
               if plan.constexprs["TMA_STORE"] else a_desc)
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
-        m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
+        sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
     )
-    if plan.split_k > 1:  # float32 rounding steps as in the kernel's own epilogue: no multiply-add fusion
+    if partial is not None and not swap_ab:  # rounding as in the kernel's own epilogue: no multiply-add fusion
         reduce_split_k(target, c, a_scale, b_scale, bias, plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
@@ -611,13 +675,15 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = "i8" if int8 else "fp8e4nv"
-    target = (torch.int32 if int8 else torch.float32) if split_k > 1 else out_dtype  # split K: partial sums
+    sums = "*i32" if int8 else "*fp32"
+    # split K: C takes the partial sums, except in the transposed product (they go to Sums)
+    target = (torch.int32 if int8 else torch.float32) if split_k > 1 and not swap_ab else out_dtype
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
 
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
-    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}",
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}", "Sums": sums, "Counters": "*i32",
              "c_desc": desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n)) if tma_store else desc(SUB_M),
              "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
