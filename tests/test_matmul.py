@@ -216,7 +216,8 @@ def test_gpu_decode_split_k_counts_reset(m, use_tma):
     public functions take the default; on Hopper their FP8 product at M = 63 is the Gluon kernel's)."""
     from dataclasses import replace
 
-    from qflash.kernels.matmul import _COUNTERS, default_config
+    from qflash.kernels.matmul import default_config
+    from qflash.kernels.matmul_epilogue import _COUNTERS
 
     n, k = 4096, 4096
     cfg = default_config(m, n, k, "row", True, torch.device("cuda"))

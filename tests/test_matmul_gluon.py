@@ -287,7 +287,8 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(64, 28672, 4096, int8=False) == (256, 3, True, 1, 1)  # 112 wide tiles: 1.01
     assert gluon.tile_config(64, 4096, 14336, int8=False) == (32, 10, True, 1, 1)  # long K, no split: 0.92
     assert gluon.tile_config(64, 8192, 28672, int8=False) == (64, 8, True, 1, 1)  # 0.98
-    for m, n, k in [(1, 1, 16), (64, 28672, 4096), (64, 4096, 4096), (128, 4096, 4096), (128, 6144, 4096), (8192, 28672, 4096)]:
+    for m, n, k in [(1, 1, 16), (64, 28672, 4096), (64, 4096, 4096), (128, 4096, 4096), (128, 6144, 4096),
+                    (8192, 28672, 4096)]:
         block_n, stages, _, _, consumers = gluon.tile_config(m, n, k, int8=False)
         c_blocks = consumers * 64 * gluon.c_block_cols(block_n) * 4  # float32 C blocks (split K's sums) beside the ring
         assert stages * gluon._slot_bytes(block_n, consumers) + c_blocks <= gluon.SMEM_BYTES
@@ -384,7 +385,7 @@ def test_gpu_swap_ab_split_k_counts_reset():
     """The transposed product's runs meet through one count a tile that the last run sets back to
     zero: exact INT8 launch after launch with fresh inputs, on the default stream and another one
     (each has its own counts), and in a CUDA graph replayed with new inputs."""
-    from qflash.kernels.matmul import _COUNTERS
+    from qflash.kernels.matmul_epilogue import _COUNTERS
 
     m, n, k = 16, 4096, 4096
 

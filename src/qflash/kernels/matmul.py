@@ -20,15 +20,16 @@ and writes C (no second kernel; the same result whichever run arrives last).
 On Hopper, FP8 products from M = 33 (tensor, row or block scales) go to the warp-specialized
 Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``), and those of M <= 32 with
 tensor or row scales to its transposed product where B's tiles fill the SMs
-(``matmul_gluon.swap_preferred``); ``QFLASH_GLUON=0`` keeps them here. Scales and bias live in ``matmul_epilogue.py``, which both kernels share (with the Gluon
-kernel's split-K sum).
+(``matmul_gluon.swap_preferred``); ``QFLASH_GLUON=0`` keeps them here. Scales and bias live in
+``matmul_epilogue.py``, which both kernels share (with the Gluon kernel's split-K sum and the
+split-K arrival counts).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -37,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qflash.kernels.common import CachedLauncher, cdiv, gluon_enabled, has_tma, sm_count, tma_compatible
-from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, scale_strides, scaled_epilogue
+from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, scale_strides, scaled_epilogue, split_k_counters
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
@@ -280,19 +281,3 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         enable_fp_fusion=not is_int8,
     )
     return c
-
-
-_COUNTERS: Dict[tuple, torch.Tensor] = {}
-
-
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counts, one a tile, for split-K launches on the current stream. Each
-    launch leaves them at zero again (its last run resets its tile's count), so they are made once
-    per device and stream: launches in one stream run one after another, while two streams would
-    race on shared counts. (A CUDA graph captured on a stream keeps that stream's counts; graphs
-    whose capture streams shared a handle must not be replayed at the same time.)"""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return counters

@@ -1,6 +1,7 @@
 """The end of a scaled INT8 / FP8 product, shared by the tl kernel (``matmul.py``) and the Gluon
-kernel (``matmul_gluon.py``): scales and bias in the reference's order, and the Gluon kernel's
-fixed-order sum of split-K partial products (the tl kernel adds its runs in the kernel).
+kernel (``matmul_gluon.py``): scales and bias in the reference's order, the Gluon kernel's
+fixed-order sum of split-K partial products, and the arrival counts of the kernels that add
+their runs themselves (the tl kernel, and the Gluon kernel's transposed product).
 
 The reference's order: C = acc * a_scale * b_scale + bias, each step rounded in float32 (with
 multiply-add fusion off, INT8 results are then bit-exact); block scales were applied to each K
@@ -9,7 +10,7 @@ block's partial already, so only the bias is left.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import triton
@@ -84,3 +85,19 @@ def reduce_split_k(partial: torch.Tensor, c: torch.Tensor, a_s: torch.Tensor, b_
         SCALES=scales_kind, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=4, enable_fp_fusion=not exact,
     )
+
+
+_COUNTERS: Dict[tuple, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counts, one a tile, for split-K launches on the current stream. Each
+    launch leaves them at zero again (its last run resets its tile's count), so they are made once
+    per device and stream: launches in one stream run one after another, while two streams would
+    race on shared counts. (A CUDA graph captured on a stream keeps that stream's counts; graphs
+    whose capture streams shared a handle must not be replayed at the same time.)"""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters

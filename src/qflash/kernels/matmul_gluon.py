@@ -54,9 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
-from qflash.kernels.matmul import split_k_counters
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
-                                            scale_strides)
+                                            scale_strides, split_k_counters)
 from qflash.testing import new_output
 
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
@@ -364,18 +363,18 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
-                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
+                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
                             SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
-                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
+                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
                             SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
-                            stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
+                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
                             SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [1], [24])
