@@ -78,6 +78,23 @@ def _quantized(m, n, k, qdtype, scales, device=DEVICE):
     return a_q, b_q, a_s, b_s
 
 
+def _kernel_scales(a_s, b_s, scales):
+    """The scales as the kernel takes them: one value each per tensor, else (M, 1) and (N, 1)."""
+    if scales == "tensor":
+        return a_s, b_s
+    return a_s.reshape(-1, 1), b_s.reshape(-1, 1)
+
+
+def _int8_kernel_scales(a_s, b_s, scales, m, n):
+    """(kind, a_k, b_k) for the INT8 bit-exact tests. The reference reads one value each as per
+    tensor scales ((a_s * b_s) first): so must the kernel; "mixed" goes as (M, 1) and (N, 1)
+    views, a per-tensor one broadcast."""
+    kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
+    if kind == "tensor":
+        return kind, a_s, b_s
+    return kind, a_s.reshape(-1, 1).expand(m, 1), b_s.reshape(-1, 1).expand(n, 1)
+
+
 def test_names_what_it_does_not_take():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     if DEVICE == "cpu":
@@ -108,10 +125,7 @@ GPU_SHAPES = [(1, 1, 16), (70, 90, 320), (300, 129, 64), (257, 1000, 4096), (102
 def test_gpu_int8_bit_exact(m, n, k, out_dtype, scales):
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
     bias = torch.randn(n, device="cuda")
-    # The reference reads one value each as per tensor scales ((a_s * b_s) first): so must the kernel.
-    kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
-    a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
-    b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
+    kind, a_k, b_k = _int8_kernel_scales(a_s, b_s, scales, m, n)
     with poisoned():
         c = gluon.scaled_matmul_gluon(a_q, b_q, a_k, b_k, bias, out_dtype, kind)
     assert_written(c)
@@ -139,8 +153,7 @@ def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
     same bits, ragged edges (N not a multiple of the tile; rows not 16-byte aligned fall back to
     plain stores) and bias included."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
-    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     narrow = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=128, stages=6)
     for block_n, stages, tma_store in [(256, 3, False), (256, 4, False), (256, 4, True), (256, 3, True),
@@ -352,9 +365,7 @@ def test_gpu_swap_ab_int8_bit_exact(m, n, k, scales):
     decode-sized M gets, two ring depths, and K in 2 or 3 runs that the kernel adds up."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
     bias = torch.randn(n, device="cuda")
-    kind = "tensor" if scales == "tensor" or a_s.numel() == b_s.numel() == 1 else "row"
-    a_k = a_s if kind == "tensor" else a_s.reshape(-1, 1).expand(m, 1)
-    b_k = b_s if kind == "tensor" else b_s.reshape(-1, 1).expand(n, 1)
+    kind, a_k, b_k = _int8_kernel_scales(a_s, b_s, scales, m, n)
     want = int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
     for stages, split_k in ((None, None), (4, None), (None, 2), (None, 3)):
         with poisoned():
@@ -369,8 +380,7 @@ def test_gpu_swap_ab_int8_bit_exact(m, n, k, scales):
 @pytest.mark.parametrize("m,n,k", SWAP_SHAPES + [(16, 4096, 4096)])
 def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
-    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
     bias = torch.randn(n, device="cuda")
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
     for split_k in (None, 2):
@@ -426,8 +436,7 @@ def test_gpu_one_consumer_tiles_match(m, n, k, scales):
         b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
     else:
         a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-        a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
-        b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=64, stages=6, consumers=2)
     for tma_store in (False, True):
@@ -472,8 +481,7 @@ def test_gpu_public_fp8_matmul_takes_it(m, n, k, swap_ab, scales, monkeypatch):
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
     bias = torch.randn(n, device="cuda")
     public = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
-    a_k = a_s if scales == "tensor" else a_s.reshape(-1, 1)
-    b_k = b_s if scales == "tensor" else b_s.reshape(-1, 1)
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
     assert torch.equal(public, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=swap_ab))
     monkeypatch.setenv("QFLASH_GLUON", "0")
     portable = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)

@@ -361,6 +361,8 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
     # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
+    # The lists are spelled out: Triton 3.6's Gluon frontend takes no argument tuple built once and
+    # reused, nor a partition's function held in a variable.
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
