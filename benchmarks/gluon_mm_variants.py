@@ -31,8 +31,7 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
 # tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
 # GROUP_M, cN: N consumers (64-row parts of a tile); auto: tile_config's; w[N][sM]: the transposed
-# product (swap_ab) with swap_config's tile, N ring slots and K in M runs; a final k: stream-K
-# (every CTA an equal share of all K steps; autok: tile_config's tile);
+# product (swap_ab) with swap_config's tile, N ring slots and K in M runs;
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
 # tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
@@ -45,21 +44,19 @@ def variant(text):
         return None
     if text == "tl":
         return {"tl": True}
-    if text in ("auto", "autok"):
-        return {"stream_k": True} if text == "autok" else {}
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(k?)", text)
+    if text == "auto":
+        return {}
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?", text)
     if swap:
-        stages, split, stream = swap.groups()
+        stages, split = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
-                    **({"split_k": int(split)} if split else {}), **({"stream_k": True} if stream else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(k?)", text)
+                    **({"split_k": int(split)} if split else {}))
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN], got {text!r}")
-    block_n, stages, tma, split, group, consumers, stream = match.groups()
+    block_n, stages, tma, split, group, consumers = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
-    if stream:
-        out["stream_k"] = True
     if group:
         out["group_m"] = int(group)
     if consumers:
@@ -161,7 +158,7 @@ def main():
                                  tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
                                  vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
                                  same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
-                                              and not opts.get("swap_ab") and not opts.get("stream_k") else None),
+                                              and not opts.get("swap_ab") else None),
                                  cublas_kernels=cublas_kernels))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "

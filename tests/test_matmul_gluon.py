@@ -71,52 +71,6 @@ def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     assert ("ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx) == (split_k > 1)
 
 
-
-@pytest.mark.parametrize("int8,scales,block_n,consumers,swap_ab,tma_store", [
-    (False, "tensor", 16, 1, True, False), (True, "row", 32, 1, True, False), (False, "tensor", 64, 2, False, True),
-    (False, "block", 64, 1, False, True), (True, "row", 128, 2, False, False)])
-def test_stream_k_builds_for_sm90(int8, scales, block_n, consumers, swap_ab, tma_store):
-    """Stream-K: each consumer counts its pieces in with one acquire-release atomic, the last piece
-    of a block reads the others back from L2 and sets the count back to zero; no wgmma serialized."""
-    stages = gluon.RING_STAGES[consumers][block_n]
-    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
-                        consumers=consumers, swap_ab=swap_ab, tma_store=tma_store, stream_k=True)
-    ptx = kernel["ptx"]
-    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == consumers
-    assert "ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx
-    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
-    assert kernel["shared"] <= 227 * 1024
-    assert "serialized" not in ptxas_report(ptx)
-
-
-def _stream_pieces(tiles, k_steps, programs):
-    """The most pieces any tile is cut into when the K steps of the last ``tiles % programs`` tiles
-    go to the programs in shares as equal as they can be (the first few one step longer), counted
-    one by one; 1 where the tiles make whole rounds."""
-    total = tiles % programs * k_steps
-    if total == 0:
-        return 1
-    sharing = min(programs, total)
-    base, extra = divmod(total, sharing)
-    starts = {p * base + min(p, extra) for p in range(sharing)}
-    return max(1 + sum(s in starts for s in range(t * k_steps + 1, (t + 1) * k_steps))
-               for t in range(total // k_steps))
-
-
-def test_plan_stream_k_pieces():
-    """The plan's sums hold as many pieces a tile as the shares can cut one into (counted one by
-    one here), one launch program an SM or one a K step where there are fewer steps."""
-    for m, n, k, swap_ab in [(4096, 16, 4096, True), (10240, 16, 8192, True), (28672, 16, 4096, True),
-                             (57344, 16, 8192, True), (8448, 16, 1024, True), (128, 6144, 4096, False),
-                             (128, 4096, 14336, False), (1, 40, 300, True), (300, 129, 1024, False)]:
-        plan = gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, None, None, None, None,
-                           gluon.GROUP_M, 132, None, swap_ab, True)
-        tiles = gluon.cdiv(m, 64 * plan.consumers) * gluon.cdiv(n, plan.block_n)
-        k_steps = gluon.cdiv(k, gluon.BLOCK_K)
-        assert plan.grid == (min(132, tiles * k_steps),)
-        assert plan.pieces == _stream_pieces(tiles, k_steps, plan.grid[0]), (m, n, k)
-        assert plan.in_kernel == (plan.pieces > 1) and plan.constexprs["SPLIT_K"] == 1
-
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
     a, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
     a_q, a_s = qflash.quantize(a, qdtype, "tensor" if scales == "tensor" else "row")
@@ -360,8 +314,7 @@ def test_plan_consumers():
         opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False)
         opts.update(kw)
         return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, opts["block_n"], opts["stages"],
-                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"],
-                           False)
+                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"])
 
     assert (plan(128, 4096, 4096).block_n, plan(128, 4096, 4096).consumers) == (64, 1)  # tile_config's 64 x 64
     assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
@@ -369,9 +322,9 @@ def test_plan_consumers():
     assert plan(64, 4096, 4096, block_n=128).consumers == 1
     swapped = plan(6144, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
     assert (swapped.block_n, swapped.consumers, swapped.constexprs["SWAP_AB"]) == (16, 1, True)
-    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.pieces == 1
+    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1
     swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
-    assert swapped.grid == (128,) and swapped.pieces == 2 and swapped.partial_dtype == torch.float32
+    assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -470,59 +423,6 @@ def test_gpu_swap_ab_split_k_counts_reset():
         torch.cuda.synchronize()
         assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
 
-
-
-STREAM_K_CASES = [  # (m, n, k, swap_ab, options): shares of 1 to 12 K steps, ragged edges; 160 tiles (a
-    # round and a stream-K part), 132 (whole rounds, no pieces) and 272
-    (5, 1000, 2000, True, {}), (16, 640, 1152, True, {}), (32, 4096, 4096, True, {}), (1, 129, 4096, True, {}),
-    (100, 384, 2000, False, {}), (200, 300, 1040, False, dict(block_n=64, consumers=2)),
-    (64, 640, 4096, False, dict(block_n=32, consumers=1, tma_store=False)), (257, 1000, 4096, False, dict(block_n=128)),
-    (16, 10240, 1024, True, {}), (8, 8448, 640, True, {}), (256, 8704, 1024, False, dict(block_n=64))]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,swap_ab,opts", STREAM_K_CASES)
-def test_gpu_stream_k(m, n, k, swap_ab, opts):
-    """Stream-K: the last tiles' K steps in equal shares, their pieces summed in the kernel by a
-    tile's last piece, then whole tiles: INT8 bit-exact (tensor, row and mixed scales, bias), FP8
-    within float32 rounding and the same bits launch after launch (the pieces add in K order
-    whichever is last), block scales within float32 rounding; the arrival counts back at zero."""
-    from qflash.kernels.matmul_epilogue import _COUNTERS
-
-    bias = torch.randn(n, device="cuda")
-    for scales in ("tensor", "row", "mixed"):
-        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
-        kind, a_k, b_k = _int8_kernel_scales(a_s, b_s, scales, m, n)
-        with poisoned():
-            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, kind, swap_ab=swap_ab, stream_k=True, **opts)
-        assert_written(c)
-        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), scales
-    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, "row", "cuda")
-    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
-    runs = []
-    for _ in range(3):
-        with poisoned():
-            runs.append(gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
-                                     swap_ab=swap_ab, stream_k=True, **opts))
-        assert_written(runs[-1])
-    assert rel_l2_err(runs[0], ref) < 1e-5 * max(1.0, k ** 0.5)
-    assert all(torch.equal(c, runs[0]) for c in runs[1:])
-    if not swap_ab:
-        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-        a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-        b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-        with poisoned():
-            c = gluon.launch(a_q, b_q, a_s, b_s, bias, torch.float32, "block", stream_k=True, **opts)
-        assert_written(c)
-        assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * max(1.0, k ** 0.5)
-    torch.cuda.synchronize()
-    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
-
-
-def test_stream_k_refuses_wide_tiles():
-    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.float8_e4m3fn, "tensor")
-    with pytest.raises(ValueError, match="stream_k takes tiles up to 128 wide"):
-        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", block_n=256, stream_k=True)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])

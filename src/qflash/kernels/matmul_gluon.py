@@ -76,84 +76,18 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _stream_span(pid, total, programs):
-    """Stream-K: program ``pid``'s share [lo, hi) of ``total`` K steps, the first ``total % programs``
-    programs taking one step more than the others."""
-    base = total // programs
-    lo = pid * base + gl.minimum(pid, total % programs)
-    return lo, lo + base + (pid < total % programs).to(gl.int32)
-
-
-@gluon.jit
-def _stream_owner(s, total, programs):
-    """Stream-K: the program whose share holds K step ``s`` (every share has a step: total >= programs)."""
-    base = total // programs
-    extra = total % programs
-    cut = extra * (base + 1)  # the first ``extra`` shares have base + 1 steps
-    return gl.where(s < cut, s // (base + 1), extra + (s - cut) // gl.maximum(base, 1))
-
-
-@gluon.jit
-def _stream_steps(num_tiles, k_steps):
-    """Stream-K's part of the product: the last ``num_tiles % programs`` tiles (those that would
-    leave SMs idle in a last round), their K steps and the programs that share them."""
-    sk_tiles = num_tiles % gl.num_programs(0)
-    sk_steps = sk_tiles * k_steps
-    return sk_tiles, sk_steps, gl.maximum(gl.minimum(gl.num_programs(0), sk_steps), 1)
-
-
-@gluon.jit
-def _work_items(num_tiles, k_steps, SPLIT_K: gl.constexpr, STREAM_K: gl.constexpr):
-    """This program's work items, range(first, stop, step). Without STREAM_K an item is one of
-    SPLIT_K runs of a tile, the items dealt out in turn. With it, the program first takes its
-    share [lo, hi) of stream-K's steps (``n_sk`` items: the tiles the share touches), then whole
-    tiles, one a round, as without."""
-    if STREAM_K:
-        sk_tiles, sk_steps, sk_programs = _stream_steps(num_tiles, k_steps)
-        lo, hi = _stream_span(gl.program_id(0), sk_steps, sk_programs)
-        lo = gl.minimum(lo, sk_steps)  # programs past sk_programs have no share
-        hi = gl.minimum(hi, sk_steps)
-        n_sk = gl.where(hi > lo, (hi - 1) // k_steps - lo // k_steps + 1, 0)
-        first, stop, step = 0, n_sk + num_tiles // gl.num_programs(0), 1
-    else:
-        lo, hi, n_sk = 0, 0, 0  # not read
-        first, stop, step = gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)
-    return first, stop, step, lo, hi, n_sk
-
-
-@gluon.jit
-def _work_item(t, num_m, num_n, k_steps, lo, hi, n_sk, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
-               STREAM_K: gl.constexpr):
-    """Work item t: its output tile (row block, column block), which piece of the tile's K steps it
-    takes out of how many, and that piece [k_lo, k_hi). Without STREAM_K the pieces are SPLIT_K
-    equal runs, neighbouring items. With it, the first ``n_sk`` items are where stream-K's tiles
-    meet this program's share [lo, hi), numbered by the shares that cut the tile; the rest whole
-    tiles."""
-    if STREAM_K:
-        num_tiles = num_m * num_n
-        sk_tiles, sk_steps, sk_programs = _stream_steps(num_tiles, k_steps)
-        j = lo // k_steps + t  # item t < n_sk: stream-K's tile j
-        in_sk = t < n_sk
-        tile = gl.where(in_sk, num_tiles - sk_tiles + j, gl.program_id(0) + (t - n_sk) * gl.num_programs(0))
-        k_lo = gl.where(in_sk, gl.maximum(lo - j * k_steps, 0), 0)
-        k_hi = gl.where(in_sk, gl.minimum(hi - j * k_steps, k_steps), k_steps)
-        first = _stream_owner(j * k_steps, sk_steps, sk_programs)
-        piece = gl.where(in_sk, gl.program_id(0) - first, 0)
-        pieces = gl.where(in_sk, _stream_owner(j * k_steps + k_steps - 1, sk_steps, sk_programs) - first + 1, 1)
-    else:
-        tile = t // SPLIT_K
-        piece = t % SPLIT_K
-        pieces = SPLIT_K
-        k_run = gl.cdiv(k_steps, SPLIT_K)
-        k_lo = piece * k_run
-        k_hi = gl.minimum(k_steps, (piece + 1) * k_run)
-    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-    return pid_m, pid_n, piece, pieces, k_lo, k_hi
+def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Work item t: its output tile (row block, column block), which of the SPLIT_K runs of K steps
+    it takes, and that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
+    pid_m, pid_n = _tile_coords(t // SPLIT_K, num_m, num_n, GROUP_M)
+    split = t % SPLIT_K
+    k_run = gl.cdiv(k_steps, SPLIT_K)
+    return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
 
 
 @gluon.jit
 def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, STREAM_K: gl.constexpr):
+               SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA. Edges past M, N or K arrive as zeros (the descriptors' bounds), which add
     nothing."""
@@ -163,11 +97,9 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
     num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    first, stop, step, lo, hi, n_sk = _work_items(num_m * num_n, k_steps, SPLIT_K, STREAM_K)
     c = 0  # K steps over all items: the ring's position
-    for t in range(first, stop, step):
-        pid_m, pid_n, piece, pieces, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, lo, hi, n_sk, GROUP_M,
-                                                             SPLIT_K, STREAM_K)
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
@@ -230,31 +162,29 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 
 
 @gluon.jit
-def _gather_runs(acc, Sums, Counters, row0, col0, piece, pieces, tile, split_rows, M, N):
-    """Split K summed inside the kernel: with ``pieces`` > 1 each piece of a tile's K steps stores
-    its float32 (int32) sum of block (row0, col0) to Sums (pieces of split_rows x N, numbered in
-    K order) and counts itself in on the tile's counter; the piece that counts last reads them all
-    back in K order (the same sum whichever piece is last), sets the count back to zero for the
-    next launch, and returns (True, the total); the others return False. One piece: (True, acc)."""
+def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N, SPLIT_K: gl.constexpr):
+    """Split K summed inside the kernel (the transposed product): each run stores its float32
+    (int32) sum of block (row0, col0) to Sums (SPLIT_K runs of split_rows x N) and counts itself in
+    on its tile's counter; the run that counts last reads the runs back in split order (the same
+    sum whichever run is last), sets the count back to zero for the next launch, and returns
+    (True, the total); the others return False."""
     rows = row0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
     cols = col0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-    last = pieces == 1
+    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+    offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)  # within a run
+    run = split_rows.to(gl.int64) * N
+    gl.store(Sums + split * run + offs, acc, mask=ok)
+    gl.thread_barrier()  # every thread's stores are issued before the count goes up
+    # acq_rel: our stores are visible to whoever counts after us, and theirs to us
+    arrived = gl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
     total = acc
-    if pieces > 1:
-        ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-        offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)  # within a piece
-        run = split_rows.to(gl.int64) * N
-        gl.store(Sums + piece * run + offs, acc, mask=ok)
-        gl.thread_barrier()  # every thread's stores are issued before the count goes up
-        # acq_rel: our stores are visible to whoever counts after us, and theirs to us
-        arrived = gl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == pieces - 1
-        if last:
-            # .cg: from L2, where the other pieces' stores are, not from a stale L1 line
-            total = gl.load(Sums + offs, mask=ok, other=0, cache_modifier=".cg")
-            for s in range(1, pieces):
-                total += gl.load(Sums + s * run + offs, mask=ok, other=0, cache_modifier=".cg")
-            gl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+    if last:
+        # .cg: from L2, where the other runs' stores are, not from a stale L1 line
+        total = gl.load(Sums + offs, mask=ok, other=0, cache_modifier=".cg")
+        for s in gl.static_range(1, SPLIT_K):
+            total += gl.load(Sums + s * run + offs, mask=ok, other=0, cache_modifier=".cg")
+        gl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
     return last, total
 
 
@@ -285,7 +215,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
                  stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr, STREAM_K: gl.constexpr):
+                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum
@@ -299,17 +229,14 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
     gl.static_assert(BN == 16 or BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
                      "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
-    gl.static_assert(not (WIDE and (STREAM_K or (SWAP_AB and SPLIT_K > 1))), "256-wide tiles sum no pieces")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    first, stop, step, lo, hi, n_sk = _work_items(num_m * num_n, k_steps, SPLIT_K, STREAM_K)
     c = 0
-    for t in range(first, stop, step):
-        pid_m, pid_n, piece, pieces, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, lo, hi, n_sk, GROUP_M,
-                                                             SPLIT_K, STREAM_K)
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
             for kk in range(k_lo, k_hi):
@@ -400,18 +327,18 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                 c += 1
         row0 = (pid_m * CONSUMERS + which) * SUB
         c_buf = c_smem.index(which)
-        if STREAM_K or (SWAP_AB and SPLIT_K > 1):  # the pieces meet in this kernel: the last writes C
-            block = (pid_m * CONSUMERS + which) * num_n + pid_n  # a count for each consumer's block
-            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, piece, pieces, block, split_rows, M, N)
+        if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a tile's runs writes C
+            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split, pid_m * num_n + pid_n,
+                                       split_rows, M, N, SPLIT_K)
             if last:
                 _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
                              stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
         else:
             RAW: gl.constexpr = SPLIT_K > 1
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, piece * split_rows, M, N,
+            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
                          stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
         if WIDE:
-            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, piece * split_rows,
+            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
@@ -422,7 +349,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
                          stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, STREAM_K: gl.constexpr):
+                         SWAP_AB: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -440,20 +367,18 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, STREAM_K)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, STREAM_K)),
-            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS,
-                          STREAM_K)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, STREAM_K)),
-            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS,
-                          STREAM_K)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
+            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [1], [24])
 
 
@@ -640,27 +565,23 @@ def _slot_bytes(block_n: int, consumers: int = 2) -> int:
 class _Plan(NamedTuple):
     """What a launch needs that follows from the shapes and options alone (made once per key)."""
     block_n: int
+    split_k: int
     consumers: int
-    m_pad: int  # rows of a piece's (a run's) partial sums: no tile crosses into the next piece
+    m_pad: int  # a split's rows in the partial sums: no tile crosses into the next split
     grid: tuple
-    partial_dtype: Optional[torch.dtype]  # the float32 (int32) partial sums' dtype (None: none)
-    pieces: int  # pieces of K a tile can take at most: that many m_pad x N partial sums
-    in_kernel: bool  # the pieces meet in the kernel (else a second kernel adds the runs)
-    blocks: int  # 64-row blocks of C: the arrival counts the pieces meeting in the kernel need
+    partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool, stream_k: bool) -> _Plan:
+          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed)."""
     if swap_ab:
         config = swap_config(n, m, k, sms)
     else:
         config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
-    if stream_k and block_n is None and config[0] == 256:  # stream-K sums pieces of tiles up to 128 wide
-        block_n = 128
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
     if stages is None:  # the ring for the caller's tile width, if any
@@ -668,36 +589,24 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     block_n = block_n or config[0]
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
-    tile_rows = consumers * SUB_M
-    tiles = cdiv(m, tile_rows) * cdiv(n, block_n)
-    if stream_k:  # the last tiles % programs tiles' K steps in equal shares, then whole tiles in rounds
-        split_k = 1
-        programs = min(sms, tiles * k_steps)
-        sk_steps = tiles % programs * k_steps
-        # shares of at least ``base`` steps start inside a tile at most ceil((k_steps - 1) / base) times
-        pieces = cdiv(k_steps - 1, sk_steps // min(programs, sk_steps)) + 1 if sk_steps else 1
-    else:
-        split_k = min(split_k or config[3], k_steps)
-        split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-        programs = min(sms, tiles * split_k)
-        pieces = split_k
+    split_k = min(split_k or config[3], k_steps)
+    split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
     ring_bytes = stages * _slot_bytes(block_n, consumers)
     if ring_bytes > SMEM_BYTES:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
-    # Pieces of K write float32 (int32) partial sums: in the transposed product and with stream-K
-    # the last piece of a tile adds them up in the kernel; else a second kernel adds the runs in a
-    # fixed order and applies the scales and bias, and the kernel's C is the partial sums.
-    partial_dtype = None if pieces == 1 else torch.int32 if int8 else torch.float32
-    in_kernel = pieces > 1 and (swap_ab or stream_k)
-    c_size = (out_dtype if partial_dtype is None or in_kernel else partial_dtype).itemsize
+    # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
+    # kernel adds them in a fixed order and applies the scales and bias.
+    partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
+    c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     c_blocks = consumers * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES
+    tile_rows = consumers * SUB_M
+    items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, STREAM_K=stream_k)
-    m_pad = cdiv(m, tile_rows) * tile_rows
-    return _Plan(block_n, consumers, m_pad, (programs,), partial_dtype, pieces, in_kernel,
-                 m_pad // SUB_M * cdiv(n, block_n), constexprs)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
+    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, sms),), partial_dtype,
+                 constexprs)
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -713,12 +622,10 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
-           stream_k: bool = False) -> torch.Tensor:
+           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
     128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order; ``stream_k`` gives every CTA an equal share of all the K steps
-    instead (tiles up to 128 wide). C (or with split K, the partial sums) goes out through shared
+    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
     memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
@@ -728,26 +635,22 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"block_n must be 16, 32, 64 or 128 (or 256 for FP8), got {block_n}")
     if consumers not in (None, 1, 2):
         raise ValueError(f"consumers must be 1 or 2, got {consumers}")
-    if stream_k and block_n == 256:
-        raise ValueError("stream_k takes tiles up to 128 wide (block_n 16-128)")
     if swap_ab and (scales == "block" or tma_store):
         raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, bool(stream_k))
-    partial = None if plan.partial_dtype is None else torch.empty((plan.pieces * plan.m_pad, n), device=a_q.device,
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab)
+    partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
-    # The pieces' sums go to ``partial``: as the kernel's C, which a second kernel adds up, or as
-    # ``sums``, where each tile's last piece adds them up in the kernel.
-    target = partial if partial is not None and not plan.in_kernel else c
-    sums = counters = c  # not read unless the pieces meet in the kernel
-    if plan.in_kernel:
-        sums, counters = partial, split_k_counters(a_q.device, plan.blocks)
-    elif stream_k:  # whole rounds: no pieces, but the kernel's gather still takes typed pointers
-        counters = split_k_counters(a_q.device, plan.blocks)
-        sums = counters if a_q.dtype == torch.int8 else counters.view(torch.float32)
+    # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
+    # product to ``sums``, where each tile's last run adds them up in the kernel.
+    target = c if partial is None or swap_ab else partial
+    sums = counters = c  # not read without that split
+    if partial is not None and swap_ab:
+        tiles = cdiv(m, plan.consumers * SUB_M) * cdiv(n, plan.block_n)
+        sums, counters = partial, split_k_counters(a_q.device, tiles)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
@@ -761,15 +664,14 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
     )
-    if target is partial:  # rounding as in the kernel's own epilogue: no multiply-add fusion
+    if partial is not None and not swap_ab:  # rounding as in the kernel's own epilogue: no multiply-add fusion
         reduce_split_k(target, c, a_scale, b_scale, bias, plan.m_pad * n, plan.constexprs["SCALES"], exact=True)
     return c
 
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     stream_k: bool = False):
+                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -789,5 +691,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, STREAM_K=stream_k)
+                     SWAP_AB=swap_ab)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
