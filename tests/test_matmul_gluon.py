@@ -314,8 +314,7 @@ def test_plan_consumers():
         opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False)
         opts.update(kw)
         return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, opts["block_n"], opts["stages"],
-                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"],
-                           False)
+                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"])
 
     assert (plan(128, 4096, 4096).block_n, plan(128, 4096, 4096).consumers) == (64, 1)  # tile_config's 64 x 64
     assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
@@ -390,24 +389,6 @@ def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
         assert_written(c)
         assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5), split_k
 
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scales", ["tensor", "row"])
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 2000), (16, 640, 1152), (32, 4096, 4096), (16, 129, 896)])
-def test_gpu_swap_ab_quads_same_bits(m, n, k, scales):
-    """Four K steps in flight add the same partials in the same order as two: the same bits, with
-    K in runs or not and step counts that leave pairs and single steps over."""
-    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-    a_k, b_k = _kernel_scales(a_s, b_s, scales)
-    bias = torch.randn(n, device="cuda")
-    for split_k in (None, 2):
-        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True, split_k=split_k)
-        with poisoned():
-            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True, split_k=split_k,
-                               quads=True)
-        assert_written(got)
-        assert torch.equal(got, want), split_k
 
 @pytest.mark.gpu
 def test_gpu_swap_ab_split_k_counts_reset():

@@ -215,7 +215,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
                  stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr, QUADS: gl.constexpr):
+                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum
@@ -229,7 +229,6 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
     gl.static_assert(BN == 16 or BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
                      "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
-    gl.static_assert(not QUADS or (BN <= 32 and SCALES != SCALES_BLOCK), "four steps in flight: narrow tiles")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, CONSUMERS * SUB)
@@ -278,47 +277,12 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                                                    stride_bsn, stride_bsk)
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
-            k_pairs = k_lo  # the K steps from here on go in pairs (or, wide tiles, one at a time)
-            if QUADS:
-                # Tiles of 16 or 32 columns (a partial is 8 or 16 registers a thread), tensor or row
-                # scales: four K steps in flight, each partial added while the later ones' run.
-                k_pairs = k_lo + (k_hi - k_lo) // 4 * 4
-                for kk in range(k_lo, k_pairs, 4):
-                    s0 = c % STAGES
-                    s1 = (c + 1) % STAGES
-                    s2 = (c + 2) % STAGES
-                    s3 = (c + 3) % STAGES
-                    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-                    p0 = warpgroup_mma(a_ring.index(CONSUMERS * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
-                    mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-                    p1 = warpgroup_mma(a_ring.index(CONSUMERS * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
-                    mbarrier.wait(ready.index(s2), ((c + 2) // STAGES) & 1)
-                    p2 = warpgroup_mma(a_ring.index(CONSUMERS * s2 + which), b_ring.index(s2).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
-                    mbarrier.wait(ready.index(s3), ((c + 3) // STAGES) & 1)
-                    p3 = warpgroup_mma(a_ring.index(CONSUMERS * s3 + which), b_ring.index(s3).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
-                    p0 = warpgroup_mma_wait(num_outstanding=3, deps=(p0,))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = acc + p0
-                    p1 = warpgroup_mma_wait(num_outstanding=2, deps=(p1,))
-                    mbarrier.arrive(empty.index(s1), count=1)
-                    acc = acc + p1
-                    p2 = warpgroup_mma_wait(num_outstanding=1, deps=(p2,))
-                    mbarrier.arrive(empty.index(s2), count=1)
-                    acc = acc + p2
-                    p3 = warpgroup_mma_wait(num_outstanding=0, deps=(p3,))
-                    mbarrier.arrive(empty.index(s3), count=1)
-                    acc = acc + p3
-                    c += 4
-            k_single = k_pairs  # the K steps from here on go one at a time
+            k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE:
                 # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
                 # the first step's partial is added while the second's product runs.
-                k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
-                for kk in range(k_pairs, k_single, 2):
+                k_single = k_lo + (k_hi - k_lo) // 2 * 2
+                for kk in range(k_lo, k_single, 2):
                     s0 = c % STAGES
                     s1 = (c + 1) % STAGES
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -385,7 +349,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
                          stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, QUADS: gl.constexpr):
+                         SWAP_AB: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -403,17 +367,17 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, QUADS)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, QUADS)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
                             M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB, QUADS)),
+                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
             (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
         ], [1], [24])
 
@@ -612,7 +576,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool, quads: bool = False) -> _Plan:
+          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed)."""
     if swap_ab:
         config = swap_config(n, m, k, sms)
@@ -640,7 +604,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     tile_rows = consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, QUADS=quads)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, sms),), partial_dtype,
                  constexprs)
 
@@ -658,8 +622,7 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
-           quads: bool = False) -> torch.Tensor:
+           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
     128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
     ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
@@ -678,7 +641,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, quads)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -708,8 +671,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     quads: bool = False):
+                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -729,5 +691,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, QUADS=quads)
+                     SWAP_AB=swap_ab)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
