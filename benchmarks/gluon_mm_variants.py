@@ -31,7 +31,8 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
 # tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
 # GROUP_M, cN: N consumers (64-row parts of a tile); auto: tile_config's; w[N][sM]: the transposed
-# product (swap_ab) with swap_config's tile, N ring slots and K in M runs;
+# product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
+# default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
 # tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
@@ -46,11 +47,11 @@ def variant(text):
         return {"tl": True}
     if text == "auto":
         return {}
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?", text)
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?", text)
     if swap:
-        stages, split = swap.groups()
+        stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
-                    **({"split_k": int(split)} if split else {}))
+                    **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN], got {text!r}")

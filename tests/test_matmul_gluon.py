@@ -71,6 +71,17 @@ def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     assert ("ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx) == (split_k > 1)
 
 
+@pytest.mark.parametrize("block_n,split_k", [(16, 1), (32, 1), (16, 2)])
+def test_swap_ab_two_ctas_an_sm_build(block_n, split_k):
+    """Two CTAs an SM: the build capped at 128 registers a thread (256 threads, two CTAs in the
+    SM's 64 K registers) spills nothing, and two rings of 8 slots fit in the SM's shared memory."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "tensor", block_n=block_n,
+                        stages=gluon.TWO_CTA_STAGES, consumers=1, swap_ab=True, split_k=split_k, ctas_per_sm=2)
+    report = ptxas_report(kernel["ptx"])
+    assert ".maxnreg 128" in kernel["ptx"] and "0 bytes spill stores" in report and "serialized" not in report
+    assert 2 * (kernel["shared"] + 1024) <= 228 * 1024
+
+
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
     a, b = torch.randn(m, k, device=device), torch.randn(n, k, device=device)
     a_q, a_s = qflash.quantize(a, qdtype, "tensor" if scales == "tensor" else "row")
@@ -325,6 +336,13 @@ def test_plan_consumers():
     assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1
     swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
     assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
+    assert swapped.options == {}
+    swapped = plan(10240, 16, 8192, swap_ab=True)  # 160 tiles: two CTAs an SM, each with 8 slots
+    assert swapped.grid == (160,) and swapped.constexprs["STAGES"] == 8 and swapped.options == {"maxnreg": 128}
+    assert plan(10240, 16, 8192, swap_ab=True, stages=10).constexprs["STAGES"] == 10  # the caller's depth
+    with pytest.raises(ValueError, match="do not fit"):
+        plan(10240, 32, 8192, swap_ab=True, stages=10)  # two rings of 10 x 12 KB do not
+    assert plan(1024, 4096, 4096).options == {}
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -343,13 +361,15 @@ def test_preferred_only_where_measured():
     assert gluon.preferred(64, 6144, 4096, int8=False) and gluon.preferred(33, 4096, 4096, int8=False)
     assert not gluon.preferred(32, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
     swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672),
-            (16, 4096, 4096), (32, 4096, 14336)]  # 96, 128, 896 tiles; 64 tiles in 2 runs from M = 16
-    tl = [(8, 4096, 4096), (16, 10240, 8192), (16, 28672, 4096), (1, 6144, 4096), (1, 4096, 4096),
-          (64, 6144, 4096), (16, 6144, 2048), (16, 2048, 4096)]  # 64 tiles at M = 8, 160, 448 (85 %), M = 1
-    # in one round; M, K or N out of range
+            (16, 4096, 4096), (32, 4096, 14336), (16, 10240, 8192), (1, 10240, 8192)]  # 96, 128, 896 tiles;
+    # 64 tiles in 2 runs from M = 16; 160 tiles in one round of two CTAs an SM
+    tl = [(8, 4096, 4096), (16, 28672, 4096), (1, 6144, 4096), (1, 4096, 4096), (64, 6144, 4096),
+          (16, 6144, 2048), (16, 2048, 4096)]  # 64 tiles at M = 8, 448 (85 %), M = 1 in one round; M, K
+    # or N out of range
     assert all(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in swap)
     assert not any(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in tl)
-    assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 2, 2]
+    assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 2, 2, 1, 1]
+    assert [gluon.swap_ctas_per_sm(tiles, 132) for tiles in (96, 132, 133, 160, 264, 265, 896)] == [1, 1, 2, 2, 2, 1, 1]
     assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
 
 
@@ -388,6 +408,31 @@ def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
             c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True, split_k=split_k)
         assert_written(c)
         assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5), split_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 10240, 1024), (5, 8500, 640), (32, 16896, 384)])  # 160, 133, 264 tiles
+def test_gpu_swap_ab_two_ctas_an_sm(m, n, k):
+    """Two CTAs an SM (the launch's default where B's 64-row tiles make one to two rounds) give the
+    bits of one CTA an SM: INT8 against the int32 reference with bias and row scales, FP8 the same
+    bits as the one-CTA launch and within float32 rounding."""
+    assert gluon._plan(n, m, k, False, torch.bfloat16, "row", True, None, None, None, None, gluon.GROUP_M,
+                       torch.cuda.get_device_properties(0).multi_processor_count, None, True).options
+    bias = torch.randn(n, device="cuda")
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.bfloat16, "row", swap_ab=True)
+    assert_written(c)
+    assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16))
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, "row", "cuda")
+    one = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row", swap_ab=True,
+                       ctas_per_sm=1)
+    with poisoned():
+        two = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                           swap_ab=True)
+    assert_written(two)
+    assert torch.equal(two, one)
+    assert rel_l2_err(two, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * max(1.0, k ** 0.5)
 
 
 @pytest.mark.gpu
@@ -473,7 +518,8 @@ def test_swap_ab_takes_what_it_can():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scales", ["tensor", "row"])
-@pytest.mark.parametrize("m,n,k,swap_ab", [(128, 8192, 4096, False), (64, 6144, 4096, False), (16, 6144, 4096, True)])
+@pytest.mark.parametrize("m,n,k,swap_ab", [(128, 8192, 4096, False), (64, 6144, 4096, False), (16, 6144, 4096, True),
+                                            (16, 10240, 8192, True)])
 def test_gpu_public_fp8_matmul_takes_it(m, n, k, swap_ab, scales, monkeypatch):
     """fp8_matmul at a preferred shape is this kernel's result, bit for bit (the tl kernel's with
     QFLASH_GLUON=0): 128-row tiles, 64-row tiles at M = 64, the transposed product at M = 16; both

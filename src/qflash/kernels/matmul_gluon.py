@@ -23,7 +23,9 @@ run on while the consumer starts its next item. Where M <= 64 a tile has 64 rows
 consumer (CONSUMERS = 1). Decode-sized products (M <= 32) can run transposed (SWAP_AB):
 C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
 and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
-epilogue writes each block back to C transposed, by plain stores.
+epilogue writes each block back to C transposed, by plain stores. One CTA streams B at about
+40 GB/s, so where B's tiles make one to two rounds of the SMs two CTAs share each SM (registers
+capped at 128 a thread, 8 ring slots each) and the second round runs beside the first.
 
 C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s
 weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
@@ -475,14 +477,34 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     return block_n, RING_STAGES[1][block_n], False, max(1, _swap_runs(m, cdiv(n, SUB_M), k, sms)), 1
 
 
+TWO_CTA_STAGES = 8  # ring slots where two CTAs share an SM: 80 / 96 KB of 16- / 32-wide slots each
+
+
+def swap_ctas_per_sm(tiles: int, sms: int) -> int:
+    """CTAs an SM for the transposed product on ``tiles`` 64-row tiles of B: 2 where the tiles make
+    more than one round of the SMs but at most two. One CTA streams B at about 40 GB/s whatever
+    its ring depth (6 to 22 slots at M = 16, s23b), so a second round of a few tiles on one CTA
+    an SM runs as long as the first; two CTAs on those SMs run both rounds at once. 70B qkv (160
+    tiles), x cuBLAS per tensor, two CTAs of 8 slots against one of 10 (and the tl kernel), same
+    run (matmul_fp8_swap_two_ctas_h200_2026-12-01_s24e.json): M = 1 1.02 against 0.87 (1.00),
+    M = 8 0.97 against 0.86 (0.95), M = 16 1.00 against 0.86 (0.94), M = 32 0.93 against 0.84
+    (0.90). With more tiles it did not gain (8B gate_up, 448: 0.94-0.98 against 0.91-0.95, the
+    tl kernel 0.97-0.99), nor with as many tiles as SMs or fewer (within 0.02, but 8B down at
+    M = 1 / 8, K = 14336: 1.01 / 0.99 against 1.08 / 1.06)."""
+    return 2 if sms < tiles <= 2 * sms else 1
+
+
 def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
     """Runs of K for the transposed product of ``m`` rows on ``tiles`` 64-row tiles of B, as
-    measured against the tl kernel (s23b-s23f): 1 where the tiles fill several rounds of the SMs
-    at least 90 %, or one round at least 70 % from M = 8 (with fewer rows a tile is mostly the
+    measured against the tl kernel (s23b-s23f, s24e): 1 where the tiles make one round of two
+    CTAs an SM (``swap_ctas_per_sm``), fill several rounds of the SMs at least 90 %, or one round
+    at least 70 % from M = 8 (with fewer rows a tile is mostly the
     copy engine's zero fill, and one round does not hide it); from M = 16, 2-4 runs of at least 8
     K steps where one round is under half full and that many runs fill it at least 90 %; 0
     elsewhere (the tl kernel's turn)."""
     fill = _wave_fill(tiles, sms)
+    if swap_ctas_per_sm(tiles, sms) == 2:
+        return 1  # one round of two CTAs an SM
     if tiles > sms:
         return 1 if fill >= 0.9 else 0
     if m < 8:
@@ -517,10 +539,11 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
       against 0.93-1.04; at M = 1 only 70B gate_up (1.01 against 0.90);
     - K in two runs summed in the kernel (``matmul_fp8_decode_split*_h200_2026-12-01_s23f.json``,
       M = 16 / 32): 8B o (64 tiles) 0.91 / 0.85 against 0.87 / 0.80, 8B down 1.10 / 0.92 against
-      1.10 / 0.90.
-    The tl kernel stays ahead at 70B qkv (160 tiles, two rounds: 0.80 in three runs against 0.93
-    at M = 16), 8B gate_up (448, four rounds 85 % full: 0.76 in two runs against 0.98) and at
-    M = 1 where one round runs (8B o 0.83 in two runs against 1.02)."""
+      1.10 / 0.90;
+    - two CTAs an SM (``swap_ctas_per_sm``, s24e, M = 1 / 8 / 16 / 32): 70B qkv (160 tiles) 1.02
+      / 0.97 / 1.00 / 0.93 against 1.00 / 0.95 / 0.94 / 0.90.
+    The tl kernel stays ahead at 8B gate_up (448 tiles, four rounds 85 % full: 0.76 in two runs
+    against 0.98, s23f) and at M = 1 where one round runs (8B o 0.83 in two runs against 1.02)."""
     if int8 or m > 32 or n < 4096 or k < 4096:
         return False
     return _swap_runs(m, cdiv(n, SUB_M), k, sms) > 0
@@ -571,17 +594,26 @@ class _Plan(NamedTuple):
     grid: tuple
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
+    options: dict  # launch options: a register cap where two CTAs share an SM
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool) -> _Plan:
+          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
+          ctas_per_sm: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed)."""
     if swap_ab:
         config = swap_config(n, m, k, sms)
+        if ctas_per_sm is None:
+            ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
+        if ctas_per_sm == 2 and stages is None:
+            stages = TWO_CTA_STAGES
     else:
         config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
+    ctas_per_sm = ctas_per_sm or 1
+    if ctas_per_sm not in (1, 2):
+        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
     if stages is None:  # the ring for the caller's tile width, if any
@@ -592,7 +624,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
     ring_bytes = stages * _slot_bytes(block_n, consumers)
-    if ring_bytes > SMEM_BYTES:
+    if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
     # kernel adds them in a fixed order and applies the scales and bias.
@@ -605,8 +637,12 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
-    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, sms),), partial_dtype,
-                 constexprs)
+    # Two CTAs an SM: 256 threads (the consumer warpgroup, the loader's warp padded to four) of
+    # at most 128 registers each, so that two fit in the SM's 64 K (the 16- and 32-wide
+    # transposed product needs no more; without the cap it takes 255).
+    options = {"maxnreg": 128} if ctas_per_sm == 2 else {}
+    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
+                 partial_dtype, constexprs, options)
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -622,10 +658,12 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False) -> torch.Tensor:
+           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
+           ctas_per_sm: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
     128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order. C (or with split K, the partial sums) goes out through shared
+    ``group_m`` the tile order, ``ctas_per_sm`` (1 or 2: the launch's programs, SMs or twice as
+    many, each ring then in half the shared memory) ``swap_ctas_per_sm``. C (or with split K, the partial sums) goes out through shared
     memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
@@ -641,7 +679,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -659,7 +697,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     _launcher[plan.grid](
         a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
         sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
-        **plan.constexprs, num_warps=4,
+        **plan.constexprs, num_warps=4, **plan.options,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
@@ -671,7 +709,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
-                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False):
+                     tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
+                     ctas_per_sm: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -692,4 +731,5 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab)
-    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False)
+    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
+                          **({"maxnreg": 128} if ctas_per_sm == 2 else {}))
