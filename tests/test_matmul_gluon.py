@@ -322,10 +322,12 @@ def test_plan_consumers():
     """tile_config's choice of one or two consumers goes with its own tile width: a width of the
     caller's takes 64-row tiles where M <= 64 and 128-row ones above, unless told."""
     def plan(m, n, k, **kw):
-        opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False)
+        opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False,
+                    ctas_per_sm=None)
         opts.update(kw)
         return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, opts["block_n"], opts["stages"],
-                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"])
+                           opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"],
+                           opts["ctas_per_sm"])
 
     assert (plan(128, 4096, 4096).block_n, plan(128, 4096, 4096).consumers) == (64, 1)  # tile_config's 64 x 64
     assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
@@ -342,6 +344,8 @@ def test_plan_consumers():
     assert plan(10240, 16, 8192, swap_ab=True, stages=10).constexprs["STAGES"] == 10  # the caller's depth
     with pytest.raises(ValueError, match="do not fit"):
         plan(10240, 32, 8192, swap_ab=True, stages=10)  # two rings of 10 x 12 KB do not
+    with pytest.raises(ValueError, match="two CTAs an SM take one-consumer tiles up to 32 wide"):
+        plan(1024, 4096, 4096, ctas_per_sm=2)  # two consumers: their registers do not halve
     assert plan(1024, 4096, 4096).options == {}
 
 

@@ -478,6 +478,11 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 
 
 TWO_CTA_STAGES = 8  # ring slots where two CTAs share an SM: 80 / 96 KB of 16- / 32-wide slots each
+# ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
+# padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
+# the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
+# the 16- and 32-wide transposed product.
+TWO_CTA_MAXNREG = 128
 
 
 def swap_ctas_per_sm(tiles: int, sms: int) -> int:
@@ -498,10 +503,10 @@ def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
     """Runs of K for the transposed product of ``m`` rows on ``tiles`` 64-row tiles of B, as
     measured against the tl kernel (s23b-s23f, s24e): 1 where the tiles make one round of two
     CTAs an SM (``swap_ctas_per_sm``), fill several rounds of the SMs at least 90 %, or one round
-    at least 70 % from M = 8 (with fewer rows a tile is mostly the
-    copy engine's zero fill, and one round does not hide it); from M = 16, 2-4 runs of at least 8
-    K steps where one round is under half full and that many runs fill it at least 90 %; 0
-    elsewhere (the tl kernel's turn)."""
+    at least 70 % from M = 8 (with fewer rows a tile is mostly the copy engine's zero fill, and
+    one round does not hide it); from M = 16, 2-4 runs of at least 8 K steps where one round is
+    under half full and that many runs fill it at least 90 %; 0 elsewhere (the tl kernel's
+    turn)."""
     fill = _wave_fill(tiles, sms)
     if swap_ctas_per_sm(tiles, sms) == 2:
         return 1  # one round of two CTAs an SM
@@ -619,6 +624,9 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     if stages is None:  # the ring for the caller's tile width, if any
         stages = config[1] if block_n is None else RING_STAGES[consumers][block_n]
     block_n = block_n or config[0]
+    if ctas_per_sm == 2 and (consumers != 1 or block_n > 32):
+        raise ValueError(f"two CTAs an SM take one-consumer tiles up to 32 wide, got {consumers} consumers "
+                         f"and block_n={block_n}")
     tma_store = config[2] if tma_store is None else tma_store
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
@@ -637,10 +645,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
-    # Two CTAs an SM: 256 threads (the consumer warpgroup, the loader's warp padded to four) of
-    # at most 128 registers each, so that two fit in the SM's 64 K (the 16- and 32-wide
-    # transposed product needs no more; without the cap it takes 255).
-    options = {"maxnreg": 128} if ctas_per_sm == 2 else {}
+    options = {"maxnreg": TWO_CTA_MAXNREG} if ctas_per_sm == 2 else {}
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, options)
 
@@ -662,9 +667,10 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            ctas_per_sm: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
     128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order, ``ctas_per_sm`` (1 or 2: the launch's programs, SMs or twice as
-    many, each ring then in half the shared memory) ``swap_ctas_per_sm``. C (or with split K, the partial sums) goes out through shared
-    memory and bulk copies where its rows are 16-byte aligned and the ring leaves room. Eager
+    ``group_m`` the tile order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up
+    to 32 wide, each ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K,
+    the partial sums) goes out through shared memory and bulk copies where its rows are 16-byte
+    aligned and the ring leaves room. Eager
     calls of short kernels are bound by the host: what follows from the shapes is made once
     (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
@@ -732,4 +738,4 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
-                          **({"maxnreg": 128} if ctas_per_sm == 2 else {}))
+                          **({"maxnreg": TWO_CTA_MAXNREG} if ctas_per_sm == 2 else {}))
