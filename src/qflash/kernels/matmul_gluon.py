@@ -485,6 +485,11 @@ TWO_CTA_STAGES = 8  # ring slots where two CTAs share an SM: 80 / 96 KB of 16- /
 TWO_CTA_MAXNREG = 128
 
 
+def _launch_options(ctas_per_sm: int) -> dict:
+    """The compile options that go with ``ctas_per_sm``: the register cap where two CTAs share an SM."""
+    return {"maxnreg": TWO_CTA_MAXNREG} if ctas_per_sm == 2 else {}
+
+
 def swap_ctas_per_sm(tiles: int, sms: int) -> int:
     """CTAs an SM for the transposed product on ``tiles`` 64-row tiles of B: 2 where the tiles make
     more than one round of the SMs but at most two. One CTA streams B at about 40 GB/s whatever
@@ -507,9 +512,9 @@ def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
     one round does not hide it); from M = 16, 2-4 runs of at least 8 K steps where one round is
     under half full and that many runs fill it at least 90 %; 0 elsewhere (the tl kernel's
     turn)."""
-    fill = _wave_fill(tiles, sms)
     if swap_ctas_per_sm(tiles, sms) == 2:
         return 1  # one round of two CTAs an SM
+    fill = _wave_fill(tiles, sms)
     if tiles > sms:
         return 1 if fill >= 0.9 else 0
     if m < 8:
@@ -617,8 +622,6 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     else:
         config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     ctas_per_sm = ctas_per_sm or 1
-    if ctas_per_sm not in (1, 2):
-        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
     if stages is None:  # the ring for the caller's tile width, if any
@@ -645,9 +648,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
-    options = {"maxnreg": TWO_CTA_MAXNREG} if ctas_per_sm == 2 else {}
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
-                 partial_dtype, constexprs, options)
+                 partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -670,15 +672,17 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     ``group_m`` the tile order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up
     to 32 wide, each ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K,
     the partial sums) goes out through shared memory and bulk copies where its rows are 16-byte
-    aligned and the ring leaves room. Eager
-    calls of short kernels are bound by the host: what follows from the shapes is made once
-    (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
+    aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
+    follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
+    argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and (block_n not in (16, 32, 64, 128, 256) or (a_q.dtype == torch.int8 and block_n == 256)):
         raise ValueError(f"block_n must be 16, 32, 64 or 128 (or 256 for FP8), got {block_n}")
     if consumers not in (None, 1, 2):
         raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+    if ctas_per_sm not in (None, 1, 2):
+        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if swap_ab and (scales == "block" or tma_store):
         raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
@@ -738,4 +742,4 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
-                          **({"maxnreg": TWO_CTA_MAXNREG} if ctas_per_sm == 2 else {}))
+                          **_launch_options(ctas_per_sm))
