@@ -30,7 +30,7 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
 # block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
 # tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
-# GROUP_M, cN: N consumers (64-row parts of a tile); auto: tile_config's; w[N][sM]: the transposed
+# GROUP_M, cN: N consumers (64-row parts of a tile), xC: C CTAs an SM; auto: tile_config's; w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
@@ -52,16 +52,18 @@ def variant(text):
         stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN], got {text!r}")
-    block_n, stages, tma, split, group, consumers = match.groups()
+        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN] [xC], got {text!r}")
+    block_n, stages, tma, split, group, consumers, ctas = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if group:
         out["group_m"] = int(group)
     if consumers:
         out["consumers"] = int(consumers)
+    if ctas:
+        out["ctas_per_sm"] = int(ctas)
     return out
 
 

@@ -76,10 +76,48 @@ def test_swap_ab_two_ctas_an_sm_build(block_n, split_k):
     """Two CTAs an SM: the build capped at 128 registers a thread (256 threads, two CTAs in the
     SM's 64 K registers) spills nothing, and two rings of 8 slots fit in the SM's shared memory."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", False, "tensor", block_n=block_n,
-                        stages=gluon.TWO_CTA_STAGES, consumers=1, swap_ab=True, split_k=split_k, ctas_per_sm=2)
+                        stages=gluon.TWO_CTA_STAGES[block_n], consumers=1, swap_ab=True, split_k=split_k, ctas_per_sm=2)
     report = ptxas_report(kernel["ptx"])
     assert ".maxnreg 128" in kernel["ptx"] and "0 bytes spill stores" in report and "serialized" not in report
     assert 2 * (kernel["shared"] + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("scales,block_n", [("tensor", 64), ("block", 64), ("row", 128), ("block", 128)])
+def test_two_ctas_an_sm_64_row_tiles_build(scales, block_n):
+    """Two CTAs an SM with 64-row tiles 64 or 128 wide: capped at 128 registers a thread, no spills,
+    and two rings (6 / 4 slots) with a block of C each fit in the SM's shared memory."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n,
+                        stages=gluon.TWO_CTA_STAGES[block_n], tma_store=True, consumers=1, ctas_per_sm=2)
+    report = ptxas_report(kernel["ptx"])
+    assert ".maxnreg 128" in kernel["ptx"] and "0 bytes spill stores" in report and "serialized" not in report
+    assert "cp.async.bulk.tensor.2d.global.shared" in kernel["ptx"]
+    assert 2 * (kernel["shared"] + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("scales,block_n,consumers", [("tensor", 96, 1), ("row", 160, 1), ("tensor", 48, 2),
+                                                     ("row", 160, 2)])
+def test_tailed_tiles_build(scales, block_n, consumers):
+    """A tile of B's block and a narrower tail (96 = 64 + 32, 160 = 128 + 32, 48 = 32 + 16): two
+    wgmma shapes a K step, both issued before the first wait, no spills, 8 slots of plain stores
+    where they fit (6 for 128 x 160)."""
+    lead, tail = gluon.tail_split(block_n)
+    stages = 6 if (block_n, consumers) == (160, 2) else 8
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=stages,
+                        tma_store=False, consumers=consumers)
+    ptx = kernel["ptx"]
+    report = ptxas_report(ptx)
+    assert f"m64n{lead}k32.f32.e4m3.e4m3" in ptx and f"m64n{tail}k32.f32.e4m3.e4m3" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx and "cp.async.bulk.tensor.2d.global.shared" not in ptx
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    assert kernel["shared"] <= 227 * 1024
+
+
+def test_tail_split():
+    assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
+        (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
+    for bad in (8, 24, 112, 224, 320):
+        with pytest.raises(ValueError, match="block_n must be"):
+            gluon.tail_split(bad)
 
 
 def _quantized(m, n, k, qdtype, scales, device=DEVICE):
@@ -311,6 +349,10 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(64, 28672, 4096, int8=False) == (256, 3, True, 1, 1)  # 112 wide tiles: 1.01
     assert gluon.tile_config(64, 4096, 14336, int8=False) == (32, 10, True, 1, 1)  # long K, no split: 0.92
     assert gluon.tile_config(64, 8192, 28672, int8=False) == (64, 8, True, 1, 1)  # 0.98
+    # 160 tiles of 128 x 128 (two rounds, 0.61 full) -> 128 of 128 x 160 with a tail: 0.79 -> 0.93
+    assert gluon.tile_config(256, 10240, 8192, int8=False) == (160, 6, False, 1, 2)
+    assert gluon.tile_config(256, 28672, 4096, int8=False)[0] == 256  # 224 wide tiles: the fill gains less
+    assert gluon.tile_config(256, 10240, 8192, int8=False, block_scales=True)[0] == 128  # tails: no block scales
     for m, n, k in [(1, 1, 16), (64, 28672, 4096), (64, 4096, 4096), (128, 4096, 4096), (128, 6144, 4096),
                     (8192, 28672, 4096)]:
         block_n, stages, _, _, consumers = gluon.tile_config(m, n, k, int8=False)
@@ -344,15 +386,32 @@ def test_plan_consumers():
     assert plan(10240, 16, 8192, swap_ab=True, stages=10).constexprs["STAGES"] == 10  # the caller's depth
     with pytest.raises(ValueError, match="do not fit"):
         plan(10240, 32, 8192, swap_ab=True, stages=10)  # two rings of 10 x 12 KB do not
-    with pytest.raises(ValueError, match="two CTAs an SM take one-consumer tiles up to 32 wide"):
+    with pytest.raises(ValueError, match="two CTAs an SM take one-consumer tiles up to 128 wide"):
         plan(1024, 4096, 4096, ctas_per_sm=2)  # two consumers: their registers do not halve
     assert plan(1024, 4096, 4096).options == {}
+    two = plan(128, 6144, 4096, block_n=64, consumers=1, ctas_per_sm=2)  # 192 tiles 64 x 64, 6 slots each
+    assert two.grid == (192,) and two.constexprs["STAGES"] == 6 and two.constexprs["TMA_STORE"]
+    assert two.options == {"maxnreg": 128}
+    assert plan(128, 10240, 8192, block_n=128, consumers=1, ctas_per_sm=2).constexprs["STAGES"] == 4
+    with pytest.raises(ValueError, match="up to 128 wide"):
+        plan(128, 28672, 4096, block_n=256, consumers=1, ctas_per_sm=2)
+    tailed = plan(128, 6144, 4096, block_n=96, consumers=1)  # 128 tiles of 64 x 96: one round
+    assert tailed.grid == (128,) and tailed.constexprs["TAIL_N"] == 32 and tailed.constexprs["STAGES"] == 8
+    assert not plan(128, 6144, 4096, block_n=96, consumers=1, tma_store=True).constexprs["TMA_STORE"]
+    assert plan(256, 10240, 8192, block_n=160).constexprs["STAGES"] == 6  # 36 KB slots: 6 fit
+    assert plan(128, 6144, 4096).constexprs["TAIL_N"] == 0
+    # the caller's 128-wide tiles keep bulk stores where tile_config's own would be 160 wide with a tail
+    assert plan(200, 10240, 640, block_n=128, consumers=1, ctas_per_sm=2).constexprs["TMA_STORE"]
 
 
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=256)
+    with pytest.raises(ValueError, match="a tile with a tail"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=96)
+    with pytest.raises(ValueError, match="block_n must be"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=112)
 
 
 def test_preferred_only_where_measured():
@@ -437,6 +496,68 @@ def test_gpu_swap_ab_two_ctas_an_sm(m, n, k):
     assert_written(two)
     assert torch.equal(two, one)
     assert rel_l2_err(two, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * max(1.0, k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m,n,k,block_n", [(128, 6144, 1024, 64), (200, 10240, 640, 128), (113, 8500, 1040, 64)])
+def test_gpu_two_ctas_an_sm_64_row_tiles(m, n, k, block_n, scales):
+    """Two CTAs an SM with 64-row tiles 64 or 128 wide (C through shared memory and bulk copies
+    where its rows allow, each ring in half the SM's shared memory): INT8 exact, FP8 the bits of
+    one CTA an SM."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = gluon._plan(m, n, k, False, torch.bfloat16, scales, True, block_n, None, None, None, gluon.GROUP_M, sms,
+                       1, False, 2)
+    assert plan.options and plan.grid[0] > sms
+    assert plan.constexprs["TMA_STORE"] == (n % 8 == 0)  # bulk stores need 16-byte rows of bfloat16
+    bias = torch.randn(n, device="cuda")
+    if scales != "block":
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=block_n, consumers=1,
+                             ctas_per_sm=2)
+        assert_written(c)
+        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16))
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    else:
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        a_s, b_s = a_k, b_k
+    one = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=block_n, consumers=1, ctas_per_sm=1)
+    with poisoned():
+        two = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=block_n, consumers=1,
+                           ctas_per_sm=2)
+    assert_written(two)
+    assert torch.equal(two, one)
+    assert rel_l2_err(two, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * max(1.0, k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k,block_n,consumers,split_k", [
+    (128, 6144, 1024, 96, 1, 1), (113, 1000, 640, 96, 1, 1), (200, 10240, 1040, 160, 2, 1), (128, 700, 384, 48, 2, 1),
+    (70, 2000, 2048, 160, 1, 2), (256, 4000, 528, 192, 2, 1)])
+def test_gpu_tailed_tiles(m, n, k, block_n, consumers, split_k, scales):
+    """Tiles of B's block and a narrower tail (ragged M, N and K, bias, row scales, K split): FP8
+    within float32 rounding of the reference, and the bits of 64-wide tiles (each column's
+    K steps are the same wgmma partials added in the same order)."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    bias = torch.randn(n, device="cuda")
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=block_n, consumers=consumers,
+                         split_k=split_k)
+    assert_written(c)
+    assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 1e-5 * max(1.0, k ** 0.5)
+    if split_k == 1:
+        narrow = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=64, consumers=consumers)
+        assert torch.equal(c, narrow)
+    c16 = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=block_n, consumers=consumers,
+                       split_k=split_k)
+    assert torch.equal(c16, c.to(torch.bfloat16)) if split_k == 1 else c16.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu

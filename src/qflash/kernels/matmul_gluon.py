@@ -8,7 +8,8 @@ the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its warp-specialized 4-w
 computed wrong results, NOTES "Third round"):
 
     one CTA per SM takes work items in turn: 128 x 128 or 128 x 256 output tiles (128 x 64 or
-    128 x 32 where those would leave SMs idle; grouped order:
+    128 x 32 where those would leave SMs idle, 128 x 160 where that makes one round of the SMs
+    instead of two, the last 32 columns a second, narrower product; grouped order:
     GROUP_M row blocks share each column block of B while it is in L2), or with split K one
     run of a tile's K steps; in three partitions
       consumer 0 (4 warps)   rows  0-63  \\  acc += A_k B_k^T on the tensor cores (wgmma)
@@ -88,14 +89,15 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 
 @gluon.jit
-def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr):
+def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
-    item of this CTA. Edges past M, N or K arrive as zeros (the descriptors' bounds), which add
-    nothing."""
+    item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
+    ``b_tail_desc`` into ``b_tail``). Edges past M, N or K arrive as zeros (the descriptors'
+    bounds), which add nothing."""
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0] + TAIL_N
     num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -106,11 +108,18 @@ def _mm_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: g
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if TAIL_N > 0:
+                mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                + b_tail_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             for part in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(a_desc, [(pid_m * CONSUMERS + part) * SUB, kk * BK], ready.index(s),
                                                 a_ring.index(CONSUMERS * s + part))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_ring.index(s))
+            if TAIL_N > 0:
+                tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + BN - TAIL_N, kk * BK], ready.index(s),
+                                                b_tail.index(s))
             c += 1
 
 
@@ -214,23 +223,29 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty, M, N, K,
-                 stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which, SCALES: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                 SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr):
+def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N,
+                 K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which,
+                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                 TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
+                 TAIL_N: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
-    wide one is two halves of 128, each with its own float32 total. With SPLIT_K > 1 an item's sum
+    wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
+    scales can also be B's block and a narrower tail of TAIL_N columns (``b_tail``), two products
+    a K step with a total each: 96 = 64 + 32, 160 = 128 + 32, and so on. With SPLIT_K > 1 an item's sum
     goes as it is to rows split * split_rows + row of a partial-sum buffer, which a second kernel
     adds up; in the transposed product, to ``Sums``, where the tile's last run adds them up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
-    BN: gl.constexpr = b_ring.shape[1]
+    LEAD: gl.constexpr = b_ring.shape[1]  # B's block: the tile less its tail
+    BN: gl.constexpr = LEAD + TAIL_N
     WIDE: gl.constexpr = BN == 256
-    HALF: gl.constexpr = BN // 2 if WIDE else BN  # columns of one wgmma
+    HALF: gl.constexpr = LEAD // 2 if WIDE else LEAD  # columns of one wgmma
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
-    gl.static_assert(BN == 16 or BN == 32 or BN == 64 or BN == 128 or (WIDE and not IS_INT8),
+    gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or (WIDE and not IS_INT8),
                      "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
+    gl.static_assert(TAIL_N == 0 or (TAIL_N < LEAD and not IS_INT8 and SCALES != SCALES_BLOCK and not TMA_STORE
+                                     and not SWAP_AB), "a tail: FP8, tensor or row scales, plain stores")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, CONSUMERS * SUB)
@@ -262,6 +277,11 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
+            if TAIL_N > 0:  # the tail's total and partial
+                tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                      instr_shape=[16, TAIL_N, 32])
+                acc_t = gl.zeros((SUB, TAIL_N), dtype=gl.float32, layout=tail_layout)
+                fresh_t = gl.zeros((SUB, TAIL_N), dtype=gl.float32, layout=tail_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
@@ -280,7 +300,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
             k_single = k_lo  # the K steps from here on go one at a time
-            if not WIDE:
+            if not WIDE and TAIL_N == 0:
                 # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
                 # the first step's partial is added while the second's product runs.
                 k_single = k_lo + (k_hi - k_lo) // 2 * 2
@@ -307,17 +327,22 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                     mbarrier.arrive(empty.index(s1), count=1)
                     acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
                     c += 2
-            for kk in range(k_single, k_hi):  # a wide tile's steps, or a narrow tile's odd last one
+            for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(CONSUMERS * s + which)
                 b = b_ring.index(s)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
+                if TAIL_N > 0:  # in flight beside the block's product
+                    part_t = warpgroup_mma(a, b_tail.index(s).permute((1, 0)), fresh_t, use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
                     a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                part = warpgroup_mma_wait(num_outstanding=gl.constexpr(1 if TAIL_N > 0 else 0), deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
+                if TAIL_N > 0:
+                    part_t = warpgroup_mma_wait(num_outstanding=0, deps=(part_t,))
+                    acc_t = acc_t + part_t
                 if WIDE:
                     part = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), fresh, use_acc=False,
                                          is_async=True)
@@ -342,21 +367,28 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
         if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
+        if TAIL_N > 0:
+            _mm_epilogue(acc_t, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + LEAD, split * split_rows,
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, Counters, M, N, K, stride_cm,
-                         stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
+def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale, Bias, Sums, Counters, M, N, K,
+                         stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr):
+                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
+    LEAD: gl.constexpr = b_desc.block_type.shape[0]
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES, SUB, BK], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, LEAD, BK], b_desc.layout)
+    if TAIL_N > 0:  # the tile's last TAIL_N rows of B, beside each slot's block
+        b_tail = gl.allocate_shared_memory(b_tail_desc.dtype, [STAGES, TAIL_N, BK], b_tail_desc.layout)
+    else:
+        b_tail = b_ring  # not used
     if TMA_STORE:  # a 64 x 128 (64 x 64, 64 x 32) block of C for each consumer
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     else:
@@ -367,20 +399,25 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, C, c_desc, AScale, BScale, Bias, Sums, 
     # reused, nor a partition's function held in a variable.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
-                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
-                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(1),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
-            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
+                          SPLIT_K, CONSUMERS, TAIL_N)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, ready, empty,
-                            M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, gl.to_tensor(0),
-                            SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB)),
-            (_mm_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M, STAGES, SPLIT_K, CONSUMERS)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
+                          SPLIT_K, CONSUMERS, TAIL_N)),
         ], [1], [24])
 
 
@@ -398,6 +435,18 @@ def c_block_cols(block_n: int) -> int:
     """Columns of a consumer's block of C (64 rows): one wgmma's width, the tile's or half of a
     256-wide one's."""
     return min(block_n, 128)
+
+
+def tail_split(block_n: int) -> tuple:
+    """(B's block, tail) of a tile ``block_n`` wide: (block_n, 0) for 16-256 in powers of two; else
+    the largest power of two below it and the rest, which must be a narrower power of two (48, 80,
+    96, 160, 192: one wgmma each), or ValueError."""
+    lead = 1 << (block_n.bit_length() - 1)
+    tail = block_n - lead
+    if block_n < 16 or block_n > 256 or (tail and (tail & (tail - 1) or tail < 16)):
+        raise ValueError(f"block_n must be 16, 32, 64, 128 or 256, or a power of two from 32 to 128 plus a "
+                         f"narrower one from 16 (48, 80, 96, 160, 192), got {block_n}")
+    return lead, tail
 
 
 def _wave_fill(tiles: int, sms: int) -> float:
@@ -440,7 +489,17 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     - split K into ``sms // tiles`` runs when the tiles still fill less than half of the SMs
       (M = 128 8B down: 64-wide tiles in two runs, 0.88 -> 0.95 x cuBLAS; 128-wide tiles in
       ..._split_k_h200_2026-11-29_s9d.json, 307 -> 378 TFLOP/s and 369 -> 576 against no
-      split; it lost where the tiles fill half or more).
+      split; it lost where the tiles fill half or more);
+    - 128 x 160 tiles (a 128-wide block and a 32-wide tail, plain stores) where 128-wide ones make
+      a second round of a few tiles and 160-wide ones one round: M = 256 70B qkv, 160 tiles
+      (0.61 of two rounds) against 128, 0.79 -> 0.93 x cuBLAS per tensor
+      (matmul_fp8_tailed_tiles_m256_h200_2026-12-01_s25b.json). A tail costs its K steps' pairs and
+      the bulk stores: where the fill gains less, tails lost (M = 256 8B gate_up, 360 tiles 160 wide
+      at 0.91 full against 224 256-wide ones at 0.85: 0.86 against 0.99; M = 128 8B qkv, 128 tiles
+      64 x 96 in one round against 96 of 128 x 64 at 0.73: 0.75 against 0.86). The dispatch
+      against 128 x 128 tiles in one run, per tensor (..._tailed_dispatch_..._s25c.json):
+      M = 256 70B qkv 0.93 against 0.79, M = 384 8B qkv 0.81 against 0.72, M = 640 8B o 0.81
+      against 0.67 and 8B down 0.89 against 0.73 (per row 1.05-1.12 against 0.97-1.02).
 
     Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs and the scales by
     fused multiply-adds (1.03-1.24x the 256-wide tiles at M = 1024 / 8192,
@@ -455,6 +514,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
         return 256, stages[256], True, 1, consumers
     block_n = 128
     tiles = cdiv(m, consumers * SUB_M) * cdiv(n, block_n)
+    if consumers == 2 and not block_scales and tiles > sms and cdiv(m, 2 * SUB_M) * cdiv(n, 160) <= sms:
+        return 160, _tail_stages(160, 2), False, 1, 2  # a second round of a few 128-wide tiles: one of 160
     if 2 * tiles < sms:  # under half the SMs: narrower tiles, or K split
         if k < LONG_K or consumers == 1:  # a 64-row tile's extra reads of A are half as many
             while 2 * tiles < sms and block_n > 32:
@@ -477,7 +538,9 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     return block_n, RING_STAGES[1][block_n], False, max(1, _swap_runs(m, cdiv(n, SUB_M), k, sms)), 1
 
 
-TWO_CTA_STAGES = 8  # ring slots where two CTAs share an SM: 80 / 96 KB of 16- / 32-wide slots each
+# Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
+# 128-wide slots, with room beside the wider ones for a 64-row block of C
+TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
 # the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
@@ -595,6 +658,11 @@ def _slot_bytes(block_n: int, consumers: int = 2) -> int:
     return (consumers * SUB_M + block_n) * BLOCK_K  # a 64-row part of A a consumer and a B tile, a byte an element
 
 
+def _tail_stages(block_n: int, consumers: int) -> int:
+    """Ring slots for a tile with a tail: no block of C in shared memory beside them, up to 8."""
+    return min(8, SMEM_BYTES // _slot_bytes(block_n, consumers))
+
+
 class _Plan(NamedTuple):
     """What a launch needs that follows from the shapes and options alone (made once per key)."""
     block_n: int
@@ -617,20 +685,26 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         config = swap_config(n, m, k, sms)
         if ctas_per_sm is None:
             ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
-        if ctas_per_sm == 2 and stages is None:
-            stages = TWO_CTA_STAGES
     else:
         config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
     ctas_per_sm = ctas_per_sm or 1
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
-    if stages is None:  # the ring for the caller's tile width, if any
-        stages = config[1] if block_n is None else RING_STAGES[consumers][block_n]
+    own_width = block_n is not None
     block_n = block_n or config[0]
-    if ctas_per_sm == 2 and (consumers != 1 or block_n > 32):
-        raise ValueError(f"two CTAs an SM take one-consumer tiles up to 32 wide, got {consumers} consumers "
-                         f"and block_n={block_n}")
-    tma_store = config[2] if tma_store is None else tma_store
+    if ctas_per_sm == 2 and (consumers != 1 or block_n not in TWO_CTA_STAGES):
+        raise ValueError(f"two CTAs an SM take one-consumer tiles up to 128 wide (16, 32, 64 or 128), got "
+                         f"{consumers} consumers and block_n={block_n}")
+    tail = tail_split(block_n)[1]
+    if stages is None:  # the ring for two CTAs an SM, or for the caller's tile width, if any
+        if tail:
+            stages = _tail_stages(block_n, consumers)
+        else:
+            stages = (TWO_CTA_STAGES[block_n] if ctas_per_sm == 2 else RING_STAGES[consumers][block_n] if own_width
+                      else config[1])
+    if tma_store is None:  # tile_config's choice, or for FP8 tiles of the caller's width bulk stores
+        tma_store = config[2] if not own_width or swap_ab else not int8
+    tma_store = tma_store and not tail  # a tail's block goes by plain stores
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
@@ -643,11 +717,11 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
     c_blocks = consumers * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
-    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES
+    tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES // ctas_per_sm
     tile_rows = consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
@@ -667,18 +741,21 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None) -> torch.Tensor:
-    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (32, 64,
-    128, or 256 for FP8), ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``,
-    ``group_m`` the tile order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up
-    to 32 wide, each ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K,
+    """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
+    32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
+    ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
+    order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
+    ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K,
     the partial sums) goes out through shared memory and bulk copies where its rows are 16-byte
     aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
     argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
-    if block_n is not None and (block_n not in (16, 32, 64, 128, 256) or (a_q.dtype == torch.int8 and block_n == 256)):
-        raise ValueError(f"block_n must be 16, 32, 64 or 128 (or 256 for FP8), got {block_n}")
+    if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
+        raise ValueError(f"block_n={block_n} (a tile with a tail) takes FP8 with tensor or row scales, not swap_ab")
+    if block_n is not None and a_q.dtype == torch.int8 and block_n == 256:
+        raise ValueError(f"block_n must be 16, 32, 64 or 128 for INT8, got {block_n}")
     if consumers not in (None, 1, 2):
         raise ValueError(f"consumers must be 1 or 2, got {consumers}")
     if ctas_per_sm not in (None, 1, 2):
@@ -704,9 +781,12 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
     c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], c_block_cols(plan.block_n))
               if plan.constexprs["TMA_STORE"] else a_desc)
+    tail = plan.constexprs["TAIL_N"]  # B's tile in one block, or a block and a narrower tail
+    b_desc = _desc(b_q, plan.block_n - tail, qdtype)
     _launcher[plan.grid](
-        a_desc, _desc(b_q, plan.block_n, qdtype), target, c_desc, a_scale, b_scale, c if bias is None else bias,
-        sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale), *scale_strides(b_scale), plan.m_pad,
+        a_desc, b_desc, _desc(b_q, tail, qdtype) if tail else b_desc, target, c_desc, a_scale, b_scale,
+        c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
+        *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4, **plan.options,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
@@ -733,13 +813,15 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
-    types = {"a_desc": desc(SUB_M), "b_desc": desc(block_n), "C": f"*{out}", "Sums": sums, "Counters": "*i32",
+    lead, tail = tail_split(block_n)
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(lead), "b_tail_desc": desc(tail or lead), "C": f"*{out}",
+             "Sums": sums, "Counters": "*i32",
              "c_desc": desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n)) if tma_store else desc(SUB_M),
              "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab)
+                     SWAP_AB=swap_ab, TAIL_N=tail)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
