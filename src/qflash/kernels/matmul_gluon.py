@@ -98,6 +98,8 @@ def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0] + TAIL_N
+    STEP_BYTES: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                + (b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
     num_m = gl.cdiv(M, CONSUMERS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -108,11 +110,7 @@ def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            if TAIL_N > 0:
-                mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-                                + b_tail_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(ready.index(s), CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), STEP_BYTES)
             for part in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(a_desc, [(pid_m * CONSUMERS + part) * SUB, kk * BK], ready.index(s),
                                                 a_ring.index(CONSUMERS * s + part))
@@ -338,7 +336,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                 if SCALES == SCALES_BLOCK:
                     a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
-                part = warpgroup_mma_wait(num_outstanding=gl.constexpr(1 if TAIL_N > 0 else 0), deps=(part,))
+                part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if TAIL_N > 0:
                     part_t = warpgroup_mma_wait(num_outstanding=0, deps=(part_t,))
