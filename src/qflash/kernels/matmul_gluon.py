@@ -97,7 +97,8 @@ def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty
     bounds), which add nothing."""
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0] + TAIL_N
+    LEAD: gl.constexpr = b_desc.block_type.shape[0]  # B's block: the tile less its tail
+    BN: gl.constexpr = LEAD + TAIL_N
     STEP_BYTES: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
                                 + (b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
     num_m = gl.cdiv(M, CONSUMERS * SUB)
@@ -116,7 +117,7 @@ def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty
                                                 a_ring.index(CONSUMERS * s + part))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_ring.index(s))
             if TAIL_N > 0:
-                tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + BN - TAIL_N, kk * BK], ready.index(s),
+                tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD, kk * BK], ready.index(s),
                                                 b_tail.index(s))
             c += 1
 
@@ -230,9 +231,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
     scales can also be B's block and a narrower tail of TAIL_N columns (``b_tail``), two products
-    a K step with a total each: 96 = 64 + 32, 160 = 128 + 32, and so on. With SPLIT_K > 1 an item's sum
-    goes as it is to rows split * split_rows + row of a partial-sum buffer, which a second kernel
-    adds up; in the transposed product, to ``Sums``, where the tile's last run adds them up."""
+    a K step with a total each: 96 = 64 + 32, 160 = 128 + 32, and so on. With SPLIT_K > 1 an
+    item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
+    second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
+    them up."""
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
     LEAD: gl.constexpr = b_ring.shape[1]  # B's block: the tile less its tail
@@ -743,9 +745,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
     order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
-    ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K,
-    the partial sums) goes out through shared memory and bulk copies where its rows are 16-byte
-    aligned and the ring leaves room. Eager calls of short kernels are bound by the host: what
+    ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K, the partial sums)
+    goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
+    leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
     argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
