@@ -499,7 +499,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       64 x 96 in one round against 96 of 128 x 64 at 0.73: 0.75 against 0.86). The dispatch
       against 128 x 128 tiles in one run, per tensor (..._tailed_dispatch_..._s25c.json):
       M = 256 70B qkv 0.93 against 0.79, M = 384 8B qkv 0.81 against 0.72, M = 640 8B o 0.81
-      against 0.67 and 8B down 0.89 against 0.73 (per row 1.05-1.12 against 0.97-1.02).
+      against 0.67 and 8B down 0.89 against 0.73 (per row 1.05-1.13 against 0.97-1.02).
 
     Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs and the scales by
     fused multiply-adds (1.03-1.24x the 256-wide tiles at M = 1024 / 8192,
