@@ -3,7 +3,7 @@
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles] [host]
-#                                      [flex] [window] [demo] [check] [memory]
+#                                      [flex] [window] [demo] [check] [memory] [ncu]
 #   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
@@ -71,6 +71,11 @@ for stage in "${stages[@]}"; do
     check)  timeout 120 python3 -m qflash.cli check > "$OUT/check.log" 2>&1; tail -n 5 "$OUT/check.log" ;;
     memory) timeout 120 python3 -m qflash.cli bench attention --providers qflash --seqlens 1024 --head-dims 128 \
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, window, demo, check, memory)"; exit 2 ;;
+    ncu)    timeout 420 ncu --profile-from-start off --clock-control none --nvtx --section SpeedOfLight \
+              --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
+              --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" python3 benchmarks/ncu_probe.py \
+              2>&1 | tail -n 30
+            ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
+    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, window, demo, check, memory, ncu)"; exit 2 ;;
   esac
 done
