@@ -28,9 +28,10 @@ from qflash.reference.matmul import fp8_matmul_ref
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, sN: K split in N runs (sa: in sms // tiles runs where the
-# tiles fill under half the SMs, as tile_config did for 128-wide tiles before session 22), gN:
-# GROUP_M, cN: N consumers (64-row parts of a tile), xC: C CTAs an SM; auto: tile_config's; w[N][sM]: the transposed
+# block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
+# split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
+# did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
+# xC: C CTAs an SM, bB: B blocks of C a consumer; auto: tile_config's; w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
@@ -52,12 +53,16 @@ def variant(text):
         stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [sN] [gN] [cN] [xC], got {text!r}")
-    block_n, stages, tma, split, group, consumers, ctas = match.groups()
+        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB], got {text!r}")
+    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
+    if split_n:
+        out["split_n"] = True
+    if bufs:
+        out["c_bufs"] = int(bufs)
     if group:
         out["group_m"] = int(group)
     if consumers:

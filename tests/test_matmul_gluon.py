@@ -112,6 +112,36 @@ def test_tailed_tiles_build(scales, block_n, consumers):
     assert kernel["shared"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("scales,block_n,tma_store", [("tensor", 160, False), ("row", 96, False), ("tensor", 128, True),
+                                                     ("row", 256, True)])
+def test_split_n_build(scales, block_n, tma_store):
+    """Two consumers splitting a 64-row tile's columns: each consumer's wgmma is half of B's block
+    wide (and half of the tail), no spills, the ring (one 64-row part of A a slot) and blocks of C
+    within shared memory."""
+    lead, tail = gluon.tail_split(block_n)
+    stages = gluon._split_n_stages(block_n)
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=stages,
+                        tma_store=tma_store, consumers=2, split_n=True)
+    ptx = kernel["ptx"]
+    report = ptxas_report(ptx)
+    assert f"m64n{lead // 2}k32.f32.e4m3.e4m3" in ptx and f"m64n{lead}k32" not in ptx
+    assert not tail or f"m64n{tail // 2}k32.f32.e4m3.e4m3" in ptx
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    assert kernel["shared"] <= 227 * 1024 and stages >= 4
+
+
+def test_two_c_blocks_build():
+    """256-wide tiles with two blocks of C a consumer: the second half's copy waits only for the
+    copy that last read its own block (``cp.async.bulk.wait_group.read 1``), no spills, and the
+    ring and four 64 x 128 bfloat16 blocks within shared memory."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "tensor", block_n=256, stages=3, tma_store=True,
+                        c_bufs=2)
+    report = ptxas_report(kernel["ptx"])
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", kernel["ptx"])
+    assert "0 bytes spill stores" in report and kernel["shared"] <= 227 * 1024
+
+
 def test_tail_split():
     assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
         (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
@@ -365,11 +395,11 @@ def test_plan_consumers():
     caller's takes 64-row tiles where M <= 64 and 128-row ones above, unless told."""
     def plan(m, n, k, **kw):
         opts = dict(block_n=None, stages=None, tma_store=None, split_k=None, consumers=None, swap_ab=False,
-                    ctas_per_sm=None)
+                    ctas_per_sm=None, split_n=None, scales="tensor", c_bufs=None)
         opts.update(kw)
-        return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, opts["block_n"], opts["stages"],
+        return gluon._plan(m, n, k, False, torch.bfloat16, opts["scales"], False, opts["block_n"], opts["stages"],
                            opts["tma_store"], opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"],
-                           opts["ctas_per_sm"])
+                           opts["ctas_per_sm"], opts["split_n"], opts["c_bufs"])
 
     assert (plan(128, 4096, 4096).block_n, plan(128, 4096, 4096).consumers) == (64, 1)  # tile_config's 64 x 64
     assert plan(128, 4096, 4096, block_n=32).consumers == 2  # the caller's 128 x 32 tiles
@@ -402,6 +432,34 @@ def test_plan_consumers():
     assert plan(128, 6144, 4096).constexprs["TAIL_N"] == 0
     # the caller's 128-wide tiles keep bulk stores where tile_config's own would be 160 wide with a tail
     assert plan(200, 10240, 640, block_n=128, consumers=1, ctas_per_sm=2).constexprs["TMA_STORE"]
+    # two consumers splitting the columns of 64-row tiles: 128 tiles of 64 x 160 at M = 128, 70B qkv
+    split = plan(128, 10240, 8192, block_n=160, split_n=True)
+    assert split.grid == (128,) and split.consumers == 2 and split.m_pad == 128 and split.split_k == 1
+    assert split.constexprs["SPLIT_N"] and split.constexprs["TAIL_N"] == 32 and split.constexprs["STAGES"] == 8
+    assert not split.constexprs["TMA_STORE"]
+    split = plan(128, 8192, 8192, block_n=128, split_n=True)  # no tail: bulk stores of 64 x 64 blocks
+    assert split.grid == (128,) and split.constexprs["TMA_STORE"] and split.constexprs["STAGES"] == 8
+    assert gluon._slot_bytes(128, 2, split_n=True) == (64 + 128) * 128
+    # tile_config's 64 x 256 tiles (M <= 64) run split between two consumers; a caller's width as told
+    auto = plan(64, 28672, 4096, scales="row")
+    assert auto.constexprs["SPLIT_N"] and auto.consumers == 2 and auto.block_n == 256 and auto.grid == (112,)
+    assert auto.constexprs["STAGES"] == 4 and auto.constexprs["TMA_STORE"]
+    assert not plan(64, 28672, 4096, block_n=256).constexprs["SPLIT_N"]
+    assert plan(64, 28672, 4096, block_n=256).consumers == 1
+    assert not plan(64, 6144, 4096).constexprs["SPLIT_N"] and not plan(1024, 28672, 4096).constexprs["SPLIT_N"]
+    assert not plan(64, 28672, 4096, split_k=2).constexprs["SPLIT_N"]
+    # 256-wide tiles: two blocks of C a consumer where they fit beside the ring (bfloat16 C), else one
+    assert plan(8192, 8192, 8192).constexprs["C_BUFS"] == 2
+    assert plan(8192, 8192, 8192, c_bufs=1).constexprs["C_BUFS"] == 1
+    assert plan(1024, 6144, 4096).constexprs["C_BUFS"] == 1  # 128-wide tiles
+    assert gluon._plan(8192, 8192, 8192, False, torch.float32, "tensor", False, None, None, None, None, gluon.GROUP_M,
+                       132, None, False).constexprs["C_BUFS"] == 1  # float32 blocks: the second does not fit
+    with pytest.raises(ValueError, match="c_bufs"):
+        plan(1024, 6144, 4096, block_n=128, c_bufs=2)
+    for bad in (dict(block_n=48), dict(block_n=80), dict(block_n=128, scales="block"), dict(block_n=128, split_k=2),
+                dict(block_n=128, swap_ab=True)):
+        with pytest.raises(ValueError, match="split_n"):
+            plan(128, 8192, 8192, split_n=True, **bad)
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -563,6 +621,52 @@ def test_gpu_tailed_tiles(m, n, k, block_n, consumers, split_k, scales):
     assert c16.dtype == torch.bfloat16 and rel_l2_err(c16, ref) < 2 ** -8  # bfloat16's rounding
     if split_k == 1:  # the same float32 values, rounded once
         assert torch.equal(c16, c.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k,block_n", [
+    (128, 10240, 1024, 160), (113, 1000, 640, 96), (64, 4096, 1040, 128), (200, 2000, 528, 256), (1, 700, 384, 64),
+    (239, 3000, 2048, 192)])
+def test_gpu_split_n_tiles(m, n, k, block_n, scales):
+    """64-row tiles whose columns two consumers split (ragged M, N and K, bias, with and without a
+    tail, bulk and plain stores): FP8 within float32 rounding of the reference and the bits of
+    one consumer's 64 x 64 tiles (each column's K steps are the same wgmma partials added in the
+    same order), bfloat16 output that float32 rounded once."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    bias = torch.randn(n, device="cuda")
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=block_n, split_n=True)
+    assert_written(c)
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+    assert torch.equal(c, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=64, consumers=1))
+    with poisoned():
+        c16 = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=block_n, split_n=True)
+    assert_written(c16)
+    assert torch.equal(c16, c.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", [(1024, 8192, 1024), (1000, 8000, 640), (8192, 4096, 512)])
+def test_gpu_two_c_blocks(m, n, k, scales):
+    """256-wide tiles whose halves leave through two blocks of shared memory a consumer (several
+    tiles a CTA, so each block is written again while the other half's copy may run): the same
+    bits as one block a consumer, bias and ragged edges included."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    bias = torch.randn(n, device="cuda")
+    with poisoned():
+        two = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=256, stages=3, tma_store=True,
+                           c_bufs=2)
+    assert_written(two)
+    one = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, block_n=256, stages=3, tma_store=True,
+                       c_bufs=1)
+    assert torch.equal(two, one)
+    assert torch.equal(two, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales))  # the dispatch's tiles
+    assert rel_l2_err(two, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)) < 2 ** -8
 
 
 @pytest.mark.gpu

@@ -20,8 +20,9 @@ computed wrong results, NOTES "Third round"):
 
 The ring runs on from one item to the next, so the loads of an item's first K steps overlap the
 previous item's epilogue, and C leaves through shared memory and bulk copies (TMA stores) that
-run on while the consumer starts its next item. Where M <= 64 a tile has 64 rows and one
-consumer (CONSUMERS = 1). Decode-sized products (M <= 32) can run transposed (SWAP_AB):
+run on while the consumer starts its next item (a 256-wide tile's halves through a block each).
+Where M <= 64 a tile has 64 rows and one consumer (CONSUMERS = 1), or, 256 wide, two consumers
+that split its columns (SPLIT_N: one 64-row part of A a ring slot, each consumer its half of B). Decode-sized products (M <= 32) can run transposed (SWAP_AB):
 C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
 and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
 epilogue writes each block back to C transposed, by plain stores. One CTA streams B at about
@@ -90,18 +91,24 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr):
+               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr,
+               SPLIT_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
-    ``b_tail_desc`` into ``b_tail``). Edges past M, N or K arrive as zeros (the descriptors'
-    bounds), which add nothing."""
+    ``b_tail_desc`` into ``b_tail``). With SPLIT_N the consumers share one 64-row part of A and
+    each takes its own part of B's block (and of the tail). Edges past M, N or K arrive as zeros
+    (the descriptors' bounds), which add nothing."""
+    A_PARTS: gl.constexpr = 1 if SPLIT_N else CONSUMERS
+    B_PARTS: gl.constexpr = CONSUMERS if SPLIT_N else 1
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    LEAD: gl.constexpr = b_desc.block_type.shape[0]  # B's block: the tile less its tail
+    LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]
+    LEAD: gl.constexpr = B_PARTS * LEAD_PART  # B's block: the tile less its tail
+    TAIL_PART: gl.constexpr = TAIL_N // B_PARTS
     BN: gl.constexpr = LEAD + TAIL_N
-    STEP_BYTES: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-                                + (b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
-    num_m = gl.cdiv(M, CONSUMERS * SUB)
+    STEP_BYTES: gl.constexpr = (A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
+                                + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
+    num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0  # K steps over all items: the ring's position
@@ -112,25 +119,30 @@ def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), STEP_BYTES)
-            for part in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(a_desc, [(pid_m * CONSUMERS + part) * SUB, kk * BK], ready.index(s),
-                                                a_ring.index(CONSUMERS * s + part))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_ring.index(s))
+            for part in gl.static_range(A_PARTS):
+                tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK], ready.index(s),
+                                                a_ring.index(A_PARTS * s + part))
+            for part in gl.static_range(B_PARTS):
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK], ready.index(s),
+                                                b_ring.index(B_PARTS * s + part))
             if TAIL_N > 0:
-                tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD, kk * BK], ready.index(s),
-                                                b_tail.index(s))
+                for part in gl.static_range(B_PARTS):
+                    tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD + part * TAIL_PART, kk * BK],
+                                                    ready.index(s), b_tail.index(B_PARTS * s + part))
             c += 1
 
 
 @gluon.jit
 def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
                  stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                 RAW: gl.constexpr, SWAP_AB: gl.constexpr):
+                 RAW: gl.constexpr, SWAP_AB: gl.constexpr, PENDING: gl.constexpr = 0):
     """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
     cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
     from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
     (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
-    clips rows and columns past C's bounds. With SWAP_AB the kernel's product is the user's C
+    clips rows and columns past C's bounds. PENDING: how many of this consumer's latest copies
+    may still be running when ``c_buf`` is written (1 where it takes turns with a second buffer).
+    With SWAP_AB the kernel's product is the user's C
     transposed: the block goes to C[col0:, row0:] by plain stores, and the bias runs along rows."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
@@ -156,7 +168,7 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
         else:
             out = out + gl.expand_dims(gl.load(Bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
     if TMA_STORE:
-        tma.store_wait(0)  # the previous block's copy has read c_buf ...
+        tma.store_wait(PENDING)  # the copy that last read c_buf is done ...
         gl.thread_barrier()  # ... before any of the 128 threads writes it again
         c_buf.store(out.to(c_desc.dtype))
         fence_async_shared()  # the writes, visible to the copy engine
@@ -226,29 +238,46 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                  K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which,
                  SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr):
+                 TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
     scales can also be B's block and a narrower tail of TAIL_N columns (``b_tail``), two products
-    a K step with a total each: 96 = 64 + 32, 160 = 128 + 32, and so on. With SPLIT_K > 1 an
-    item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
+    a K step with a total each: 96 = 64 + 32, 160 = 128 + 32, and so on. With SPLIT_N the two
+    consumers share the tile's 64 rows and split its columns: each takes half of B's block and
+    half of the tail (64 x 160 tiles: columns 0-63 and 128-143 to consumer 0, 64-127 and 144-159
+    to consumer 1). With C_BUFS = 2 a 256-wide tile's halves leave through two blocks of shared
+    memory, so that the second half need not wait for the first half's copy. With SPLIT_K > 1
+    an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
     them up."""
+    A_PARTS: gl.constexpr = 1 if SPLIT_N else CONSUMERS  # 64-row parts of A a ring slot
+    B_PARTS: gl.constexpr = CONSUMERS if SPLIT_N else 1  # parts of B's block (and tail) a ring slot
+    if SPLIT_N:  # this consumer's parts of a slot
+        a_part = 0
+        b_part = which
+    else:
+        a_part = which
+        b_part = 0
     SUB: gl.constexpr = a_ring.shape[1]
     BK: gl.constexpr = a_ring.shape[2]
-    LEAD: gl.constexpr = b_ring.shape[1]  # B's block: the tile less its tail
+    LEAD: gl.constexpr = B_PARTS * b_ring.shape[1]  # B's block: the tile less its tail
     BN: gl.constexpr = LEAD + TAIL_N
-    WIDE: gl.constexpr = BN == 256
-    HALF: gl.constexpr = LEAD // 2 if WIDE else LEAD  # columns of one wgmma
+    WIDE: gl.constexpr = BN == 256 and not SPLIT_N
+    HALF: gl.constexpr = LEAD // 2 if WIDE or SPLIT_N else LEAD  # columns of one wgmma
+    TAIL: gl.constexpr = TAIL_N // B_PARTS  # columns of this consumer's tail
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
-    gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or (WIDE and not IS_INT8),
+    gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or ((WIDE or SPLIT_N) and not IS_INT8),
                      "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
     gl.static_assert(TAIL_N == 0 or (TAIL_N < LEAD and not IS_INT8 and SCALES != SCALES_BLOCK and not TMA_STORE
                                      and not SWAP_AB), "a tail: FP8, tensor or row scales, plain stores")
+    gl.static_assert(not SPLIT_N or (CONSUMERS == 2 and HALF >= 16 and (TAIL_N == 0 or TAIL >= 16) and not IS_INT8
+                                     and SCALES != SCALES_BLOCK and not SWAP_AB and SPLIT_K == 1),
+                     "split columns: two consumers, FP8 with tensor or row scales, parts of 16 columns or more")
+    gl.static_assert(C_BUFS == 1 or (WIDE and TMA_STORE), "two blocks of C a consumer: 256-wide tiles, bulk stores")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
-    num_m = gl.cdiv(M, CONSUMERS * SUB)
+    num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0
@@ -259,8 +288,8 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(CONSUMERS * s + which), b_ring.index(s).permute((1, 0)), acc,
-                                    is_async=True)
+                acc = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
+                                    b_ring.index(B_PARTS * s + b_part).permute((1, 0)), acc, is_async=True)
                 # One product in flight: the previous K step's is done, so its slot goes back.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > k_lo)
@@ -279,13 +308,13 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if TAIL_N > 0:  # the tail's total and partial
                 tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                      instr_shape=[16, TAIL_N, 32])
-                acc_t = gl.zeros((SUB, TAIL_N), dtype=gl.float32, layout=tail_layout)
-                fresh_t = gl.zeros((SUB, TAIL_N), dtype=gl.float32, layout=tail_layout)
+                                                                      instr_shape=[16, TAIL, 32])
+                acc_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
+                fresh_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
             if SCALES == SCALES_BLOCK:
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
-                rows = (pid_m * CONSUMERS + which) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
                 a_ptrs = AScale + rows * stride_asm
                 if BN >= BK:  # B's first 128 x 128 block of the tile
                     b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
@@ -308,11 +337,13 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                     s0 = c % STAGES
                     s1 = (c + 1) % STAGES
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-                    p0 = warpgroup_mma(a_ring.index(CONSUMERS * s0 + which), b_ring.index(s0).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
+                    p0 = warpgroup_mma(a_ring.index(A_PARTS * s0 + a_part),
+                                       b_ring.index(B_PARTS * s0 + b_part).permute((1, 0)), fresh, use_acc=False,
+                                       is_async=True)
                     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-                    p1 = warpgroup_mma(a_ring.index(CONSUMERS * s1 + which), b_ring.index(s1).permute((1, 0)), fresh,
-                                       use_acc=False, is_async=True)
+                    p1 = warpgroup_mma(a_ring.index(A_PARTS * s1 + a_part),
+                                       b_ring.index(B_PARTS * s1 + b_part).permute((1, 0)), fresh, use_acc=False,
+                                       is_async=True)
                     a_sc1, b_sc1 = a_sc, b_sc
                     if SCALES == SCALES_BLOCK:
                         a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
@@ -330,11 +361,12 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_ring.index(CONSUMERS * s + which)
-                b = b_ring.index(s)
+                a = a_ring.index(A_PARTS * s + a_part)
+                b = b_ring.index(B_PARTS * s + b_part)
                 part = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), fresh, use_acc=False, is_async=True)
                 if TAIL_N > 0:  # in flight beside the block's product
-                    part_t = warpgroup_mma(a, b_tail.index(s).permute((1, 0)), fresh_t, use_acc=False, is_async=True)
+                    part_t = warpgroup_mma(a, b_tail.index(B_PARTS * s + b_part).permute((1, 0)), fresh_t,
+                                           use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
                     a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
@@ -352,8 +384,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                 if SCALES == SCALES_BLOCK:
                     a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
-        row0 = (pid_m * CONSUMERS + which) * SUB
-        c_buf = c_smem.index(which)
+        row0 = (pid_m * A_PARTS + a_part) * SUB
+        col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
+        c_buf = c_smem.index(which * C_BUFS)
+        c_buf_hi = c_smem.index(which * C_BUFS + C_BUFS - 1)  # a 256-wide tile's second half
         if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a tile's runs writes C
             last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split, pid_m * num_n + pid_n,
                                        split_rows, M, N, SPLIT_K)
@@ -362,14 +396,15 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                              stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
         else:
             RAW: gl.constexpr = SPLIT_K > 1
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, split * split_rows, M, N,
-                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
+            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, split * split_rows, M, N,
+                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
         if WIDE:
-            _mm_epilogue(acc_hi, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + HALF, split * split_rows,
-                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
+            _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF, split * split_rows,
+                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
         if TAIL_N > 0:
-            _mm_epilogue(acc_t, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + LEAD, split * split_rows,
-                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
+            _mm_epilogue(acc_t, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + LEAD + b_part * TAIL,
+                         split * split_rows, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW,
+                         SWAP_AB)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
@@ -379,18 +414,22 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr):
+                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    LEAD: gl.constexpr = b_desc.block_type.shape[0]
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES, SUB, BK], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, LEAD, BK], b_desc.layout)
+    LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
+    A_PARTS: gl.constexpr = 1 if SPLIT_N else CONSUMERS
+    B_PARTS: gl.constexpr = CONSUMERS if SPLIT_N else 1
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [A_PARTS * STAGES, SUB, BK], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [B_PARTS * STAGES, LEAD_PART, BK], b_desc.layout)
     if TAIL_N > 0:  # the tile's last TAIL_N rows of B, beside each slot's block
-        b_tail = gl.allocate_shared_memory(b_tail_desc.dtype, [STAGES, TAIL_N, BK], b_tail_desc.layout)
+        b_tail = gl.allocate_shared_memory(b_tail_desc.dtype, [B_PARTS * STAGES, TAIL_N // B_PARTS, BK],
+                                           b_tail_desc.layout)
     else:
         b_tail = b_ring  # not used
-    if TMA_STORE:  # a 64 x 128 (64 x 64, 64 x 32) block of C for each consumer
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    if TMA_STORE:  # a 64 x 128 (64 x 64, 64 x 32) block of C for each consumer, or two
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS * C_BUFS] + c_desc.block_type.shape,
+                                           c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
@@ -402,22 +441,22 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
+                            TAIL_N, SPLIT_N, C_BUFS)),
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
+                            TAIL_N, SPLIT_N, C_BUFS)),
             (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N)),
+                          SPLIT_K, CONSUMERS, TAIL_N, SPLIT_N)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
+                            TAIL_N, SPLIT_N, C_BUFS)),
             (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N)),
+                          SPLIT_K, CONSUMERS, TAIL_N, SPLIT_N)),
         ], [1], [24])
 
 
@@ -431,10 +470,10 @@ RING_STAGES = {2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 6
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
-def c_block_cols(block_n: int) -> int:
+def c_block_cols(block_n: int, split_n: bool = False) -> int:
     """Columns of a consumer's block of C (64 rows): one wgmma's width, the tile's or half of a
-    256-wide one's."""
-    return min(block_n, 128)
+    256-wide one's, or half of the tile's where the consumers split its columns."""
+    return block_n // 2 if split_n else min(block_n, 128)
 
 
 def tail_split(block_n: int) -> tuple:
@@ -526,6 +565,19 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
         block_n, consumers, stages = 64, 1, RING_STAGES[1]
         tiles = cdiv(m, SUB_M) * cdiv(n, block_n)
     return block_n, stages[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1, consumers
+
+
+def split_columns(config: tuple) -> bool:
+    """Whether ``tile_config``'s tile runs as 64 rows whose columns two consumers split (each a
+    64 x 128 product a K step, 4 ring slots, bulk stores) instead of one consumer's two halves
+    in turn: for its 64 x 256 tiles (M <= 64, gate / up projections), where the second consumer's
+    products run while the first adds its partials. x cuBLAS at M = 64, same run
+    (matmul_fp8_split_n_m64_h200_2026-12-01_s26c.json): 8B gate_up 1.04 against 1.02 per tensor,
+    1.34 against 1.30 per row; 70B gate_up 1.02 against 0.99, 1.36 against 1.28 (s26b: 1.03
+    against 1.02 and 0.97 per tensor). Narrower tiles split so lost (s26b: 64 x 96 / 128 / 160 at
+    M = 128, 0.55-0.98 against 0.87-1.01)."""
+    block_n, _, _, _, consumers = config
+    return block_n == 256 and consumers == 1
 
 
 def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
@@ -654,13 +706,22 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
 SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a CTA, less the ring's barriers
 
 
-def _slot_bytes(block_n: int, consumers: int = 2) -> int:
-    return (consumers * SUB_M + block_n) * BLOCK_K  # a 64-row part of A a consumer and a B tile, a byte an element
+def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
+    """A ring slot: a 64-row part of A a consumer (one for both where they split the columns) and a
+    B tile, a byte an element."""
+    return ((1 if split_n else consumers) * SUB_M + block_n) * BLOCK_K
 
 
 def _tail_stages(block_n: int, consumers: int) -> int:
     """Ring slots for a tile with a tail: no block of C in shared memory beside them, up to 8."""
     return min(8, SMEM_BYTES // _slot_bytes(block_n, consumers))
+
+
+def _split_n_stages(block_n: int) -> int:
+    """Ring slots for a 64-row tile whose columns the two consumers split, up to 8: beside them the
+    consumers' bfloat16 blocks of C where the tile has no tail."""
+    c_blocks = 0 if tail_split(block_n)[1] else 2 * SUB_M * c_block_cols(block_n, True) * 2
+    return min(8, (SMEM_BYTES - c_blocks) // _slot_bytes(block_n, 2, True))
 
 
 class _Plan(NamedTuple):
@@ -679,14 +740,21 @@ class _Plan(NamedTuple):
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
-          ctas_per_sm: Optional[int] = None) -> _Plan:
-    """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed)."""
+          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None) -> _Plan:
+    """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
+    with ``split_n`` 64-row tiles whose columns two consumers split: by default where
+    ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
+    if split_n and (int8 or scales == "block" or swap_ab or (ctas_per_sm or 1) != 1 or (split_k or 1) != 1):
+        raise ValueError("split_n takes FP8 with tensor or row scales, one CTA an SM, no swap_ab and no K split")
     if swap_ab:
         config = swap_config(n, m, k, sms)
         if ctas_per_sm is None:
             ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
     else:
         config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
+    if split_n is None:  # tile_config's own tile, as it is
+        split_n = (block_n is None and consumers is None and not swap_ab and (split_k or 1) == 1
+                   and (ctas_per_sm or 1) == 1 and split_columns(config))
     ctas_per_sm = ctas_per_sm or 1
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
@@ -696,8 +764,16 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         raise ValueError(f"two CTAs an SM take one-consumer tiles up to 128 wide (16, 32, 64 or 128), got "
                          f"{consumers} consumers and block_n={block_n}")
     tail = tail_split(block_n)[1]
+    if split_n:
+        lead = block_n - tail
+        if lead < 32 or 0 < tail < 32:
+            raise ValueError(f"split_n gives each consumer half of B's block and of the tail, 16 columns or more: "
+                             f"block_n={block_n} is {lead} + {tail}")
+        consumers, config = 2, config[:3] + (1,) + config[4:]
     if stages is None:  # the ring for two CTAs an SM, or for the caller's tile width, if any
-        if tail:
+        if split_n:
+            stages = _split_n_stages(block_n)
+        elif tail:
             stages = _tail_stages(block_n, consumers)
         else:
             stages = (TWO_CTA_STAGES[block_n] if ctas_per_sm == 2 else RING_STAGES[consumers][block_n] if own_width
@@ -708,7 +784,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    ring_bytes = stages * _slot_bytes(block_n, consumers)
+    ring_bytes = stages * _slot_bytes(block_n, consumers, split_n)
     if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
@@ -716,12 +792,20 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     partial_dtype = None if split_k == 1 else torch.int32 if int8 else torch.float32
     c_size = (partial_dtype or out_dtype).itemsize
     # Bulk stores need 16-byte aligned rows of C (a fresh tensor: its base is) and room next to the ring.
-    c_blocks = consumers * SUB_M * c_block_cols(block_n) * c_size  # one block of C for each consumer
+    c_blocks = consumers * SUB_M * c_block_cols(block_n, split_n) * c_size  # one block of C for each consumer
     tma_store = tma_store and (n * c_size) % 16 == 0 and ring_bytes + c_blocks <= SMEM_BYTES // ctas_per_sm
-    tile_rows = consumers * SUB_M
+    if c_bufs not in (None, 1, 2) or (c_bufs == 2 and (block_n != 256 or split_n)):
+        raise ValueError(f"c_bufs=2 (two blocks of C a consumer) takes two consumers' 256-wide tiles, got "
+                         f"c_bufs={c_bufs}, block_n={block_n}, split_n={split_n}")
+    if c_bufs is None:  # two for a 256-wide tile's halves (M = 8192: +0.2-1.8 %, s26d)
+        c_bufs = 2 if block_n == 256 and not split_n else 1
+    # ... with bulk stores, where the second block fits too (as the first, else one)
+    c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
+    tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
-                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail)
+                      TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
+                      SPLIT_N=split_n, C_BUFS=c_bufs)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
@@ -740,12 +824,16 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
-           ctas_per_sm: Optional[int] = None) -> torch.Tensor:
+           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
+           c_bufs: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
     order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
-    ring in half the shared memory) ``swap_ctas_per_sm``. C (or with split K, the partial sums)
+    ring in half the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows
+    whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
+    where the tile is ``tile_config``'s own); ``c_bufs`` (1 or 2, by default 2 where they fit)
+    blocks of C in shared memory each consumer of a 256-wide tile has, one a half. C (or with split K, the partial sums)
     goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
     leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
@@ -766,7 +854,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -779,12 +867,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
-    c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], c_block_cols(plan.block_n))
+    c_desc = (_desc(target, SUB_M, _GL_OUT[target.dtype], c_block_cols(plan.block_n, plan.constexprs["SPLIT_N"]))
               if plan.constexprs["TMA_STORE"] else a_desc)
     tail = plan.constexprs["TAIL_N"]  # B's tile in one block, or a block and a narrower tail
-    b_desc = _desc(b_q, plan.block_n - tail, qdtype)
+    parts = 2 if plan.constexprs["SPLIT_N"] else 1  # B in a part a consumer where they split the columns
+    b_desc = _desc(b_q, (plan.block_n - tail) // parts, qdtype)
     _launcher[plan.grid](
-        a_desc, b_desc, _desc(b_q, tail, qdtype) if tail else b_desc, target, c_desc, a_scale, b_scale,
+        a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4, **plan.options,
@@ -800,7 +889,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     ctas_per_sm: int = 1):
+                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -814,14 +903,16 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
     lead, tail = tail_split(block_n)
-    types = {"a_desc": desc(SUB_M), "b_desc": desc(lead), "b_tail_desc": desc(tail or lead), "C": f"*{out}",
-             "Sums": sums, "Counters": "*i32",
-             "c_desc": desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n)) if tma_store else desc(SUB_M),
+    parts = 2 if split_n else 1  # B's block and tail in a part a consumer
+    types = {"a_desc": desc(SUB_M), "b_desc": desc(lead // parts), "b_tail_desc": desc(tail // parts or lead // parts),
+             "C": f"*{out}", "Sums": sums, "Counters": "*i32",
+             "c_desc": (desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n, split_n)) if tma_store
+                        else desc(SUB_M)),
              "AScale": "*fp32",
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
