@@ -22,7 +22,8 @@ The ring runs on from one item to the next, so the loads of an item's first K st
 previous item's epilogue, and C leaves through shared memory and bulk copies (TMA stores) that
 run on while the consumer starts its next item (a 256-wide tile's halves through a block each).
 Where M <= 64 a tile has 64 rows and one consumer (CONSUMERS = 1), or, 256 wide, two consumers
-that split its columns (SPLIT_N: one 64-row part of A a ring slot, each consumer its half of B). Decode-sized products (M <= 32) can run transposed (SWAP_AB):
+that split its columns (SPLIT_N: one 64-row part of A a ring slot, each consumer its half of B).
+Decode-sized products (M <= 32) can run transposed (SWAP_AB):
 C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
 and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
 epilogue writes each block back to C transposed, by plain stores. One CTA streams B at about
@@ -142,8 +143,8 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
     (``c_buf``) and one bulk copy that runs on while the consumer starts its next tile; the copy
     clips rows and columns past C's bounds. PENDING: how many of this consumer's latest copies
     may still be running when ``c_buf`` is written (1 where it takes turns with a second buffer).
-    With SWAP_AB the kernel's product is the user's C
-    transposed: the block goes to C[col0:, row0:] by plain stores, and the bias runs along rows."""
+    With SWAP_AB the kernel's product is the user's C transposed: the block goes to C[col0:,
+    row0:] by plain stores, and the bias runs along rows."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
