@@ -54,10 +54,9 @@ _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.flo
 
 
 @triton.jit
-def _load_tile(X, rows, cols, M, N, stride_xm, stride_xn, EVICT: tl.constexpr = ""):
+def _load_tile(X, rows, cols, M, N, stride_xm, stride_xn):
     ok = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xn, mask=ok, other=0.0,
-                eviction_policy=EVICT)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xn, mask=ok, other=0.0)
     return x.to(tl.float32)
 
 
@@ -173,7 +172,7 @@ def _quantize_kernel(
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_CASTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
-    STATIC_SCALE: tl.constexpr = False, REVERSED: tl.constexpr = False, L2_HINTS: tl.constexpr = False,
+    STATIC_SCALE: tl.constexpr = False, REVERSED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -236,15 +235,13 @@ def _quantize_kernel(
             scale, inv = _scale_of(tl.load(Amax), QMAX)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(Scale, scale)
-        # L2_HINTS: this second read of each tile is its last, so it may leave L2 first
-        x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn, "evict_first" if L2_HINTS else "")
+        x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn)
         _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX, OUT, EMULATE_CASTS,
                         not STATIC_SCALE)
 
 
 @triton.jit
-def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   L2_HINTS: tl.constexpr = False):
+def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Amax (zeroed) = max |X| (+inf if X holds NaN or inf). Each program sweeps the tiles pid,
     pid + programs, ... in the quantize kernel's launch order (row blocks first) and adds its
     maximum with one atomic, so the tiles read last are the tensor's last ones."""
@@ -253,9 +250,7 @@ def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, B
     for t in range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         rows = (t % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-        # L2_HINTS: keep the tiles in L2 for the quantize pass's second read
-        x = _load_tile(X, rows, cols, M, N, stride_xm, stride_xn, "evict_last" if L2_HINTS else "")
-        amax = tl.maximum(amax, _abs_or_inf(x))
+        amax = tl.maximum(amax, _abs_or_inf(_load_tile(X, rows, cols, M, N, stride_xm, stride_xn)))
     tl.atomic_max(Amax, tl.max(tl.max(amax, axis=1), axis=0), sem="relaxed")  # all >= 0: float order is int order
 
 
@@ -310,7 +305,7 @@ def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
              *, static_scale: Optional[torch.Tensor] = None, tile_elems: int = TILE_ELEMS,
-             num_warps: Optional[int] = None, l2_hints: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+             num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
 
     ``static_scale``: a validated one-element float32 tensor, the per-tensor scale (granularity
@@ -334,11 +329,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
         _absmax_launcher[(plan.absmax_programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1),
                                                   BLOCK_M=plan.constexprs["BLOCK_M"],
-                                                  BLOCK_N=plan.constexprs["BLOCK_N"], L2_HINTS=l2_hints, num_warps=8)
+                                                  BLOCK_N=plan.constexprs["BLOCK_N"], num_warps=8)
     _quantize_launcher[plan.grid](
         x, x_q, scale, per_tensor, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
-        QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda,
-        L2_HINTS=l2_hints and bool(plan.absmax_programs), **plan.constexprs,
+        QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda, **plan.constexprs,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
