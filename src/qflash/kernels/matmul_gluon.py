@@ -92,15 +92,15 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr,
-               SPLIT_N: gl.constexpr):
+               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
-    ``b_tail_desc`` into ``b_tail``). With SPLIT_N the consumers share one 64-row part of A and
-    each takes its own part of B's block (and of the tail). Edges past M, N or K arrive as zeros
-    (the descriptors' bounds), which add nothing."""
-    A_PARTS: gl.constexpr = 1 if SPLIT_N else CONSUMERS
-    B_PARTS: gl.constexpr = CONSUMERS if SPLIT_N else 1
+    ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
+    a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
+    in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
+    add nothing."""
+    A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
+    B_PARTS: gl.constexpr = b_ring.shape[0] // STAGES
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]
@@ -239,7 +239,7 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
                  K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which,
                  SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
+                 TAIL_N: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -252,8 +252,12 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
     an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
     them up."""
-    A_PARTS: gl.constexpr = 1 if SPLIT_N else CONSUMERS  # 64-row parts of A a ring slot
-    B_PARTS: gl.constexpr = CONSUMERS if SPLIT_N else 1  # parts of B's block (and tail) a ring slot
+    # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
+    # ring slot, and blocks of C a consumer
+    A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
+    B_PARTS: gl.constexpr = b_ring.shape[0] // STAGES
+    SPLIT_N: gl.constexpr = B_PARTS > 1
+    C_BUFS: gl.constexpr = c_smem.shape[0] // CONSUMERS if TMA_STORE else 1
     if SPLIT_N:  # this consumer's parts of a slot
         a_part = 0
         b_part = which
@@ -442,22 +446,22 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N, SPLIT_N, C_BUFS)),
+                            TAIL_N)),
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N, SPLIT_N, C_BUFS)),
+                            TAIL_N)),
             (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N, SPLIT_N)),
+                          SPLIT_K, CONSUMERS, TAIL_N)),
         ], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
                             empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
                             gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N, SPLIT_N, C_BUFS)),
+                            TAIL_N)),
             (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N, SPLIT_N)),
+                          SPLIT_K, CONSUMERS, TAIL_N)),
         ], [1], [24])
 
 
@@ -770,7 +774,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         if lead < 32 or 0 < tail < 32:
             raise ValueError(f"split_n gives each consumer half of B's block and of the tail, 16 columns or more: "
                              f"block_n={block_n} is {lead} + {tail}")
-        consumers, config = 2, config[:3] + (1,) + config[4:]
+        consumers, split_k = 2, 1
     if stages is None:  # the ring for two CTAs an SM, or for the caller's tile width, if any
         if split_n:
             stages = _split_n_stages(block_n)
