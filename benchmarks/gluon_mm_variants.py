@@ -31,9 +31,9 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
-# xC: C CTAs an SM, bB: B blocks of C a consumer, y: yields in the FFMA runs (``cubin.interleave_yields``);
-# auto: tile_config's (autoy: with the yields); w[N][sM]: the transposed product (swap_ab) with
-# swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by default swap_ctas_per_sm's);
+# xC: C CTAs an SM, bB: B blocks of C a consumer; auto: tile_config's; w[N][sM]: the transposed
+# product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
+# default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
 # tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
@@ -48,25 +48,21 @@ def variant(text):
         return {"tl": True}
     if text == "auto":
         return {}
-    if text == "autoy":
-        return {"ffma_yields": True}
     swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?", text)
     if swap:
         stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(y?)", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB], got {text!r}")
-    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs, yields = match.groups()
+    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if split_n:
         out["split_n"] = True
     if bufs:
         out["c_bufs"] = int(bufs)
-    if yields:
-        out["ffma_yields"] = True
     if group:
         out["group_m"] = int(group)
     if consumers:

@@ -167,18 +167,11 @@ class CachedLauncher:
     everything Triton specializes on (``_arg_key``: dtypes, pointer alignment, integer values,
     constexprs, options; the type alone for ``do_not_specialize`` parameters) and launches it
     directly the next time the key comes back. A miss takes Triton's own path, so compiling,
-    caching on disk and checks stay Triton's; so does every call in Triton's interpreter.
+    caching on disk and checks stay Triton's; so does every call in Triton's interpreter."""
 
-    ``edit(kwargs)`` may return a function that rewrites a compiled kernel's cubin (bytes to
-    bytes, ``cubin.interleave_yields``) for a launch with these keyword arguments (constexprs
-    and options), or None: such a kernel is compiled without launching, edited before it is
-    loaded, then launched. Triton caches the build as compiled, on disk and in memory, so the
-    keyword arguments that ask for an edit must be part of its key (a constexpr)."""
-
-    def __init__(self, kernel, maxsize: int = 512, edit=None):
+    def __init__(self, kernel, maxsize: int = 512):
         self.kernel = kernel
         self.maxsize = maxsize
-        self.edit = edit
         self.compiled = collections.OrderedDict()
         params = getattr(kernel, "params", [])  # (the interpreter's functions have none: not needed there)
         self.names = [p.name for p in params]
@@ -216,18 +209,10 @@ class CachedLauncher:
         key = tuple(key)
         compiled = self.compiled.get(key)
         if compiled is None:
-            edit = self.edit(kwargs) if self.edit is not None else None
-            if edit is None:
-                compiled = self.kernel[grid](*values, **kwargs)
-            else:
-                compiled = self.kernel.warmup(*values, grid=grid, **kwargs)
-                if compiled.module is None:  # not loaded yet (else this launcher loaded it, edited)
-                    compiled.kernel = edit(compiled.kernel)
-            self.compiled[key] = compiled
+            self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
             if len(self.compiled) > self.maxsize:  # the oldest key goes first
                 self.compiled.popitem(last=False)
-            if edit is None:
-                return compiled
+            return compiled
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)
         # The launcher takes every parameter in the kernel's order and skips the constexprs.

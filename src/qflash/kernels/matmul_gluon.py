@@ -57,7 +57,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from qflash.kernels import cubin
 from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
 from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
@@ -420,10 +419,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         FFMA_YIELDS: gl.constexpr = False):
-    # FFMA_YIELDS: the launcher edits the compiled code (``cubin.interleave_yields``); a constexpr so
-    # that the edited build and the plain one are cached apart
+                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -749,8 +745,7 @@ class _Plan(NamedTuple):
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
-          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
-          ffma_yields: Optional[bool] = None) -> _Plan:
+          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
     ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
@@ -815,7 +810,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs, FFMA_YIELDS=bool(ffma_yields))
+                      SPLIT_N=split_n, C_BUFS=c_bufs)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
@@ -827,12 +822,7 @@ def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
     return unchecked_descriptor(t, t.shape, t.stride(), [rows, cols], nvmma_layout((rows, cols), dtype))
 
 
-def _edit(kwargs: dict):
-    """The launcher's edit of a build that asks for it: yields in the FFMA runs."""
-    return cubin.interleave_yields if kwargs.get("FFMA_YIELDS") else None
-
-
-_launcher = CachedLauncher(_scaled_mm_ws_kernel, edit=_edit)
+_launcher = CachedLauncher(_scaled_mm_ws_kernel)
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -840,7 +830,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, ffma_yields: Optional[bool] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
@@ -869,8 +859,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs,
-                 ffma_yields)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -929,6 +918,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, FFMA_YIELDS=False)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
