@@ -142,6 +142,23 @@ def test_two_c_blocks_build():
     assert "0 bytes spill stores" in report and kernel["shared"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+def test_three_consumers_build(scales):
+    """192 x 128 tiles: three consumer warpgroups and the loader's warp (padded to a fourth
+    warpgroup), 160 registers a consumer thread (setmaxnreg), so each K step's partial is added
+    before the next product is issued (no pairs); no spills with bulk stores of a bfloat16 C, and
+    the ring (4 slots of 40 KB) and three blocks of C within shared memory."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=128, stages=4, tma_store=True,
+                        consumers=3)
+    ptx = kernel["ptx"]
+    report = ptxas_report(ptx)
+    assert ".reqntid 512" in ptx and re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;", ptx)
+    assert "m64n128k32.f32.e4m3.e4m3" in ptx and "wgmma.wait_group.sync.aligned 1;" not in ptx
+    assert ("fma.rn.f32" in ptx) == (scales == "block")
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    assert kernel["shared"] <= 227 * 1024 and gluon._slot_bytes(128, 3) == 40 * 1024
+
+
 def test_tail_split():
     assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
         (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
@@ -356,8 +373,20 @@ def test_tile_config_follows_the_measurements():
     columns until they fill half, with K long 64 wide only where 128 fill under a quarter, and K
     split where the tiles still fill under half (s22b); INT8 as in session 7. From M <= 64, tiles of
     64 rows (one consumer), counted by the same rules but halved whatever K (s23b, s23c); 64 x 64
-    one-consumer tiles instead of 128 x 32 ones (s23c)."""
-    assert gluon.tile_config(8192, 8192, 8192, int8=False) == (256, 3, True, 1, 2)
+    one-consumer tiles instead of 128 x 32 ones (s23c). 192 x 128 tiles of three consumers where
+    their rounds are fuller than 128 x 256 ones' (per row: even 2 % less full) and C is 16-bit
+    with 16-byte aligned rows (s27c)."""
+    assert gluon.tile_config(8192, 8192, 8192, int8=False) == (128, 4, True, 1, 3)  # 0.985 against 0.970 full
+    assert gluon.tile_config(8192, 8192, 8192, int8=False, c_bytes=4) == (256, 3, True, 1, 2)  # float32 C
+    assert gluon.tile_config(8192, 8184, 8192, int8=False)[4] == 3
+    assert gluon.tile_config(8192, 8190, 8192, int8=False)[4] == 2  # rows of C not 16-byte aligned
+    assert gluon.tile_config(8192, 4096, 4096, int8=False) == (256, 3, True, 1, 2)  # 0.940 against 0.970
+    assert gluon.tile_config(8192, 4096, 4096, int8=False, row_scales=True)[4] == 2
+    assert gluon.tile_config(8192, 6144, 4096, int8=False)[4] == 2  # as full: per tensor no gain (s27c)
+    assert gluon.tile_config(8192, 6144, 4096, int8=False, row_scales=True) == (128, 4, True, 1, 3)
+    assert gluon.tile_config(8192, 10240, 8192, int8=False, row_scales=True)[4] == 3  # 0.958 against 0.970
+    assert gluon.tile_config(4096, 10240, 8192, int8=False, row_scales=True)[4] == 2  # 0.924 against 0.970
+    assert gluon.tile_config(1024, 4096, 4096, int8=False, row_scales=True)[4] == 2
     assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1, 2)  # 128 wide tiles: 0.97 wave
     # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
     assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1, 2)
@@ -386,7 +415,9 @@ def test_tile_config_follows_the_measurements():
     for m, n, k in [(1, 1, 16), (64, 28672, 4096), (64, 4096, 4096), (128, 4096, 4096), (128, 6144, 4096),
                     (8192, 28672, 4096)]:
         block_n, stages, _, _, consumers = gluon.tile_config(m, n, k, int8=False)
-        c_blocks = consumers * 64 * gluon.c_block_cols(block_n) * 4  # float32 C blocks (split K's sums) beside the ring
+        # float32 C blocks (split K's sums) beside the ring; three consumers' tiles take only 16-bit C, no split
+        c_size = 2 if consumers == 3 else 4
+        c_blocks = consumers * 64 * gluon.c_block_cols(block_n) * c_size
         assert stages * gluon._slot_bytes(block_n, consumers) + c_blocks <= gluon.SMEM_BYTES
 
 
@@ -449,8 +480,8 @@ def test_plan_consumers():
     assert not plan(64, 6144, 4096).constexprs["SPLIT_N"] and not plan(1024, 28672, 4096).constexprs["SPLIT_N"]
     assert not plan(64, 28672, 4096, split_k=2).constexprs["SPLIT_N"]
     # 256-wide tiles: two blocks of C a consumer where they fit beside the ring (bfloat16 C), else one
-    assert plan(8192, 8192, 8192).constexprs["C_BUFS"] == 2
-    assert plan(8192, 8192, 8192, c_bufs=1).constexprs["C_BUFS"] == 1
+    assert plan(8192, 4096, 4096).constexprs["C_BUFS"] == 2
+    assert plan(8192, 4096, 4096, c_bufs=1).constexprs["C_BUFS"] == 1
     assert plan(1024, 6144, 4096).constexprs["C_BUFS"] == 1  # 128-wide tiles
     assert gluon._plan(8192, 8192, 8192, False, torch.float32, "tensor", False, None, None, None, None, gluon.GROUP_M,
                        132, None, False).constexprs["C_BUFS"] == 1  # float32 blocks: the second does not fit
@@ -460,6 +491,15 @@ def test_plan_consumers():
                 dict(block_n=128, swap_ab=True)):
         with pytest.raises(ValueError, match="split_n"):
             plan(128, 8192, 8192, split_n=True, **bad)
+    # three consumers: tile_config's 192 x 128 tiles at large M, or the caller's
+    three = plan(8192, 8192, 8192)
+    assert (three.block_n, three.consumers, three.m_pad, three.grid) == (128, 3, 43 * 192, (132,))
+    assert three.constexprs["STAGES"] == 4 and three.constexprs["TMA_STORE"] and three.constexprs["C_BUFS"] == 1
+    assert plan(8192, 8192, 8192, scales="block").consumers == 2  # block scales keep their K-step pairs
+    assert plan(8192, 8192, 8192, block_n=256).consumers == 2  # the caller's width: two consumers
+    own = plan(1000, 4096, 4096, consumers=3)
+    assert (own.block_n, own.m_pad, own.grid, own.constexprs["STAGES"]) == (128, 1152, (132,), 4)
+    assert own.constexprs["TMA_STORE"]
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -470,6 +510,20 @@ def test_launch_refuses_wide_int8_tiles():
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=96)
     with pytest.raises(ValueError, match="block_n must be"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=112)
+
+
+def test_launch_refuses_what_three_consumers_do_not_take():
+    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.float8_e4m3fn, "row")
+    a_k, b_k = _kernel_scales(a_s, b_s, "row")
+    for bad in (dict(block_n=256), dict(block_n=64), dict(split_k=2), dict(swap_ab=True), dict(ctas_per_sm=2),
+                dict(split_n=True)):
+        with pytest.raises(ValueError, match="consumers=3"):
+            gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", consumers=3, **bad)
+    i_q, j_q, i_s, j_s = _quantized(4, 8, 64, torch.int8, "row")
+    with pytest.raises(ValueError, match="consumers=3"):
+        gluon.launch(i_q, j_q, i_s, j_s, None, torch.bfloat16, "row", consumers=3)
+    with pytest.raises(ValueError, match="consumers must be 1, 2 or 3"):
+        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", consumers=4)
 
 
 def test_preferred_only_where_measured():
@@ -670,6 +724,52 @@ def test_gpu_two_c_blocks(m, n, k, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m,n,k", [(1000, 900, 1024), (193, 385, 640), (8269, 1280, 4096), (64, 128, 128),
+                                   (1, 48, 16)])
+def test_gpu_three_consumers(m, n, k, scales):
+    """192 x 128 tiles of three consumers (ragged M, N and K, bias, one tile to several a CTA,
+    bulk stores of bfloat16 and plain stores of float32): the bits of two consumers' 128 x 128
+    tiles (each block's K steps are the same partials added in the same order, pairs or not),
+    within float32 rounding of the reference, bfloat16 output that float32 rounded once."""
+    if scales == "block":
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)
+        bias = None
+    else:
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
+        bias = torch.randn(n, device="cuda")
+        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    with poisoned():
+        c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, consumers=3)
+    assert_written(c)
+    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
+    assert torch.equal(c, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=128, consumers=2))
+    with poisoned():
+        c16 = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, consumers=3)
+    assert_written(c16)
+    assert torch.equal(c16, c.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+def test_gpu_public_fp8_matmul_three_consumers(scales):
+    """fp8_matmul where tile_config takes 192 x 128 tiles (M = 8192, N = 8192): the three-consumer
+    kernel's result, bit for bit, within float32 rounding of the reference."""
+    m, n, k = 8192, 8192, 256
+    assert gluon.tile_config(m, n, k, int8=False, row_scales=scales == "row")[4] == 3
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    public = qflash.fp8_matmul(a_q, b_q, a_s, b_s)  # bfloat16
+    assert torch.equal(public, gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, scales, consumers=3))
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
+    assert rel_l2_err(public, ref) < 2 ** -8
+
+
+@pytest.mark.gpu
 def test_gpu_swap_ab_split_k_counts_reset():
     """The transposed product's runs meet through one count a tile that the last run sets back to
     zero: exact INT8 launch after launch with fresh inputs, on the default stream and another one
@@ -741,8 +841,8 @@ def test_swap_ab_takes_what_it_can():
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, tma_store=True)
     with pytest.raises(ValueError, match="swap_ab"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "block", swap_ab=True)
-    with pytest.raises(ValueError, match="consumers must be 1 or 2"):
-        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=3)
+    with pytest.raises(ValueError, match="consumers must be 1, 2 or 3"):
+        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=4)
     assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)
     assert gluon.swap_config(17, 4096, 4096)[0] == 32 and gluon.swap_config(64, 4096, 4096)[0] == 64
     for m in (1, 16, 32, 64):

@@ -23,6 +23,9 @@ previous item's epilogue, and C leaves through shared memory and bulk copies (TM
 run on while the consumer starts its next item (a 256-wide tile's halves through a block each).
 Where M <= 64 a tile has 64 rows and one consumer (CONSUMERS = 1), or, 256 wide, two consumers
 that split its columns (SPLIT_N: one 64-row part of A a ring slot, each consumer its half of B).
+Where 192 x 128 tiles fill the SMs' rounds better than 128 x 256 ones (large M), three consumers
+take 64 rows each (CONSUMERS = 3: 160 registers a thread, so no K-step pairs; the third
+consumer's partial products keep the tensor cores busy instead).
 Decode-sized products (M <= 32) can run transposed (SWAP_AB):
 C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
 and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
@@ -334,9 +337,10 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
             k_single = k_lo  # the K steps from here on go one at a time
-            if not WIDE and TAIL_N == 0:
-                # A 128-wide tile has registers for a second partial: its K steps go in pairs, and
-                # the first step's partial is added while the second's product runs.
+            if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
+                # A 128-wide tile of one or two consumers has registers for a second partial: its K
+                # steps go in pairs, and the first step's partial is added while the second's
+                # product runs. (Three consumers have 160 registers a thread, not 232.)
                 k_single = k_lo + (k_hi - k_lo) // 2 * 2
                 for kk in range(k_lo, k_single, 2):
                     s0 = c % STAGES
@@ -454,6 +458,23 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
             (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
                           SPLIT_K, CONSUMERS, TAIL_N)),
         ], [4, 1], [240, 24])
+    elif CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
+        gl.warp_specialize([
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
+                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
+                            gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
+                            TAIL_N)),
+            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
+                          SPLIT_K, CONSUMERS, TAIL_N)),
+        ], [4, 4, 1], [160, 160, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
@@ -471,7 +492,7 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 
 # Ring slots for tiles of each width, with C blocks beside them: two consumers' slots of 20 / 24 / 32
 # / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
-RING_STAGES = {2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
+RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 
 
@@ -498,10 +519,23 @@ def _wave_fill(tiles: int, sms: int) -> float:
     return tiles / (cdiv(tiles, sms) * sms)
 
 
-def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> tuple:
+def _fill(m: int, n: int, rows: int, cols: int, sms: int) -> float:
+    """The share of the SMs' time over the rounds of ``rows`` x ``cols`` tiles that goes to the
+    M x N outputs: the rounds' fill times the tiles' share inside C."""
+    return m * n / (cdiv(cdiv(m, rows) * cdiv(n, cols), sms) * sms * rows * cols)
+
+
+# Three consumers' 192 x 128 tiles against 128 x 256 ones with the same fill, at M = 4096 / 8192
+# (speed over the fills' ratio, two runs each, s27c): per tensor 0.99-1.01, per row 1.00-1.05
+# (median 1.02)
+THREE_CONSUMER_GAIN = {False: 1.0, True: 1.02}
+
+
+def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False,
+                row_scales: bool = False, c_bytes: int = 2) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for a product on ``sms`` SMs, as measured on
     the H200 side by side (benchmarks/results/matmul_gluon_tiles_h200_2026-11-29_s9b.json and
-    ..._m128_..._s9b.json, FP8). Tiles have 128 rows (two consumers), or 64 (one) where M <= 64,
+    ..._m128_..._s9b.json, FP8). Tiles have 128 rows (two consumers), 192 (three, below), or 64 (one) where M <= 64,
     and the rules below count tiles of either height the same way (M = 64, s23b: 0.91-1.01 x
     cuBLAS at six Llama shapes where the old 64-row tl tiles ran 0.68-1.00 x;
     matmul_fp8_one_consumer_h200_2026-11-30_s23b.json):
@@ -512,6 +546,13 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       then serves 128 rows and each A tile 256 columns, and the L2 traffic a product drops by a
       quarter (8192^3, both with bulk stores: 1121 -> 1204 TFLOP/s; both with plain stores, 0.76-0.93
       -> 0.79-1.00x cuBLAS at M = 1024 / 8192, matmul_gluon_tiles_h200_2026-11-29_s9a.json);
+    - 192 x 128 tiles of three consumers (4 slots of 40 KB, bulk stores of a 16-bit C: ``c_bytes``)
+      instead, where their rounds are fuller (``_fill``: the rounds and the tiles' share inside C; per row even at 2 %
+      less, ``THREE_CONSUMER_GAIN``). Against 128 x 256 tiles, in turn twice in one run
+      (matmul_fp8_three_consumers_repeat_m8192_h200_2026-12-01_s27c.json), at M = 8192 where the
+      rule takes them: per tensor 1.00-1.02 (8192^3, 8B gate_up, 70B o, 70B down), per row
+      1.01-1.03 (those and 8B qkv, 70B qkv, 70B gate_up); where it does not, 0.97-1.00 per tensor
+      and 0.99 per row (8B o and down), and at M = 4096 per row 0.93-1.00;
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
       tiles 1.5-1.8x faster at N = 4096-10240), and where their rounds of work fill the SMs
       better by more than a tenth (M = 1024, N = 6144: 192 wide tiles fill two rounds to 0.73,
@@ -555,6 +596,10 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     stages = RING_STAGES[consumers]
     wide = cdiv(m, consumers * SUB_M) * cdiv(n, 256)
     if not block_scales and wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
+        three = _fill(m, n, 3 * SUB_M, 128, sms) * THREE_CONSUMER_GAIN[row_scales]
+        # 192 x 128 tiles, C (16-bit, 16-byte aligned rows) by bulk stores beside 4 slots
+        if consumers == 2 and c_bytes == 2 and n % 8 == 0 and three > _fill(m, n, 2 * SUB_M, 256, sms):
+            return 128, RING_STAGES[3][128], True, 1, 3
         return 256, stages[256], True, 1, consumers
     block_n = 128
     tiles = cdiv(m, consumers * SUB_M) * cdiv(n, block_n)
@@ -756,7 +801,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         if ctas_per_sm is None:
             ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
     else:
-        config = tile_config(m, n, k, int8, sms, block_scales=scales == "block")
+        config = tile_config(m, n, k, int8, sms, block_scales=scales == "block", row_scales=scales == "row",
+                             c_bytes=out_dtype.itemsize)
     if split_n is None:  # tile_config's own tile, as it is
         split_n = (block_n is None and consumers is None and not swap_ab and (split_k or 1) == 1
                    and (ctas_per_sm or 1) == 1 and split_columns(config))
@@ -765,6 +811,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
     own_width = block_n is not None
     block_n = block_n or config[0]
+    if consumers == 3 and config[4] != 3:  # the caller's three consumers: 192 x 128 tiles
+        block_n, own_width = 128, True
     if ctas_per_sm == 2 and (consumers != 1 or block_n not in TWO_CTA_STAGES):
         raise ValueError(f"two CTAs an SM take one-consumer tiles up to 128 wide (16, 32, 64 or 128), got "
                          f"{consumers} consumers and block_n={block_n}")
@@ -837,7 +885,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
     ring in half the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows
     whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
-    where the tile is ``tile_config``'s own); ``c_bufs`` (1 or 2, by default 2 where they fit)
+    where the tile is ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts
+    (3: 192 x 128 tiles, FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit)
     blocks of C in shared memory each consumer of a 256-wide tile has, one a half. C (or with split K, the partial sums)
     goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
     leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
@@ -849,8 +898,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"block_n={block_n} (a tile with a tail) takes FP8 with tensor or row scales, not swap_ab")
     if block_n is not None and a_q.dtype == torch.int8 and block_n == 256:
         raise ValueError(f"block_n must be 16, 32, 64 or 128 for INT8, got {block_n}")
-    if consumers not in (None, 1, 2):
-        raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+    if consumers not in (None, 1, 2, 3):
+        raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
+    if consumers == 3 and (block_n not in (None, 128) or a_q.dtype == torch.int8 or swap_ab or split_n
+                           or (split_k or 1) != 1 or (ctas_per_sm or 1) != 1):
+        raise ValueError(f"consumers=3 (192 x 128 tiles) takes FP8, block_n=128, one CTA an SM, no split_n, "
+                         f"swap_ab or K split, got block_n={block_n}, {a_q.dtype}, swap_ab={swap_ab}, "
+                         f"split_n={split_n}, split_k={split_k}, ctas_per_sm={ctas_per_sm}")
     if ctas_per_sm not in (None, 1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if swap_ab and (scales == "block" or tma_store):
