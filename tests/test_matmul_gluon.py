@@ -387,6 +387,7 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(8192, 10240, 8192, int8=False, row_scales=True)[4] == 3  # 0.958 against 0.970
     assert gluon.tile_config(4096, 10240, 8192, int8=False, row_scales=True)[4] == 2  # 0.924 against 0.970
     assert gluon.tile_config(1024, 4096, 4096, int8=False, row_scales=True)[4] == 2
+    assert gluon.tile_config(2048, 6144, 4096, int8=False, row_scales=True)[4] == 2  # as full, but tied (s27d)
     assert gluon.tile_config(1024, 4096, 4096, int8=False) == (256, 3, True, 1, 2)  # 128 wide tiles: 0.97 wave
     # 192 wide tiles fill 2 rounds of 132 SMs to 0.73, 384 narrow ones 3 rounds to 0.97 (s19b: 0.91 -> 1.03 x cuBLAS)
     assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1, 2)

@@ -527,8 +527,10 @@ def _fill(m: int, n: int, rows: int, cols: int, sms: int) -> float:
 
 # Three consumers' 192 x 128 tiles against 128 x 256 ones with the same fill, at M = 4096 / 8192
 # (speed over the fills' ratio, two runs each, s27c): per tensor 0.99-1.01, per row 1.00-1.05
-# (median 1.02)
+# (median 1.02); at M = 2048 / 4096 they tied or lost where the fills alone would take them
+# (per row 0.99-1.00, s27c, s27d), so only from M = 8192
 THREE_CONSUMER_GAIN = {False: 1.0, True: 1.02}
+THREE_CONSUMER_MIN_M = 8192
 
 
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False,
@@ -547,12 +549,14 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       quarter (8192^3, both with bulk stores: 1121 -> 1204 TFLOP/s; both with plain stores, 0.76-0.93
       -> 0.79-1.00x cuBLAS at M = 1024 / 8192, matmul_gluon_tiles_h200_2026-11-29_s9a.json);
     - 192 x 128 tiles of three consumers (4 slots of 40 KB, bulk stores of a 16-bit C: ``c_bytes``)
-      instead, where their rounds are fuller (``_fill``: the rounds and the tiles' share inside C; per row even at 2 %
-      less, ``THREE_CONSUMER_GAIN``). Against 128 x 256 tiles, in turn twice in one run
-      (matmul_fp8_three_consumers_repeat_m8192_h200_2026-12-01_s27c.json), at M = 8192 where the
-      rule takes them: per tensor 1.00-1.02 (8192^3, 8B gate_up, 70B o, 70B down), per row
-      1.01-1.03 (those and 8B qkv, 70B qkv, 70B gate_up); where it does not, 0.97-1.00 per tensor
-      and 0.99 per row (8B o and down), and at M = 4096 per row 0.93-1.00;
+      instead, from M = 8192, where their rounds are fuller (``_fill``: the rounds and the tiles'
+      share inside C; per row even at 2 % less, ``THREE_CONSUMER_GAIN``). Against 128 x 256
+      tiles, in turn twice in one run (matmul_fp8_three_consumers_repeat_m8192_h200_2026-12-01_s27c.json),
+      at M = 8192 where the rule takes them: per tensor 1.00-1.02 (8192^3, 8B gate_up, 70B o,
+      70B down), per row 1.01-1.03 (those and 8B qkv, 70B qkv, 70B gate_up); where it does not,
+      0.97-1.00 per tensor and 0.99 per row (8B o and down), and at M = 4096 per row 0.93-1.00.
+      The dispatch against 128 x 256 tiles, once each (..._dispatch_m2048_m8192_..._s27d.json):
+      per tensor 0.99-1.02, per row 1.01-1.04 (x cuBLAS per row 1.005-1.049 against 0.989-1.034);
     - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
       tiles 1.5-1.8x faster at N = 4096-10240), and where their rounds of work fill the SMs
       better by more than a tenth (M = 1024, N = 6144: 192 wide tiles fill two rounds to 0.73,
@@ -598,7 +602,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if not block_scales and wide * 4 >= sms * 3 and _wave_fill(wide, sms) + 0.1 >= _wave_fill(2 * wide, sms):
         three = _fill(m, n, 3 * SUB_M, 128, sms) * THREE_CONSUMER_GAIN[row_scales]
         # 192 x 128 tiles, C (16-bit, 16-byte aligned rows) by bulk stores beside 4 slots
-        if consumers == 2 and c_bytes == 2 and n % 8 == 0 and three > _fill(m, n, 2 * SUB_M, 256, sms):
+        if (m >= THREE_CONSUMER_MIN_M and c_bytes == 2 and n % 8 == 0
+                and three > _fill(m, n, 2 * SUB_M, 256, sms)):
             return 128, RING_STAGES[3][128], True, 1, 3
         return 256, stages[256], True, 1, consumers
     block_n = 128
