@@ -732,7 +732,9 @@ def test_gpu_three_consumers(m, n, k, scales):
     """192 x 128 tiles of three consumers (ragged M, N and K, bias, one tile to several a CTA,
     bulk stores of bfloat16 and plain stores of float32): the bits of two consumers' 128 x 128
     tiles (each block's K steps are the same partials added in the same order, pairs or not),
-    within float32 rounding of the reference, bfloat16 output that float32 rounded once."""
+    close to the reference, bfloat16 output that float32 rounded once. Close: float32 rounding
+    over K, or where K is one or two steps, one step's sum inside the tensor cores (about 14 bits:
+    1.3e-4 at K = 128 in s27e, for two consumers' tiles alike)."""
     if scales == "block":
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
@@ -747,8 +749,8 @@ def test_gpu_three_consumers(m, n, k, scales):
     with poisoned():
         c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, consumers=3)
     assert_written(c)
-    assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5)
     assert torch.equal(c, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, block_n=128, consumers=2))
+    assert rel_l2_err(c, ref) < max(1e-5 * k ** 0.5, 2 ** -12)
     with poisoned():
         c16 = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, consumers=3)
     assert_written(c16)
