@@ -498,6 +498,8 @@ def test_plan_consumers():
     assert three.constexprs["STAGES"] == 4 and three.constexprs["TMA_STORE"] and three.constexprs["C_BUFS"] == 1
     assert plan(8192, 8192, 8192, scales="block").consumers == 2  # block scales keep their K-step pairs
     assert plan(8192, 8192, 8192, block_n=256).consumers == 2  # the caller's width: two consumers
+    two = plan(8192, 8192, 8192, consumers=2)  # the caller's two consumers: 128 x 128 tiles, 5 slots
+    assert (two.block_n, two.consumers, two.constexprs["STAGES"], two.m_pad) == (128, 2, 5, 8192)
     own = plan(1000, 4096, 4096, consumers=3)
     assert (own.block_n, own.m_pad, own.grid, own.constexprs["STAGES"]) == (128, 1152, (132,), 4)
     assert own.constexprs["TMA_STORE"]

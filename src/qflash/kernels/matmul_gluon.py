@@ -815,9 +815,11 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     if consumers is None:  # a tile width of the caller's own: 64-row tiles where M <= 64, as tile_config's
         consumers = config[4] if block_n is None or swap_ab else 1 if m <= SUB_M else 2
     own_width = block_n is not None
-    block_n = block_n or config[0]
-    if consumers == 3 and config[4] != 3:  # the caller's three consumers: 192 x 128 tiles
+    if not own_width and consumers != config[4] and 3 in (consumers, config[4]):
+        # 128-wide tiles of the caller's three consumers where tile_config's have two or one, or
+        # the other way round: the ring depth of the caller's
         block_n, own_width = 128, True
+    block_n = block_n or config[0]
     if ctas_per_sm == 2 and (consumers != 1 or block_n not in TWO_CTA_STAGES):
         raise ValueError(f"two CTAs an SM take one-consumer tiles up to 128 wide (16, 32, 64 or 128), got "
                          f"{consumers} consumers and block_n={block_n}")
