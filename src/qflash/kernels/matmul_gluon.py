@@ -94,14 +94,15 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 
 @gluon.jit
-def _mm_loader(a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, TAIL_N: gl.constexpr):
+def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
+               TAIL_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
     a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
     in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
-    add nothing."""
+    add nothing. ``args``: the kernel's tuple of runtime arguments for the loader."""
+    a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
     B_PARTS: gl.constexpr = b_ring.shape[0] // STAGES
     SUB: gl.constexpr = a_desc.block_type.shape[0]
@@ -238,9 +239,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N,
-                 K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, which,
-                 SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
                  TAIL_N: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
@@ -254,7 +253,9 @@ def _mm_consumer(C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring
     memory, so that the second half need not wait for the first half's copy. With SPLIT_K > 1
     an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
-    them up."""
+    them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
+    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K, stride_cm,
+     stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows) = args
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -442,48 +443,33 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
-    # Partitions take runtime arguments as they are: each consumer learns its index from a tensor.
-    # The lists are spelled out: Triton 3.6's Gluon frontend takes no argument tuple built once and
-    # reused, nor a partition's function held in a variable.
-    if CONSUMERS == 2:
+    # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
+    # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
+    # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
+    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K,
+                stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows)
+    loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K)
+    if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N)),
-        ], [4, 1], [240, 24])
-    elif CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N)),
-        ], [4, 4, 1], [160, 160, 24])
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
-            (_mm_consumer, (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready,
-                            empty, M, N, K, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows,
-                            gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K, CONSUMERS, SWAP_AB,
-                            TAIL_N)),
-            (_mm_loader, (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, GROUP_M, STAGES,
-                          SPLIT_K, CONSUMERS, TAIL_N)),
-        ], [1], [24])
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -522,7 +508,8 @@ def _wave_fill(tiles: int, sms: int) -> float:
 def _fill(m: int, n: int, rows: int, cols: int, sms: int) -> float:
     """The share of the SMs' time over the rounds of ``rows`` x ``cols`` tiles that goes to the
     M x N outputs: the rounds' fill times the tiles' share inside C."""
-    return m * n / (cdiv(cdiv(m, rows) * cdiv(n, cols), sms) * sms * rows * cols)
+    tiles = cdiv(m, rows) * cdiv(n, cols)
+    return _wave_fill(tiles, sms) * m * n / (tiles * rows * cols)
 
 
 # Three consumers' 192 x 128 tiles against 128 x 256 ones with the same fill, at M = 4096 / 8192
