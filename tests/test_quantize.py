@@ -1,6 +1,7 @@
 """Quantize kernel: bit-exact against the pure-PyTorch reference, with the edge cases spelled out."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import qflash
 from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
 from qflash.testing import assert_written, poisoned, sqnr_db, with_outlier_channels
 
-from conftest import DEVICE
+from conftest import DEVICE, ptxas_report, sm90_build
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 GROUPS = [("tensor", None), ("row", None), ("column", None), ("block", (32, 64)), ("block", (1, 128))]
@@ -88,23 +89,85 @@ def test_long_rows_and_columns_are_swept(granularity, qdtype, monkeypatch):
         assert bool(x_q[~finite].float().isnan().all())
 
 
-@pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_per_tensor_absmax_found_in_any_tile(where):
-    """The per-tensor absmax is swept by a few programs, each over every few tiles, then the
-    quantize pass runs its tiles in reverse: the largest value (and a NaN) counts from any tile."""
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("where", ["first", "held last", "middle", "last"])
+def test_per_tensor_absmax_found_in_any_tile(where, one_launch):
+    """A dynamic per-tensor scale, both ways. One launch (here as its two phases, the interpreter
+    running no barrier): 4 programs each hold 1024 elements of the 27007 and stream the rest in
+    1024-element tiles, then quantize them last first. The sweep: a few programs, each over every
+    few 2 x 256 tiles (57), then the quantize pass in reverse. The largest value (and a NaN)
+    counts from any part: held by the first or the last program, streamed, in the last tile."""
     from qflash.kernels.quantize import quantize as launch
 
     x = torch.randn(113, 239, device=DEVICE)
-    row, col = {"first": (0, 0), "middle": (57, 120), "last": (112, 238)}[where]
+    row, col = {"first": (0, 0), "held last": (17, 30), "middle": (57, 120), "last": (112, 238)}[where]
     x[row, col] = -40.0
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         with poisoned():
-            x_q, scale = launch(x, qdtype, "tensor", tile_elems=256)  # 2 x 256 tiles: 57 of them
+            x_q, scale = launch(x, qdtype, "tensor", tile_elems=256, one_launch=one_launch)
         ref_q, ref_scale = quantize_ref(x, qdtype, "tensor")
         assert torch.equal(scale, ref_scale) and scale.item() == pytest.approx(40.0 / QMAX[qdtype], rel=1e-6)
         assert _same(x_q, ref_q)
     x[row, col] = math.nan
-    assert math.isnan(launch(x, torch.int8, "tensor", tile_elems=256)[1].item())
+    assert math.isnan(launch(x, torch.int8, "tensor", tile_elems=256, one_launch=one_launch)[1].item())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "every other column"])
+def test_per_tensor_input_dtypes_and_layouts(x_dtype, layout):
+    """Per tensor, each input dtype read in its own format (one launch: the absmax from its bits);
+    strided inputs take the sweep over 2-D tiles. Ragged sizes."""
+    for m, n in ((1, 1), (3, 100), (63, 113)):
+        base = torch.randn(m, n if layout != "every other column" else 2 * n, device=DEVICE) * 7
+        x = {"contiguous": base, "transposed": torch.randn(n, m, device=DEVICE).t() * 7,
+             "every other column": base[:, ::2]}[layout].to(x_dtype)
+        assert x.shape == (m, n)
+        for qdtype in (torch.int8, torch.float8_e5m2):
+            with poisoned():
+                x_q, scale = qflash.quantize(x, qdtype, "tensor")
+            ref_q, ref_scale = quantize_ref(x, qdtype, "tensor")
+            assert torch.equal(scale, ref_scale) and _same(x_q, ref_q), (m, n, qdtype)
+
+
+def test_per_tensor_one_launch_plan():
+    """One program an SM, each holding a power of two of elements (at least 8192: four values a
+    thread in each quarter, at most 128 KB: 64 K bfloat16, 32 K float32), whole; what they do not
+    hold is streamed. Only a tensor smaller than one part is masked; one more than twice as large
+    as all parts takes the sweep."""
+    from qflash.kernels.quantize import TENSOR_BLOCK, TENSOR_HOLD_BYTES, _tensor_plan
+
+    def plan(numel, size=2):
+        p = _tensor_plan(numel, size, 132, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+        return p and (p.grid[0], p.constexprs["HOLD"], p.constexprs["HELD_MASKED"])
+
+    assert plan(4096 * 4096) == (132, 65536, False)  # 8.7 M of 16.8 M held, the rest streamed
+    assert plan(2048 * 4096, 4) == (132, 32768, False)
+    assert plan(1024 * 4096) == (128, 32768, False)  # held whole
+    assert plan(2048 * 4095) == (127, 65536, False)  # 63488 streamed
+    assert plan(132 * 2048 - 1) == (32, 8192, False)
+    assert plan(1000) == (1, 8192, True) and plan(1) == (1, 8192, True)
+    assert plan(2 * 132 * 65536) and plan(2 * 132 * 65536 + 1) is None  # more than it holds to stream: the sweep
+    assert plan(2 * 132 * 32768, 4) and plan(2 * 132 * 32768 + 1, 4) is None
+    for numel in (1, 63, 8192, 113 * 239, 10**6, 3 * 10**6 + 1, 2 * 132 * 65536 - 1):
+        programs, hold, masked = plan(numel)
+        assert hold & (hold - 1) == 0 and programs <= 132 and masked == (numel < hold)
+        assert programs * hold <= numel or programs == 1 and masked  # whole parts
+        assert numel - programs * hold <= max(hold, programs * hold)  # streams no more than it holds, or one part
+
+
+@pytest.mark.parametrize("x_dtype,qdtype", [(torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.int8),
+                                            (torch.float32, torch.int8), (torch.float16, torch.float8_e5m2)])
+def test_per_tensor_one_launch_build(x_dtype, qdtype):
+    """Built offline as the H200's launch on the largest tensor it takes would be (4096 x 4096 of
+    16-bit values, 2048 x 4096 of float32: half held, half streamed): 512 threads an SM within 128
+    registers each, with the held part in them and nothing spilled; the grid barrier's atomics
+    (arrive with release, spin on an acquiring load)."""
+    shape = (2048, 4096) if x_dtype == torch.float32 else (4096, 4096)
+    kernel = sm90_build("qflash.kernels.quantize", x_dtype, qdtype, shape)
+    report = ptxas_report(kernel["ptx"])
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= 128 and "0 bytes spill stores" in report, report
+    assert "atom.global.gpu.acq_rel.add" in kernel["ptx"] and "ld.global.gpu.acquire" in kernel["ptx"]
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
@@ -248,3 +311,50 @@ def test_gpu_ties_saturation_and_special_values(qdtype):
     if qdtype == torch.int8:
         test_int8_rounds_half_to_even()
     test_saturation_zero_groups_and_nonfinite(qdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_per_tensor_one_launch(x_dtype):
+    """The cooperative launch, bit for bit against the reference and the two-launch sweep: tensors
+    held whole (up to 1023 x 239) and one that is held and streamed (8192 x 4097: 132 programs hold
+    64 K bfloat16 or 32 K float32 values each of its 33.6 M), with the absmax in the first held
+    element, in the last program's held part, in the streamed middle and in the last element;
+    a NaN there gives a NaN scale."""
+    from qflash.kernels.quantize import TENSOR_BLOCK, TENSOR_HOLD_BYTES, _tensor_plan, quantize as launch
+
+    for shape in ((1, 1), (63, 113), (1023, 239), (8192, 4097)):
+        x = (torch.randn(shape, device="cuda") * 3).to(x_dtype)
+        numel = x.numel()
+        plan = _tensor_plan(numel, x.element_size(), torch.cuda.get_device_properties(0).multi_processor_count,
+                            TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+        last_held = (plan.grid[0] - 1) * plan.constexprs["HOLD"] + 5
+        for pos in sorted({0, min(last_held, numel - 1), numel // 2 + 7 if numel > 1 else 0, numel - 1}):
+            y = x.clone()
+            y.view(-1)[pos] = -40.0
+            for qdtype in (torch.int8, torch.float8_e4m3fn):
+                with poisoned():
+                    x_q, scale = launch(y, qdtype, "tensor")
+                ref_q, ref_scale = quantize_ref(y, qdtype, "tensor")
+                sweep_q, sweep_scale = launch(y, qdtype, "tensor", one_launch=False)
+                assert torch.equal(scale, ref_scale) and scale.item() == pytest.approx(40.0 / QMAX[qdtype], rel=1e-6)
+                assert _same(x_q, ref_q) and _same(x_q, sweep_q) and torch.equal(scale, sweep_scale), (shape, pos)
+            y.view(-1)[pos] = math.nan
+            assert math.isnan(launch(y, torch.int8, "tensor")[1].item()), (shape, pos)
+
+
+@pytest.mark.gpu
+def test_gpu_per_tensor_one_launch_in_cuda_graph():
+    """Captured in a CUDA graph (the cooperative launch and the zeroing of its counters) and replayed
+    on new values, whose scale differs each time."""
+    x = torch.empty(4096, 4097, device="cuda", dtype=torch.bfloat16)
+    x.normal_()
+    qflash.quantize(x, torch.float8_e4m3fn, "tensor")  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x_q, scale = qflash.quantize(x, torch.float8_e4m3fn, "tensor")
+    for spread in (1.0, 300.0, 0.01):
+        x.normal_().mul_(spread)
+        graph.replay()
+        ref_q, ref_scale = quantize_ref(x, torch.float8_e4m3fn, "tensor")
+        assert torch.equal(scale, ref_scale) and _same(x_q, ref_q), spread

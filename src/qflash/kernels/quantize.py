@@ -4,12 +4,16 @@ Each program loads a [BLOCK_M, BLOCK_N] tile once, into registers. Groups that f
 in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get their
 scale from that tile and are quantized from the same registers: one read, one write.
 Longer rows, and columns, are swept twice (absmax, then quantize; the second read
-mostly hits L2). A per-tensor scale needs the whole tensor's absmax first: a sweep by
-a few programs per SM, each adding its maximum to one value by an atomic max; the
-quantize pass then takes the tiles in reverse order, so that it starts on those the
-sweep read last, still in L2 (a static per-tensor scale, given by the caller, skips
-the sweep). Two reads of the input against one: about 0.6 of the copy bandwidth at
-most, once the tensor is larger than L2.
+mostly hits L2). A per-tensor scale needs the whole tensor's absmax before the first
+value is quantized. Up to about 34 MB of input, one cooperative launch (``_tensor_kernel``)
+finds it and quantizes: one program an SM holds up to 128 KB of the input in its
+registers (17 MB on the H200) across a grid barrier, and streams the rest twice, the
+second time mostly from L2 (0.69-0.76 of a same-size copy's bandwidth from 24 to 32 MB,
+against the sweep's 0.55-0.63). Larger tensors: a sweep by a few programs per SM, each
+adding its maximum to one value by an atomic max, then the quantize pass, which takes
+the tiles in reverse order, so that it starts on those the sweep read last (two reads
+of the input: about 0.6 of the copy bandwidth at most, once the tensor is larger than
+L2). A static per-tensor scale, given by the caller, needs neither: one read.
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
@@ -42,6 +46,12 @@ TILE_ELEMS = 4096
 TILE_WARPS = 4
 # The per-tensor absmax pass: this many 8-warp programs an SM, each sweeping every programs-th tile.
 ABSMAX_PROGRAMS_PER_SM = 8
+# A dynamic per-tensor scale in one cooperative launch (_tensor_kernel): one program an SM, of
+# TENSOR_WARPS warps, holds up to TENSOR_HOLD_BYTES of the input in its registers between the two
+# phases (half of an SM's registers: 64 a thread) and streams the rest in TENSOR_BLOCK tiles.
+TENSOR_HOLD_BYTES = 128 * 1024
+TENSOR_BLOCK = 8192
+TENSOR_WARPS = 16
 
 # Which groups share a scale (constexpr GROUP).
 GROUP_TENSOR = tl.constexpr(0)  # one scale, from a tensor-wide absmax computed beforehand
@@ -137,9 +147,9 @@ def _saturate(y, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr,
-                    EMULATE_CASTS: tl.constexpr, OWN_ABSMAX: tl.constexpr = True):
-    """Store saturate(round(x * inv)) for a float32 tile x: inv = QMAX / absmax of its group
+def _quantized(x, inv, QMAX: tl.constexpr, OUT: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+               OWN_ABSMAX: tl.constexpr = True):
+    """saturate(round(x * inv)) in OUT, for float32 values x: inv = QMAX / absmax of their group
     (OWN_ABSMAX), or the reciprocal of a static scale, which any value may exceed."""
     y = x * inv
     if OUT == tl.int8 and not EMULATE_CASTS:
@@ -162,6 +172,14 @@ def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl
             q = tl.where(r == r, r.to(OUT), nan)
         else:
             q = y.to(OUT, fp_downcast_rounding="rtne")
+    return q
+
+
+@triton.jit
+def _quantize_store(Xq, rows, cols, x, inv, M, N, stride_qm, stride_qn, QMAX: tl.constexpr, OUT: tl.constexpr,
+                    EMULATE_CASTS: tl.constexpr, OWN_ABSMAX: tl.constexpr = True):
+    """Store the quantized [rows, cols] tile of the float32 values x (see ``_quantized``)."""
+    q = _quantized(x, inv, QMAX, OUT, EMULATE_CASTS, OWN_ABSMAX)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(Xq + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qn, q, mask=ok)
 
@@ -254,8 +272,118 @@ def _absmax_kernel(X, Amax, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, B
     tl.atomic_max(Amax, tl.max(tl.max(amax, axis=1), axis=0), sem="relaxed")  # all >= 0: float order is int order
 
 
+@triton.jit
+def _abs_bits(x, EMULATE_CASTS: tl.constexpr):
+    """|x| as an integer, the bits of x's own format with the sign cleared: for values >= 0 integer
+    order is float order, and every NaN lies above inf. No conversion to float32 (that the compiler
+    could keep for the quantize phase), and 16-bit values two at a time, as they lie in a register
+    (one "and" of int16 values takes a register each: 30 more for the values a program holds).
+    The interpreter runs no PTX: there the int16 "and"."""
+    if x.dtype.primitive_bitwidth == 32:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    elif EMULATE_CASTS:
+        bits = x.to(tl.int16, bitcast=True) & 0x7FFF
+    else:
+        bits = tl.inline_asm_elementwise("and.b32 $0, $1, 0x7FFF7FFF;", "=r,r", [x], dtype=tl.int16, is_pure=True,
+                                         pack=2)
+    return bits
+
+
+@triton.jit
+def _float_of_abs_bits(bits, like):
+    """The float32 value of an |x| in like's format given by its bits (int32; see ``_abs_bits``), any NaN
+    as +inf, as ``_abs_or_inf``."""
+    if like.dtype.primitive_bitwidth == 32:
+        a = bits.to(tl.float32, bitcast=True)
+    else:
+        a = bits.to(tl.int16).to(like.dtype, bitcast=True).to(tl.float32)
+    return tl.where(a < float("inf"), a, float("inf"))
+
+
+@triton.jit
+def _flat_load(X, offs, numel, MASKED: tl.constexpr):
+    if MASKED:
+        x = tl.load(X + offs, mask=offs < numel, other=0.0)
+    else:
+        x = tl.load(X + offs)
+    return x
+
+
+@triton.jit
+def _flat_quantize_store(Xq, offs, x, inv, numel, QMAX: tl.constexpr, OUT: tl.constexpr,
+                         EMULATE_CASTS: tl.constexpr, MASKED: tl.constexpr):
+    q = _quantized(x.to(tl.float32), inv, QMAX, OUT, EMULATE_CASTS)
+    if MASKED:
+        tl.store(Xq + offs, q, mask=offs < numel)
+    else:
+        tl.store(Xq + offs, q)
+
+
+@triton.jit
+def _tensor_kernel(
+    X, Xq, Scale, Amax, Arrived, numel,
+    QMAX: tl.constexpr, OUT: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+    HOLD: tl.constexpr, BLOCK: tl.constexpr, FIND_ABSMAX: tl.constexpr, QUANTIZE: tl.constexpr,
+    HELD_MASKED: tl.constexpr,
+):
+    """Quantize with one scale from the whole tensor's absmax, reading the input once where it fits
+    in the programs' registers.
+
+    The (contiguous) tensor, flat: program p holds elements [p * HOLD, (p + 1) * HOLD) in its
+    registers from start to end; the rest, past programs * HOLD, is streamed in BLOCK-element
+    tiles p, p + programs, ... Phase one: the absmax of what it holds and streams, added to Amax
+    (zeroed) by an atomic max. Then every program waits at a grid barrier (Arrived, zeroed, counts
+    the programs that are done: the launch is cooperative, so all of them are resident) and, in
+    phase two, quantizes its held elements from the registers and streams its tiles again, last
+    first (those it read last may still be in L2). Triton's interpreter runs one program after
+    another, where a barrier never opens: there the phases are two launches (FIND_ABSMAX, then
+    QUANTIZE), each loading the held elements.
+
+    The held elements are four quarters, four tensors: one tensor would be converted to float32
+    as a whole before the first of its values is quantized, twice the registers it is held in.
+    Only a tensor smaller than one program's HOLD masks them (HELD_MASKED).
+    """
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    QUARTER: tl.constexpr = HOLD // 4
+    first = pid.to(tl.int64) * HOLD + tl.arange(0, QUARTER)  # [QUARTER]
+    held = (_flat_load(X, first, numel, HELD_MASKED),
+            _flat_load(X, first + QUARTER, numel, HELD_MASKED),
+            _flat_load(X, first + 2 * QUARTER, numel, HELD_MASKED),
+            _flat_load(X, first + 3 * QUARTER, numel, HELD_MASKED))
+    rest = progs.to(tl.int64) * HOLD  # the streamed part's first element
+    tiles = tl.cdiv(tl.maximum(numel - rest, 0), BLOCK)
+    mine = tl.maximum(tl.cdiv(tiles - pid, progs), 0)  # this program's tiles: pid, pid + progs, ...
+    if FIND_ABSMAX:
+        WIDE: tl.constexpr = X.dtype.element_ty.primitive_bitwidth == 32
+        bits = tl.zeros([BLOCK], dtype=tl.int32 if WIDE else tl.int16)  # [BLOCK], streamed tiles': reduced at the end
+        for i in range(mine):
+            offs = rest + (pid + i * progs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            x = _flat_load(X, offs, numel, True)
+            bits = tl.maximum(bits, _abs_bits(x, EMULATE_CASTS))
+        top = tl.max(bits, axis=0)
+        for q in tl.static_range(4):
+            top = tl.maximum(top, tl.max(_abs_bits(held[q], EMULATE_CASTS), axis=0))
+        tl.atomic_max(Amax, _float_of_abs_bits(top, held[0]), sem="release")
+    if FIND_ABSMAX and QUANTIZE:  # the grid barrier: wait until every program has added its maximum
+        arrived = tl.atomic_add(Arrived, 1, sem="acq_rel") + 1
+        while arrived < progs:
+            arrived = tl.atomic_add(Arrived, 0, sem="acquire")
+    if QUANTIZE:
+        scale, inv = _scale_of(tl.atomic_max(Amax, 0.0, sem="acquire"), QMAX)  # (reads the total)
+        if pid == 0:
+            tl.store(Scale, scale)
+        for q in tl.static_range(4):
+            _flat_quantize_store(Xq, first + q * QUARTER, held[q], inv, numel, QMAX, OUT, EMULATE_CASTS, HELD_MASKED)
+        for i in range(mine):
+            offs = rest + (pid + (mine - 1 - i) * progs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            x = _flat_load(X, offs, numel, True)
+            _flat_quantize_store(Xq, offs, x, inv, numel, QMAX, OUT, EMULATE_CASTS, True)
+
+
 _quantize_launcher = CachedLauncher(_quantize_kernel)
 _absmax_launcher = CachedLauncher(_absmax_kernel)
+_tensor_launcher = CachedLauncher(_tensor_kernel)
 
 
 def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) -> Tuple[int, int]:
@@ -273,12 +401,39 @@ class _Plan(NamedTuple):
     scale_shape: Tuple[int, int]
     grid: Tuple[int, int]
     absmax_programs: int  # programs of the per-tensor absmax sweep; 0: no sweep
-    constexprs: dict  # the quantize kernel's, less QMAX, OUT and EMULATE_CASTS
+    constexprs: dict  # the quantize kernel's, less QMAX, OUT and EMULATE_CASTS (_tensor_kernel's: HOLD, BLOCK)
+    one_launch: bool = False  # a dynamic per-tensor scale by _tensor_kernel (grid: its programs)
+
+
+def _tensor_plan(numel: int, element_size: int, sms: int, hold_bytes: int, block: int) -> Optional[_Plan]:
+    """_tensor_kernel's launch: one program an SM, each holding a power of two of elements, at least
+    four values a thread in each quarter, and at most ``hold_bytes``; what the programs do not hold
+    (a part of a program's, or more) is streamed. The held parts are whole, unmasked (masks cost
+    registers), but for a tensor smaller than one part. None for a tensor more than twice as large
+    as the programs hold: streaming more than it holds, one program an SM, is slower than the
+    sweep's eight (0.53-0.59 of a copy against 0.58-0.61 from 48 MB on, s28b). In the interpreter
+    every size takes it, 4 programs of 1024 with 1024-element tiles, so that small tests hold and
+    stream."""
+    if not sms:
+        hold, block, programs = 1024, 1024, min(4, numel // 1024)
+    else:
+        least, most = 4 * 4 * 32 * TENSOR_WARPS, max(hold_bytes // element_size, 4 * 4 * 32 * TENSOR_WARPS)
+        if numel > 2 * sms * most:
+            return None
+        hold = min(most, max(least, next_power_of_2(cdiv(numel, sms))))
+        programs = min(sms, numel // hold)
+    constexprs = dict(HOLD=hold, BLOCK=block, HELD_MASKED=programs == 0)
+    return _Plan((1, 1), (max(programs, 1), 1), 0, constexprs, one_launch=True)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]], static: bool, tile_elems: int,
-          num_warps: Optional[int], sms: int) -> _Plan:
+          num_warps: Optional[int], sms: int, element_size: int = 2, one_launch: bool = True,
+          hold_bytes: int = TENSOR_HOLD_BYTES, stream_block: int = TENSOR_BLOCK) -> _Plan:
+    if granularity == "tensor" and not static and one_launch:  # (contiguous x only)
+        tensor_plan = _tensor_plan(m * n, element_size, sms, hold_bytes, stream_block)
+        if tensor_plan is not None:  # (None: too large)
+            return tensor_plan
     shapes = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}
     scale_shape = shapes.get(granularity) or (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
     programs = 0
@@ -305,25 +460,34 @@ def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
              *, static_scale: Optional[torch.Tensor] = None, tile_elems: int = TILE_ELEMS,
-             num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             num_warps: Optional[int] = None, one_launch: bool = True, hold_bytes: int = TENSOR_HOLD_BYTES,
+             stream_block: int = TENSOR_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the quantize kernel on a validated 2-D tensor. Returns (x_q, float32 scale).
 
     ``static_scale``: a validated one-element float32 tensor, the per-tensor scale (granularity
     "tensor" only): one pass instead of an absmax pass and a quantize pass. ``tile_elems`` and
     ``num_warps`` size the programs of the one-load paths (the benchmark's tile search varies
-    them; the defaults suit the H200). What follows from the shapes is made once (``_plan``):
-    eager calls on activations are bound by the host's time.
+    them; the defaults suit the H200). A dynamic per-tensor scale on a contiguous x takes one
+    cooperative launch of ``_tensor_kernel`` where the tensor is at most twice what it holds,
+    ``hold_bytes`` of the input a program (the rest streamed in ``stream_block``-element tiles);
+    otherwise (or ``one_launch=False``, as the benchmark compares) the absmax sweep, then the
+    quantize pass over 2-D tiles. What follows from the
+    shapes is made once (``_plan``): eager calls on activations are bound by the host's time.
     """
     m, n = x.shape
     cuda = x.is_cuda
     plan = _plan(m, n, granularity, None if block_size is None else tuple(block_size), static_scale is not None,
-                 tile_elems, num_warps, sm_count(x.device) if cuda else 0)
+                 tile_elems, num_warps, sm_count(x.device) if cuda else 0, x.element_size(),
+                 one_launch and x.is_contiguous(), hold_bytes, stream_block)
     x_q = new_output((m, n), dtype=dtype, device=x.device)
     scale = new_output(plan.scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         if static_scale is not None:
             scale.copy_(static_scale.reshape(1, 1))
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
+    if plan.one_launch:
+        _quantize_tensor(x, x_q, scale, plan, dtype)
+        return x_q, scale.reshape(())
     per_tensor = static_scale if static_scale is not None else scale  # (read only by GROUP_TENSOR)
     if plan.absmax_programs:
         per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -336,3 +500,37 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda, **plan.constexprs,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
+
+
+def _quantize_tensor(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, plan: _Plan, dtype: torch.dtype):
+    """Launch _tensor_kernel on a contiguous x: cooperatively on the GPU (all programs resident, or
+    the launch fails rather than hang at the barrier), as two launches in Triton's interpreter."""
+    m, n = x.shape
+    zeroed = torch.zeros(2, dtype=torch.int32, device=x.device)  # Amax (float32 bits), then Arrived
+    args = (x, x_q, scale, zeroed.view(torch.float32), zeroed[1:], m * n)
+    common = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], **plan.constexprs)
+    if x.is_cuda:
+        _tensor_launcher[plan.grid](*args, EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
+                                    num_warps=TENSOR_WARPS, launch_cooperative_grid=True, **common)
+    else:
+        for phase in ("FIND_ABSMAX", "QUANTIZE"):
+            _tensor_launcher[plan.grid](*args, EMULATE_CASTS=True, FIND_ABSMAX=phase == "FIND_ABSMAX",
+                                        QUANTIZE=phase == "QUANTIZE", num_warps=TENSOR_WARPS, **common)
+
+
+def compile_for_sm90(x_dtype: torch.dtype = torch.bfloat16, dtype: torch.dtype = torch.float8_e4m3fn,
+                     shape: Tuple[int, int] = (4096, 4096)):
+    """Build ``_tensor_kernel`` for sm_90 without a GPU (what the CPU tests read), specialized as the
+    H200's launch (132 SMs) of a dynamic per-tensor scale on a contiguous (M, N) ``x_dtype`` tensor
+    would be."""
+    from qflash.kernels.common import build_tl_for_sm90
+
+    m, n = shape
+    plan = _tensor_plan(m * n, torch.empty((), dtype=x_dtype).element_size(), 132, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+             torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+    args = dict(X=f"*{names[x_dtype]}", Xq=f"*{names[dtype]}", Scale="*fp32", Amax="*fp32", Arrived="*i32",
+                numel=m * n)
+    constants = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
+                     **plan.constexprs)
+    return build_tl_for_sm90(_tensor_kernel, args, constants, num_warps=TENSOR_WARPS)
