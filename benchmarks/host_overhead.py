@@ -3,6 +3,7 @@
     python3 benchmarks/host_overhead.py --out host.json                # attention forward
     python3 benchmarks/host_overhead.py --head-dim 64 --seqlen 512 --causal --out host.json
     python3 benchmarks/host_overhead.py --op matmul --out host.json    # FP8 matmul (M = 128, N = K = 512)
+    python3 benchmarks/host_overhead.py --op quantize --out host.json  # quantize (128 x 4096)
 
 At 512 tokens a forward kernel runs 0.1-0.2 ms; a launch path that costs as much on the CPU
 shows up in eager timings. Prints microseconds a call for each path, then where the public
@@ -81,6 +82,24 @@ def matmul_paths() -> tuple:
     return paths, gluon
 
 
+def quantize_paths() -> tuple:
+    """Paths of quantizing 128 x 4096 bfloat16 values (1 MB: the host sets the pace)."""
+    from qflash.kernels import quantize as kernels
+
+    x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
+    static = torch.full((1,), 0.01, device="cuda")
+    paths = {}
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        name = str(qdtype).split(".")[-1]
+        paths[f"{name} per tensor (one launch)"] = lambda q=qdtype: qflash.quantize(x, q, "tensor")
+        paths[f"{name} per tensor (one launch, Triton's call)"] = uncached(
+            kernels, "_tensor_launcher", lambda q=qdtype: qflash.quantize(x, q, "tensor"))
+        paths[f"{name} per tensor (sweep + pass)"] = lambda q=qdtype: kernels.quantize(x, q, "tensor", one_launch=False)
+        paths[f"{name} per tensor, static scale"] = lambda q=qdtype: qflash.quantize(x, q, "tensor", scale=static)
+        paths[f"{name} per row"] = lambda q=qdtype: qflash.quantize(x, q, "row")
+    return paths, lambda: qflash.quantize(x, torch.float8_e4m3fn, "tensor")
+
+
 def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False) -> tuple:
     """One head of one sequence: the launch paths of the kernels that a (head_dim, seqlen,
     causal) call at any batch x heads takes, with little for the GPU to do."""
@@ -104,7 +123,7 @@ def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=["attention", "matmul"], default="attention")
+    parser.add_argument("--op", choices=["attention", "matmul", "quantize"], default="attention")
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the head dim whose kernels to launch")
     parser.add_argument("--seqlen", type=int, default=128, help="attention: the length (sets the tiles)")
@@ -112,6 +131,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.op == "matmul":
         paths, profiled = matmul_paths()
+    elif args.op == "quantize":
+        paths, profiled = quantize_paths()
     else:
         paths, profiled = attention_paths(args.head_dim, args.seqlen, args.causal)
     result = {"env": environment(), "op": args.op, "rows": [],

@@ -317,18 +317,20 @@ def test_gpu_ties_saturation_and_special_values(qdtype):
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_per_tensor_one_launch(x_dtype):
     """The cooperative launch, bit for bit against the reference and the two-launch sweep: tensors
-    held whole (up to 1023 x 239) and one that is held and streamed (8192 x 4097: 132 programs hold
-    64 K bfloat16 or 32 K float32 values each of its 33.6 M), with the absmax in the first held
-    element, in the last program's held part, in the streamed middle and in the last element;
-    a NaN there gives a NaN scale."""
+    held whole (up to 1023 x 239), the largest it takes, held in part and streamed in part
+    (4096 x 4097 of bfloat16, 2048 x 4097 of float32: 132 programs hold 64 K / 32 K values each),
+    and one twice as large (the sweep), with the absmax in the first element, in the last
+    program's held part, in the middle and in the last element; a NaN there gives a NaN scale."""
     from qflash.kernels.quantize import TENSOR_BLOCK, TENSOR_HOLD_BYTES, _tensor_plan, quantize as launch
 
-    for shape in ((1, 1), (63, 113), (1023, 239), (8192, 4097)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    largest = 4096 if x_dtype == torch.bfloat16 else 2048
+    for shape in ((1, 1), (63, 113), (1023, 239), (largest, 4097), (2 * largest, 4097)):
         x = (torch.randn(shape, device="cuda") * 3).to(x_dtype)
         numel = x.numel()
-        plan = _tensor_plan(numel, x.element_size(), torch.cuda.get_device_properties(0).multi_processor_count,
-                            TENSOR_HOLD_BYTES, TENSOR_BLOCK)
-        last_held = (plan.grid[0] - 1) * plan.constexprs["HOLD"] + 5
+        plan = _tensor_plan(numel, x.element_size(), sms, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+        assert (plan is None) == (shape[0] == 2 * largest)
+        last_held = (plan.grid[0] - 1) * plan.constexprs["HOLD"] + 5 if plan else 0
         for pos in sorted({0, min(last_held, numel - 1), numel // 2 + 7 if numel > 1 else 0, numel - 1}):
             y = x.clone()
             y.view(-1)[pos] = -40.0
