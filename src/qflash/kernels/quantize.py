@@ -8,7 +8,7 @@ mostly hits L2). A per-tensor scale needs the whole tensor's absmax before the f
 value is quantized. Up to about 34 MB of input, one cooperative launch (``_tensor_kernel``)
 finds it and quantizes: one program an SM holds up to 128 KB of the input in its
 registers (17 MB on the H200) across a grid barrier, and streams the rest twice, the
-second time mostly from L2 (0.69-0.76 of a same-size copy's bandwidth from 24 to 32 MB,
+second time mostly from L2 (0.69-0.78 of a same-size copy's bandwidth from 24 to 32 MB,
 against the sweep's 0.55-0.63). Larger tensors: a sweep by a few programs per SM, each
 adding its maximum to one value by an atomic max, then the quantize pass, which takes
 the tiles in reverse order, so that it starts on those the sweep read last (two reads
@@ -48,7 +48,8 @@ TILE_WARPS = 4
 ABSMAX_PROGRAMS_PER_SM = 8
 # A dynamic per-tensor scale in one cooperative launch (_tensor_kernel): one program an SM, of
 # TENSOR_WARPS warps, holds up to TENSOR_HOLD_BYTES of the input in its registers between the two
-# phases (half of an SM's registers: 64 a thread) and streams the rest in TENSOR_BLOCK tiles.
+# phases (half of an SM's registers: 64 a thread) and streams the rest in TENSOR_BLOCK tiles; it
+# takes tensors up to twice what the programs hold (34.6 MB of 16-bit values on the H200).
 TENSOR_HOLD_BYTES = 128 * 1024
 TENSOR_BLOCK = 8192
 TENSOR_WARPS = 16
@@ -277,7 +278,7 @@ def _abs_bits(x, EMULATE_CASTS: tl.constexpr):
     """|x| as an integer, the bits of x's own format with the sign cleared: for values >= 0 integer
     order is float order, and every NaN lies above inf. No conversion to float32 (that the compiler
     could keep for the quantize phase), and 16-bit values two at a time, as they lie in a register
-    (one "and" of int16 values takes a register each: 30 more for the values a program holds).
+    (an "and" of int16 values takes a register each: 30 more a thread for the held values).
     The interpreter runs no PTX: there the int16 "and"."""
     if x.dtype.primitive_bitwidth == 32:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -401,7 +402,7 @@ class _Plan(NamedTuple):
     scale_shape: Tuple[int, int]
     grid: Tuple[int, int]
     absmax_programs: int  # programs of the per-tensor absmax sweep; 0: no sweep
-    constexprs: dict  # the quantize kernel's, less QMAX, OUT and EMULATE_CASTS (_tensor_kernel's: HOLD, BLOCK)
+    constexprs: dict  # the quantize kernel's, less QMAX, OUT and EMULATE_CASTS (or _tensor_kernel's)
     one_launch: bool = False  # a dynamic per-tensor scale by _tensor_kernel (grid: its programs)
 
 
@@ -411,7 +412,7 @@ def _tensor_plan(numel: int, element_size: int, sms: int, hold_bytes: int, block
     (a part of a program's, or more) is streamed. The held parts are whole, unmasked (masks cost
     registers), but for a tensor smaller than one part. None for a tensor more than twice as large
     as the programs hold: streaming more than it holds, one program an SM, is slower than the
-    sweep's eight (0.53-0.59 of a copy against 0.58-0.61 from 48 MB on, s28b). In the interpreter
+    sweep's eight (0.51-0.59 of a copy against 0.58-0.61 from 48 MB on, s28b). In the interpreter
     every size takes it, 4 programs of 1024 with 1024-element tiles, so that small tests hold and
     stream."""
     if not sms:
