@@ -5,15 +5,15 @@ in a tile (rows up to MAX_TILE_N wide, 2-D blocks, several of them per tile) get
 scale from that tile and are quantized from the same registers: one read, one write.
 Longer rows, and columns, are swept twice (absmax, then quantize; the second read
 mostly hits L2). A per-tensor scale needs the whole tensor's absmax before the first
-value is quantized. Up to about 34 MB of input, one cooperative launch (``_tensor_kernel``)
-finds it and quantizes: one program an SM holds up to 128 KB of the input in its
-registers (17 MB on the H200) across a grid barrier, and streams the rest twice, the
-second time mostly from L2 (0.69-0.78 of a same-size copy's bandwidth from 24 to 32 MB,
-against the sweep's 0.55-0.63). Larger tensors: a sweep by a few programs per SM, each
-adding its maximum to one value by an atomic max, then the quantize pass, which takes
-the tiles in reverse order, so that it starts on those the sweep read last (two reads
-of the input: about 0.6 of the copy bandwidth at most, once the tensor is larger than
-L2). A static per-tensor scale, given by the caller, needs neither: one read.
+value is quantized. From 2 to about 34 MB of input, one cooperative launch
+(``_tensor_kernel``) finds it and quantizes: one program an SM holds up to 128 KB of the
+input in its registers (17 MB on the H200) across a grid barrier, and streams the rest
+twice, the second time mostly from L2 (0.69-0.78 of a same-size copy's bandwidth from 24
+to 32 MB, against the sweep's 0.55-0.63). Smaller and larger tensors: a sweep by a few
+programs per SM, each adding its maximum to one value by an atomic max, then the quantize
+pass, which takes the tiles in reverse order, so that it starts on those the sweep read
+last (two reads of the input: about 0.6 of the copy bandwidth at most, once the tensor is
+larger than L2). A static per-tensor scale, given by the caller, needs neither: one read.
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
@@ -28,6 +28,7 @@ grid by integer arithmetic.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -49,7 +50,8 @@ ABSMAX_PROGRAMS_PER_SM = 8
 # A dynamic per-tensor scale in one cooperative launch (_tensor_kernel): one program an SM, of
 # TENSOR_WARPS warps, holds up to TENSOR_HOLD_BYTES of the input in its registers between the two
 # phases (half of an SM's registers: 64 a thread) and streams the rest in TENSOR_BLOCK tiles; it
-# takes tensors up to twice what the programs hold (34.6 MB of 16-bit values on the H200).
+# takes tensors from 16 KB an SM up to twice what the programs hold (2.2-34.6 MB of 16-bit values
+# on the H200).
 TENSOR_HOLD_BYTES = 128 * 1024
 TENSOR_BLOCK = 8192
 TENSOR_WARPS = 16
@@ -342,7 +344,8 @@ def _tensor_kernel(
 
     The held elements are four quarters, four tensors: one tensor would be converted to float32
     as a whole before the first of its values is quantized, twice the registers it is held in.
-    Only a tensor smaller than one program's HOLD masks them (HELD_MASKED).
+    They are masked only for a tensor smaller than one program's HOLD (HELD_MASKED: the
+    interpreter's small tests; on the GPU such tensors take the sweep).
     """
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -410,18 +413,20 @@ def _tensor_plan(numel: int, element_size: int, sms: int, hold_bytes: int, block
     """_tensor_kernel's launch: one program an SM, each holding a power of two of elements, at least
     four values a thread in each quarter, and at most ``hold_bytes``; what the programs do not hold
     (a part of a program's, or more) is streamed. The held parts are whole, unmasked (masks cost
-    registers), but for a tensor smaller than one part. None for a tensor more than twice as large
-    as the programs hold: streaming more than it holds, one program an SM, is slower than the
-    sweep's eight (0.51-0.59 of a copy against 0.58-0.61 from 48 MB on, s28b). In the interpreter
-    every size takes it, 4 programs of 1024 with 1024-element tiles, so that small tests hold and
-    stream."""
+    registers). None, for the sweep, where the tensor is
+    - smaller than a smallest part for every SM: the sweep's two plain launches take less time than
+      one cooperative launch there (4.4-4.7 against 5.1 us at 16-128 x 4096, s28e);
+    - more than twice what the programs hold: streaming more than it holds, one program an SM, is
+      slower than the sweep's eight (0.51-0.59 of a copy against 0.58-0.61 from 48 MB on, s28b).
+    In the interpreter every size takes it, 4 programs of 1024 with 1024-element tiles, so that
+    small tests hold and stream, and a tensor smaller than one part is masked (HELD_MASKED)."""
     if not sms:
         hold, block, programs = 1024, 1024, min(4, numel // 1024)
     else:
         least, most = 4 * 4 * 32 * TENSOR_WARPS, max(hold_bytes // element_size, 4 * 4 * 32 * TENSOR_WARPS)
-        if numel > 2 * sms * most:
+        if not sms * least <= numel <= 2 * sms * most:
             return None
-        hold = min(most, max(least, next_power_of_2(cdiv(numel, sms))))
+        hold = min(most, next_power_of_2(cdiv(numel, sms)))
         programs = min(sms, numel // hold)
     constexprs = dict(HOLD=hold, BLOCK=block, HELD_MASKED=programs == 0)
     return _Plan((1, 1), (max(programs, 1), 1), 0, constexprs, one_launch=True)
@@ -469,7 +474,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     "tensor" only): one pass instead of an absmax pass and a quantize pass. ``tile_elems`` and
     ``num_warps`` size the programs of the one-load paths (the benchmark's tile search varies
     them; the defaults suit the H200). A dynamic per-tensor scale on a contiguous x takes one
-    cooperative launch of ``_tensor_kernel`` where the tensor is at most twice what it holds,
+    cooperative launch of ``_tensor_kernel`` where the tensor is from 16 KB an SM to twice what it holds,
     ``hold_bytes`` of the input a program (the rest streamed in ``stream_block``-element tiles);
     otherwise (or ``one_launch=False``, as the benchmark compares) the absmax sweep, then the
     quantize pass over 2-D tiles. What follows from the
@@ -477,9 +482,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     """
     m, n = x.shape
     cuda = x.is_cuda
+    one_launch = one_launch and x.is_contiguous() and x.device not in _NOT_COOPERATIVE
     plan = _plan(m, n, granularity, None if block_size is None else tuple(block_size), static_scale is not None,
-                 tile_elems, num_warps, sm_count(x.device) if cuda else 0, x.element_size(),
-                 one_launch and x.is_contiguous(), hold_bytes, stream_block)
+                 tile_elems, num_warps, sm_count(x.device) if cuda else 0, x.element_size(), one_launch, hold_bytes,
+                 stream_block)
     x_q = new_output((m, n), dtype=dtype, device=x.device)
     scale = new_output(plan.scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
@@ -487,8 +493,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
             scale.copy_(static_scale.reshape(1, 1))
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
     if plan.one_launch:
-        _quantize_tensor(x, x_q, scale, plan, dtype)
-        return x_q, scale.reshape(())
+        if _quantize_tensor(x, x_q, scale, plan, dtype):
+            return x_q, scale.reshape(())
+        return quantize(x, dtype, granularity, static_scale=static_scale, tile_elems=tile_elems,
+                        num_warps=num_warps, one_launch=False)
     per_tensor = static_scale if static_scale is not None else scale  # (read only by GROUP_TENSOR)
     if plan.absmax_programs:
         per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -503,20 +511,34 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
 
 
-def _quantize_tensor(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, plan: _Plan, dtype: torch.dtype):
-    """Launch _tensor_kernel on a contiguous x: cooperatively on the GPU (all programs resident, or
-    the launch fails rather than hang at the barrier), as two launches in Triton's interpreter."""
+_NOT_COOPERATIVE = set()  # devices where a cooperative launch of _tensor_kernel failed: they take the sweep
+
+
+def _quantize_tensor(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> bool:
+    """Launch _tensor_kernel on a contiguous x: cooperatively on the GPU, as two launches in
+    Triton's interpreter. False if the GPU refused the cooperative launch: its programs could not
+    all be resident at once (fewer SMs than the device reports, as under MPS), where a plain
+    launch would wait at the barrier for ever. That device takes the sweep from then on."""
     m, n = x.shape
     zeroed = torch.zeros(2, dtype=torch.int32, device=x.device)  # Amax (float32 bits), then Arrived
     args = (x, x_q, scale, zeroed.view(torch.float32), zeroed[1:], m * n)
     common = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], **plan.constexprs)
     if x.is_cuda:
-        _tensor_launcher[plan.grid](*args, EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
-                                    num_warps=TENSOR_WARPS, launch_cooperative_grid=True, **common)
+        try:
+            _tensor_launcher[plan.grid](*args, EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
+                                        num_warps=TENSOR_WARPS, launch_cooperative_grid=True, **common)
+        except RuntimeError as error:
+            if "cooperative" not in str(error):
+                raise
+            warnings.warn(f"quantize: the GPU refused a cooperative launch of {plan.grid[0]} programs ({error}); "
+                          f"a per-tensor scale on {x.device} takes two launches from now on", RuntimeWarning)
+            _NOT_COOPERATIVE.add(x.device)
+            return False
     else:
         for phase in ("FIND_ABSMAX", "QUANTIZE"):
             _tensor_launcher[plan.grid](*args, EMULATE_CASTS=True, FIND_ABSMAX=phase == "FIND_ABSMAX",
                                         QUANTIZE=phase == "QUANTIZE", num_warps=TENSOR_WARPS, **common)
+    return True
 
 
 def compile_for_sm90(x_dtype: torch.dtype = torch.bfloat16, dtype: torch.dtype = torch.float8_e4m3fn,
