@@ -14,8 +14,9 @@ import sys
 import torch
 
 from qflash.bench.harness import environment, graph_ms, measure_ceilings, save_json
-from qflash.kernels.quantize import TENSOR_BLOCK, TENSOR_HOLD_BYTES, _plan, quantize as launch
+from qflash.kernels.quantize import TENSOR_BLOCK, TENSOR_HOLD_BYTES, _tensor_plan, quantize as launch
 from qflash.reference.quantize import QMAX
+from qflash.testing import same_bits
 
 SHAPES = [(512, 4096), (1024, 4096), (2048, 4096), (1024, 8192), (3072, 4096), (1024, 14336), (4096, 4096),
           (2048, 8192), (6144, 4096), (1024, 28672), (8192, 4096), (8192, 8192)]
@@ -27,11 +28,9 @@ VARIANTS = {  # hold_bytes a program, elements a streamed tile
 
 
 def _one_launch(x, one_launch=True, hold_bytes=TENSOR_HOLD_BYTES, stream_block=TENSOR_BLOCK) -> bool:
-    """Whether ``quantize`` takes the one launch for a dynamic per-tensor scale on x with these options."""
-    m, n = x.shape
+    """Whether ``quantize`` takes the one launch for a dynamic per-tensor scale on x (contiguous)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return _plan(m, n, "tensor", None, False, 4096, None, sms, x.element_size(), one_launch, hold_bytes,
-                 stream_block).one_launch
+    return one_launch and _tensor_plan(x.numel(), x.element_size(), sms, hold_bytes, stream_block) is not None
 
 
 def main():
@@ -49,9 +48,7 @@ def main():
             fns["static scale"] = lambda: launch(x, qdtype, "tensor", static_scale=static.reshape(1))
             fns["copy"] = lambda: dst.copy_(x)
             want = launch(x, qdtype, "tensor", one_launch=False)
-            same = {name: all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                                          b.view(torch.uint8) if b.element_size() == 1 else b)
-                              for a, b in zip(fns[name](), want)) for name in variants}
+            same = {name: all(same_bits(a, b) for a, b in zip(fns[name](), want)) for name in variants}
             times = {name: [] for name in fns}
             for _ in range(3):
                 for name, fn in fns.items():

@@ -8,18 +8,12 @@ import torch
 
 import qflash
 from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
-from qflash.testing import assert_written, poisoned, sqnr_db, with_outlier_channels
+from qflash.testing import assert_written, poisoned, same_bits, sqnr_db, with_outlier_channels
 
 from conftest import DEVICE, ptxas_report, sm90_build
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 GROUPS = [("tensor", None), ("row", None), ("column", None), ("block", (32, 64)), ("block", (1, 128))]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality, NaN included."""
-    return torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
-                       if b.element_size() == 1 else b)
 
 
 @pytest.mark.parametrize("granularity,block", GROUPS)
@@ -32,7 +26,7 @@ def test_matches_reference_bitwise(shape, qdtype, granularity, block):
     ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
     assert x_q.dtype == qdtype and scale.dtype == torch.float32 and scale.shape == ref_scale.shape
     assert_written(scale, "scale")
-    assert _same(x_q, ref_q)
+    assert same_bits(x_q, ref_q)
     assert torch.equal(scale, ref_scale)
 
 
@@ -107,7 +101,7 @@ def test_per_tensor_absmax_found_in_any_tile(where, one_launch):
             x_q, scale = launch(x, qdtype, "tensor", tile_elems=256, one_launch=one_launch)
         ref_q, ref_scale = quantize_ref(x, qdtype, "tensor")
         assert torch.equal(scale, ref_scale) and scale.item() == pytest.approx(40.0 / QMAX[qdtype], rel=1e-6)
-        assert _same(x_q, ref_q)
+        assert same_bits(x_q, ref_q)
     x[row, col] = math.nan
     assert math.isnan(launch(x, torch.int8, "tensor", tile_elems=256, one_launch=one_launch)[1].item())
 
@@ -126,7 +120,7 @@ def test_per_tensor_input_dtypes_and_layouts(x_dtype, layout):
             with poisoned():
                 x_q, scale = qflash.quantize(x, qdtype, "tensor")
             ref_q, ref_scale = quantize_ref(x, qdtype, "tensor")
-            assert torch.equal(scale, ref_scale) and _same(x_q, ref_q), (m, n, qdtype)
+            assert torch.equal(scale, ref_scale) and same_bits(x_q, ref_q), (m, n, qdtype)
 
 
 def test_per_tensor_one_launch_plan():
@@ -212,7 +206,7 @@ def test_static_scale_matches_reference_bitwise(qdtype, static):
             x_q, scale = qflash.quantize(inp, qdtype, "tensor", scale=s)
         ref_q, ref_scale = quantize_ref(inp, qdtype, "tensor", scale=s)
         assert scale.shape == () and scale.dtype == torch.float32 and float(scale) == float(ref_scale)
-        assert _same(x_q, ref_q)
+        assert same_bits(x_q, ref_q)
     if qdtype == torch.int8:
         assert int(x_q.min()) == -127 and int(x_q.max()) == 127
     assert torch.equal(s, before)  # the caller's scale is not touched
@@ -342,7 +336,8 @@ def test_gpu_per_tensor_one_launch(x_dtype):
                 ref_q, ref_scale = quantize_ref(y, qdtype, "tensor")
                 sweep_q, sweep_scale = launch(y, qdtype, "tensor", one_launch=False)
                 assert torch.equal(scale, ref_scale) and scale.item() == pytest.approx(40.0 / QMAX[qdtype], rel=1e-6)
-                assert _same(x_q, ref_q) and _same(x_q, sweep_q) and torch.equal(scale, sweep_scale), (shape, pos)
+                assert same_bits(x_q, ref_q) and same_bits(x_q, sweep_q), (shape, pos)
+                assert torch.equal(scale, sweep_scale), (shape, pos)
             y.view(-1)[pos] = math.nan
             assert math.isnan(launch(y, torch.int8, "tensor")[1].item()), (shape, pos)
 
@@ -361,7 +356,7 @@ def test_gpu_per_tensor_one_launch_in_cuda_graph():
         x.normal_().mul_(spread)
         graph.replay()
         ref_q, ref_scale = quantize_ref(x, torch.float8_e4m3fn, "tensor")
-        assert torch.equal(scale, ref_scale) and _same(x_q, ref_q), spread
+        assert torch.equal(scale, ref_scale) and same_bits(x_q, ref_q), spread
 
 
 _REFUSED_COOPERATIVE = """

@@ -25,6 +25,7 @@ __all__ = [
     "FlashRuleResult",
     "flash_rule",
     "assert_flash_rule",
+    "same_bits",
     "poisoned",
     "poison_enabled",
     "new_output",
@@ -166,6 +167,13 @@ def new_output(shape: Sequence[int], *, dtype: torch.dtype, device) -> torch.Ten
     if dtype.is_floating_point:
         return torch.full(shape, math.nan, dtype=dtype, device=device)
     return torch.full(shape, -123, dtype=dtype, device=device)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equality of quantized outputs: one-byte tensors (int8, float8) by their bits, so that float8
+    NaN codes count as equal; wider ones by value (``torch.equal``)."""
+    return torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                       b.view(torch.uint8) if b.element_size() == 1 else b)
 
 
 def assert_written(t: torch.Tensor, what: str = "output") -> None:

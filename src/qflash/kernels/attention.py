@@ -1140,7 +1140,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     GPU (what the CPU tests read), specialized as a launch of its default tiles (or ``config``) on
     Hopper would be: contiguous (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal
     (top-left) or no mask, a left window edge if ``window_left`` >= 0, dropout if ``dropout``."""
-    from qflash.kernels.common import build_tl_for_sm90
+    from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     seqlen, heads = 16384, 2048 // head_dim
     dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
@@ -1150,7 +1150,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     has_left = window_left >= 0
     strides = {"b": seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
     lse_strides = {"b": heads * seqlen, "h": seqlen, "s": 1}
-    elem = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    elem = SIGNATURE_NAMES[dtype]
     args = dict(seqlen_q=seqlen, seqlen_k=seqlen, num_heads=heads, num_heads_kv=heads, kv_group=1,
                 num_m_blocks=seqlen // cfg.block_m, num_n_blocks=seqlen // cfg.block_n,
                 window_left=window_left if has_left else -1, window_right=0 if causal else -1,

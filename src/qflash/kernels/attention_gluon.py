@@ -73,7 +73,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
-from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
+from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout,
+                                   sm_count)
 from qflash.kernels.gluon_common import barrier, ring_barriers, unchecked_descriptor
 from qflash.testing import new_output
 
@@ -611,7 +612,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     (what the CPU tests check): the compiled kernel."""
     if backward or dq:
         return _compile_backward_for_sm90(head_dim, dtype, causal, dq=dq)
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    name = SIGNATURE_NAMES[dtype]
 
     def desc(rows: int, cols: int = head_dim) -> str:
         return f"tensordesc<{name}[{rows}, {cols}],{nvmma_layout((rows, cols), _GL_DTYPES[dtype])!r}>"
@@ -1284,7 +1285,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def _compile_backward_for_sm90(head_dim: int, dtype: torch.dtype, causal: bool, dq: bool = False, **variant):
     """The backward kernel for sm_90 without a GPU, typed as ``launch_backward`` launches it (``dq``:
     D = 256's dQ kernel)."""
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    name = SIGNATURE_NAMES[dtype]
 
     def desc(rows: int, layout) -> str:
         return f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"

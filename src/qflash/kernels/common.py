@@ -70,6 +70,12 @@ def nvmma_layout(block_shape: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
 
 
+# Triton's names of element types in a kernel signature ("*bf16", "tensordesc<fp8e4nv[...]>"): what
+# the offline builds below are typed with.
+SIGNATURE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+                   torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
 def build_for_sm90(fn, types: dict, constants: dict, **options):
     """Compile a Gluon kernel for sm_90 without a GPU (what the CPU tests check): ``types`` gives
     each runtime argument's type ("*fp32", "i32", a tensor-descriptor type), ``constants`` each

@@ -60,7 +60,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from qflash.kernels.common import CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count
+from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout,
+                                   sm_count)
 from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides, split_k_counters)
@@ -946,11 +947,11 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
-    name = "i8" if int8 else "fp8e4nv"
+    name = SIGNATURE_NAMES[qdtype]
     sums = "*i32" if int8 else "*fp32"
     # split K: C takes the partial sums, except in the transposed product (they go to Sums)
     target = (torch.int32 if int8 else torch.float32) if split_k > 1 and not swap_ab else out_dtype
-    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}[target]
+    out = SIGNATURE_NAMES[target]
 
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"

@@ -295,12 +295,12 @@ def _abs_bits(x, EMULATE_CASTS: tl.constexpr):
 @triton.jit
 def _float_of_abs_bits(bits, like):
     """The float32 value of an |x| in like's format given by its bits (int32; see ``_abs_bits``), any NaN
-    as +inf, as ``_abs_or_inf``."""
+    as +inf (``_abs_or_inf``)."""
     if like.dtype.primitive_bitwidth == 32:
         a = bits.to(tl.float32, bitcast=True)
     else:
         a = bits.to(tl.int16).to(like.dtype, bitcast=True).to(tl.float32)
-    return tl.where(a < float("inf"), a, float("inf"))
+    return _abs_or_inf(a)
 
 
 @triton.jit
@@ -546,14 +546,12 @@ def compile_for_sm90(x_dtype: torch.dtype = torch.bfloat16, dtype: torch.dtype =
     """Build ``_tensor_kernel`` for sm_90 without a GPU (what the CPU tests read), specialized as the
     H200's launch (132 SMs) of a dynamic per-tensor scale on a contiguous (M, N) ``x_dtype`` tensor
     would be."""
-    from qflash.kernels.common import build_tl_for_sm90
+    from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     m, n = shape
     plan = _tensor_plan(m * n, torch.empty((), dtype=x_dtype).element_size(), 132, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
-    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
-             torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-    args = dict(X=f"*{names[x_dtype]}", Xq=f"*{names[dtype]}", Scale="*fp32", Amax="*fp32", Arrived="*i32",
-                numel=m * n)
+    args = dict(X=f"*{SIGNATURE_NAMES[x_dtype]}", Xq=f"*{SIGNATURE_NAMES[dtype]}", Scale="*fp32", Amax="*fp32",
+                Arrived="*i32", numel=m * n)
     constants = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
                      **plan.constexprs)
     return build_tl_for_sm90(_tensor_kernel, args, constants, num_warps=TENSOR_WARPS)
