@@ -774,6 +774,142 @@ def test_gpu_public_fp8_matmul_three_consumers(scales):
     assert rel_l2_err(public, ref) < 2 ** -8
 
 
+@pytest.mark.parametrize("scales,block_n,consumers", [("tensor", 256, 2), ("row", 256, 2), ("tensor", 128, 3),
+                                                       ("block", 128, 2)])
+def test_stream_k_builds_for_sm90(scales, block_n, consumers):
+    """Stream-K's cut tiles meet through counts (acquire-release atomics) and float32 sums moved as
+    pairs of values: no spills beside the held totals (a 256-wide tile's two halves, three
+    consumers' 160 registers)."""
+    stages = {256: 3, 128: 4 if consumers == 3 else 5}[block_n]
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=stages, tma_store=True,
+                        consumers=consumers, c_bufs=2 if block_n == 256 else 1, stream_k=True)
+    ptx = kernel["ptx"]
+    report = ptxas_report(ptx)
+    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.release.add" in ptx
+    assert "ld.global.gpu.acquire" in ptx and "ld.global.cg.v2" in ptx  # the wait: an acquiring load
+    assert "0 bytes spill stores" in report and kernel["shared"] <= 227 * 1024
+
+
+def test_plan_stream_k():
+    """Stream-K where the tiles make more than one round of the SMs and the last is part-empty: the
+    last two rounds' tiles may be cut, a count and a 64-row block's sums for each of their blocks;
+    elsewhere the launch is the data-parallel one. What it does not take, it refuses."""
+    def plan(m, n, k, **kw):
+        opts = dict(block_n=None, consumers=None, swap_ab=False, split_n=None, split_k=None, stream_k=True,
+                    scales="tensor")
+        opts.update(kw)
+        return gluon._plan(m, n, k, False, torch.bfloat16, opts["scales"], False, opts["block_n"], None, None,
+                           opts["split_k"], gluon.GROUP_M, 132, opts["consumers"], opts["swap_ab"], None,
+                           opts["split_n"], None, opts["stream_k"])
+
+    cut = plan(8192, 8192, 8192, block_n=256)  # 2048 tiles: 15 rounds and 68
+    assert cut.constexprs["STREAM_K"] and cut.grid == (132,) and cut.cut_blocks == (68 + 132) * 2
+    three = plan(8192, 10240, 8192, consumers=3)  # 43 x 80 = 3440 tiles: 26 rounds and 8
+    assert three.constexprs["STREAM_K"] and three.cut_blocks == (8 + 132) * 3
+    assert not plan(8192, 8192, 8192, block_n=256, stream_k=False).constexprs["STREAM_K"]
+    assert plan(8192, 8192, 8192, block_n=256, stream_k=False).cut_blocks == 0
+    for m, n in ((128 * 132, 256), (1024, 4096)):  # whole rounds; fewer tiles than SMs
+        assert not plan(m, n, 4096, block_n=256).constexprs["STREAM_K"]
+    for bad in (dict(swap_ab=True), dict(split_k=2), dict(block_n=160), dict(block_n=128, split_n=True)):
+        with pytest.raises(ValueError, match="stream_k"):
+            plan(8192, 8192, 8192, **bad)
+    # by default: block scales on 128 x 128 tiles from M = 8192 and K = 8192, rounds under 98 % full
+    auto = plan(8192, 8192, 8192, scales="block", stream_k=None)  # 4096 tiles: 31 rounds and 4
+    assert auto.block_n == 128 and auto.consumers == 2 and auto.constexprs["STREAM_K"]
+    assert plan(8192, 8192, 8192, scales="block", stream_k=False).cut_blocks == 0  # told not to
+    for m, n, k, scales in ((8192, 10240, 8192, "block"),  # 5120 tiles: 99.5 % full
+                            (8192, 4096, 4096, "block"),  # 32 K steps
+                            (4096, 8192, 8192, "block"),  # M under 8192
+                            (8192, 8192, 8192, "tensor"), (8192, 8192, 8192, "row")):
+        assert not plan(m, n, k, scales=scales, stream_k=None).constexprs["STREAM_K"], (m, n, k, scales)
+    assert not gluon.stream_k_preferred(8192, 28672, 28672, "block", 128, 2)  # 14336 tiles: 99.6 % full
+    assert gluon.stream_k_preferred(8192, 8192, 28672, "block", 128, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales,block_n,consumers", [("tensor", 256, 2), ("row", 256, 2), ("tensor", 128, 3),
+                                                       ("row", 128, 3), ("block", 128, 2), ("int8", 128, 2)])
+@pytest.mark.parametrize("m,n,k", [(2100, 2000, 1008), (4500, 1900, 640), (2900, 2600, 1168), (3000, 2560, 128)])
+def test_gpu_stream_k(m, n, k, scales, block_n, consumers):
+    """Stream-K (the last two rounds' tiles in equal shares of their K steps, the two pieces of a
+    cut tile summed in the kernel): ragged M, N and K, tiles from one round plus a few to two
+    rounds plus some, K of one step (no tile cut) to ten. INT8 bit-exact; FP8 within float32
+    rounding of the reference (the pieces' sums add in another order than one run's), the
+    bfloat16 output that float32 rounded once, the same bits launch after launch (the cuts
+    depend on the shapes alone) and from a CUDA graph replayed on new inputs; the counts are
+    back at zero."""
+    from qflash.kernels.matmul_epilogue import _COUNTERS
+
+    plan = gluon._plan(m, n, k, scales == "int8", torch.float32, "row" if scales == "int8" else scales, True,
+                       block_n, None, None, None, gluon.GROUP_M, torch.cuda.get_device_properties(0).multi_processor_count,
+                       consumers, False, None, None, None, True)
+    assert plan.constexprs["STREAM_K"], (m, n, k, "the tiles make whole rounds: no stream-K to test")
+
+    def operands():
+        if scales == "block":
+            a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+            a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+            b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+            return a_q, b_q, a_k, b_k, a_k, b_k, None
+        qdtype = torch.int8 if scales == "int8" else torch.float8_e4m3fn
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, "row" if scales == "int8" else scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, "row" if scales == "int8" else scales)
+        return a_q, b_q, a_s, b_s, a_k, b_k, torch.randn(n, device="cuda")
+
+    def launch(a_q, b_q, a_k, b_k, bias, out_dtype):
+        kind = {"int8": "row"}.get(scales, scales)
+        return gluon.launch(a_q, b_q, a_k, b_k, bias, out_dtype, kind, block_n=block_n, consumers=consumers,
+                            stream_k=True)
+
+    def check(c, a_q, b_q, a_s, b_s, bias):
+        if scales == "int8":
+            assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float32))
+        else:
+            ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+            assert rel_l2_err(c, ref) < max(1e-5 * k ** 0.5, 2 ** -12)
+
+    a_q, b_q, a_s, b_s, a_k, b_k, bias = operands()
+    with poisoned():
+        c = launch(a_q, b_q, a_k, b_k, bias, torch.float32)
+    assert_written(c)
+    check(c, a_q, b_q, a_s, b_s, bias)
+    with poisoned():
+        c16 = launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16)
+    assert_written(c16)
+    assert torch.equal(c16, c.to(torch.bfloat16))
+    for _ in range(2):
+        assert torch.equal(launch(a_q, b_q, a_k, b_k, bias, torch.float32), c)
+    torch.cuda.synchronize()
+    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = launch(a_q, b_q, a_k, b_k, bias, torch.float32)
+    for mine, new in zip((a_q, b_q, a_s, b_s), operands()):  # (a_k, b_k: a_s, b_s or views of them)
+        mine.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(c, a_q, b_q, a_s, b_s, bias)
+    assert all(int(t.count_nonzero()) == 0 for t in _COUNTERS.values())
+
+
+@pytest.mark.gpu
+def test_gpu_public_fp8_matmul_block_scales_stream_k():
+    """fp8_matmul with block scales where stream_k_preferred cuts the last rounds (M = 8192,
+    K = 8192, 2176 tiles of 128 x 128: 16 rounds and 64): the stream-K launch's bits, within
+    float32 rounding of the reference."""
+    m, n, k = 8192, 4352, 8192
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gluon.stream_k_preferred(m, n, k, "block", 128, 2, sms)
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    with poisoned():
+        public = qflash.fp8_matmul(a_q, b_q, a_k, b_k, out_dtype=torch.float32)
+    assert_written(public)
+    assert torch.equal(public, gluon.launch(a_q, b_q, a_k, b_k, None, torch.float32, "block", stream_k=True))
+    assert rel_l2_err(public, fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)) < 1e-5 * k ** 0.5
+
+
 @pytest.mark.gpu
 def test_gpu_swap_ab_split_k_counts_reset():
     """The transposed product's runs meet through one count a tile that the last run sets back to
