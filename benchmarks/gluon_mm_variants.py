@@ -28,8 +28,7 @@ from qflash.reference.matmul import fp8_matmul_ref
 # (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, k: stream-K
-# for the last two rounds of tiles where the last is part-empty, sN: K
+# block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
 # xC: C CTAs an SM, bB: B blocks of C a consumer; auto: tile_config's; w[N][sM]: the transposed
@@ -54,17 +53,14 @@ def variant(text):
         stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(k?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [n] [k] [sN] [gN] [cN] [xC] [bB], "
-                         f"got {text!r}")
-    block_n, stages, tma, split_n, stream_k, split, group, consumers, ctas, bufs = match.groups()
+        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB], got {text!r}")
+    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if split_n:
         out["split_n"] = True
-    if stream_k:
-        out["stream_k"] = True
     if bufs:
         out["c_bufs"] = int(bufs)
     if group:
@@ -174,7 +170,7 @@ def main():
                                  tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
                                  vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
                                  same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
-                                              and not opts.get("swap_ab") and not opts.get("stream_k") else None),
+                                              and not opts.get("swap_ab") else None),
                                  cublas_kernels=cublas_kernels))
                 r = rows[-1]
                 print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "

@@ -85,61 +85,18 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _work_items(num_tiles, k_steps, SPLIT_K: gl.constexpr, STREAM_K: gl.constexpr):
-    """This program's work items, ``range(first, stop, step)``, and with STREAM_K what ``_work_item``
-    needs: the tiles of the whole rounds (``dp_tiles``), how many of them are this program's
-    (``n_dp``), and its share [lo, hi) of the K steps of the rest. Without STREAM_K the items are
-    the SPLIT_K runs of every tile, dealt out in turn. With it (the launch has one program an SM
-    and more tiles than programs, not a multiple of them) every program takes one tile a round
-    in the whole rounds but the last full one, then an equal share of the last two rounds' K
-    steps, so that no SM waits out a part-empty last round. A share is at least a tile's K steps,
-    so no tile has more than two pieces."""
-    if STREAM_K:
-        programs = gl.num_programs(0)
-        sk_tiles = num_tiles % programs + programs
-        dp_tiles = num_tiles - sk_tiles
-        sk_steps = sk_tiles * k_steps
-        lo = gl.program_id(0) * sk_steps // programs
-        hi = (gl.program_id(0) + 1) * sk_steps // programs
-        n_dp = dp_tiles // programs
-        first, stop, step = 0, n_dp + (hi - 1) // k_steps - lo // k_steps + 1, 1
-    else:
-        dp_tiles, n_dp, lo, hi = 0, 0, 0, 0  # not read
-        first, stop, step = gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)
-    return first, stop, step, dp_tiles, n_dp, lo, hi
-
-
-@gluon.jit
-def _work_item(t, num_m, num_n, k_steps, dp_tiles, n_dp, lo, hi, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
-               STREAM_K: gl.constexpr):
+def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
     """Work item t: its output tile (row block, column block), which of the SPLIT_K runs of K steps
-    it takes, that run's first K step and its length (the K loops count from 0, so that a whole
-    tile's loop is the same code with or without STREAM_K), and with STREAM_K the tile's slot
-    among the cut ones (-1: whole). Split K's runs of one tile are neighbouring items. With STREAM_K item t < n_dp is
-    the tile of round t, and the rest the tiles that this program's share [lo, hi) of the last
-    rounds' K steps meets, in order (tile ``dp_tiles + j`` holds steps j * k_steps onwards)."""
-    if STREAM_K:
-        j = lo // k_steps + t - n_dp  # item t >= n_dp: the share's j-th tile after the whole rounds'
-        shared = t >= n_dp
-        tile = gl.where(shared, dp_tiles + j, gl.program_id(0) + t * gl.num_programs(0))
-        k_lo = gl.where(shared, gl.maximum(lo - j * k_steps, 0), 0)
-        k_hi = gl.where(shared, gl.minimum(hi - j * k_steps, k_steps), k_steps)
-        split = 0
-        slot = gl.where(k_hi - k_lo < k_steps, j, -1)  # (ptxas schedules a loop from k_lo slower: s29c)
-    else:
-        tile = t // SPLIT_K
-        split = t % SPLIT_K
-        k_run = gl.cdiv(k_steps, SPLIT_K)
-        k_lo = split * k_run
-        k_hi = gl.minimum(k_steps, (split + 1) * k_run)
-        slot = -1  # not read
-    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-    return pid_m, pid_n, split, k_lo, k_hi - k_lo, slot
+    it takes, and that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
+    pid_m, pid_n = _tile_coords(t // SPLIT_K, num_m, num_n, GROUP_M)
+    split = t % SPLIT_K
+    k_run = gl.cdiv(k_steps, SPLIT_K)
+    return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
 
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr, STREAM_K: gl.constexpr):
+               TAIL_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
@@ -160,13 +117,10 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    first, stop, step, dp_tiles, n_dp, lo, hi = _work_items(num_m * num_n, k_steps, SPLIT_K, STREAM_K)
     c = 0  # K steps over all items: the ring's position
-    for t in range(first, stop, step):
-        pid_m, pid_n, split, k_lo, steps, slot = _work_item(t, num_m, num_n, k_steps, dp_tiles, n_dp, lo, hi, GROUP_M,
-                                                            SPLIT_K, STREAM_K)
-        for i in range(0, steps):
-            kk = k_lo + i
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+        for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
@@ -263,48 +217,10 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
-def _meet_pieces(acc, acc_hi, Sums, Counters, slot, which, CONSUMERS: gl.constexpr, WIDE: gl.constexpr):
-    """Stream-K: the two pieces of a cut tile meet (a share of K steps is at least a tile's, so no
-    tile has more). Each consumer's block has a count and a place in the tile's slot of Sums: the
-    piece that counts in first stores its float32 (int32) sum there and counts again; the second
-    waits for that second count (the first is running and does not wait, so it comes), adds the
-    stored sum to its own (a sum of two: the same bits whichever came first), and sets the count
-    back to zero for the next launch. Returns (whether this piece writes the block, the totals:
-    ``acc`` and, for a 256-wide tile, ``acc_hi``)."""
-    SUB: gl.constexpr = acc.type.shape[0]
-    HALF: gl.constexpr = acc.type.shape[1]
-    BN: gl.constexpr = 2 * HALF if WIDE else HALF
-    rows = gl.arange(0, SUB, layout=gl.SliceLayout(1, acc.type.layout))
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc.type.layout))
-    offs = gl.expand_dims(rows * BN, 1) + gl.expand_dims(cols, 0)  # [SUB, HALF], within the block
-    index = slot * CONSUMERS + which
-    block = Sums + index.to(gl.int64) * (SUB * BN)
-    count = Counters + index
-    # acq_rel: the second sees the first's count, and whatever came before it
-    second = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") > 0
-    if second:
-        while gl.atomic_add(count, 0, sem="acquire", scope="gpu") < 3:  # the first has stored its sum
-            pass
-        # .cg: from L2, where the first piece's stores are, not from a stale L1 line
-        acc = acc + gl.load(block + offs, cache_modifier=".cg")
-        if WIDE:
-            acc_hi = acc_hi + gl.load(block + HALF + offs, cache_modifier=".cg")
-        gl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-    else:
-        gl.store(block + offs, acc)
-        if WIDE:
-            gl.store(block + HALF + offs, acc_hi)
-        gl.thread_barrier()  # every thread's stores are issued before the count goes up
-        gl.atomic_add(count, 1, sem="release", scope="gpu")
-    return second, acc, acc_hi
-
-
-@gluon.jit
-def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, steps, stride_ask, stride_bsn, stride_bsk):
-    """Block scales of the run's K step ``kk`` (zeros from ``steps`` on; the pointers start at the
-    run's first step): A's for the consumer's rows, and B's for the tile's first and (``hi_ok``)
-    second 128 columns."""
-    ok = kk < steps
+def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
+    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
+    for the tile's first and (``hi_ok``) second 128 columns."""
+    ok = kk < k_hi
     a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
     b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
     b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
@@ -326,7 +242,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 @gluon.jit
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr, STREAM_K: gl.constexpr):
+                 TAIL_N: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -369,32 +285,27 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                      and SCALES != SCALES_BLOCK and not SWAP_AB and SPLIT_K == 1),
                      "split columns: two consumers, FP8 with tensor or row scales, parts of 16 columns or more")
     gl.static_assert(C_BUFS == 1 or (WIDE and TMA_STORE), "two blocks of C a consumer: 256-wide tiles, bulk stores")
-    gl.static_assert(not STREAM_K or (SPLIT_K == 1 and TAIL_N == 0 and not SPLIT_N and not SWAP_AB),
-                     "stream-K: no K split, tail, split columns or transposed product")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 32])  # 8-bit wgmma: k = 32
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    first, stop, step, dp_tiles, n_dp, lo, hi = _work_items(num_m * num_n, k_steps, SPLIT_K, STREAM_K)
     c = 0
-    for t in range(first, stop, step):
-        pid_m, pid_n, split, k_lo, steps, slot = _work_item(t, num_m, num_n, k_steps, dp_tiles, n_dp, lo, hi, GROUP_M,
-                                                            SPLIT_K, STREAM_K)
+    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
-            for kk in range(0, steps):
+            for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
                                     b_ring.index(B_PARTS * s + b_part).permute((1, 0)), acc, is_async=True)
                 # One product in flight: the previous K step's is done, so its slot goes back.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > 0)
+                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > k_lo)
                 c += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=steps > 0)
-            acc_hi = acc  # not read: INT8 tiles have no second half
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -414,26 +325,26 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
                 # before it joins the total; the next step's scales load while this one's product runs.
                 rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-                a_ptrs = AScale + rows * stride_asm + k_lo * stride_ask  # from the run's first K step
+                a_ptrs = AScale + rows * stride_asm
                 if BN >= BK:  # B's first 128 x 128 block of the tile
-                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn + k_lo * stride_bsk
+                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
                 else:  # 64- or 32-wide tiles: two or four to a block
-                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn + k_lo * stride_bsk
+                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
                 if WIDE:
                     hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
                 else:
                     hi_ok = False
-                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, 0, steps, stride_ask,
+                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
-            k_single = 0  # the K steps from here on go one at a time
+            k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
                 # steps go in pairs, and the first step's partial is added while the second's
                 # product runs. (Three consumers have 160 registers a thread, not 232.)
-                k_single = steps // 2 * 2
-                for kk in range(0, k_single, 2):
+                k_single = k_lo + (k_hi - k_lo) // 2 * 2
+                for kk in range(k_lo, k_single, 2):
                     s0 = c % STAGES
                     s1 = (c + 1) % STAGES
                     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -446,19 +357,19 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                        is_async=True)
                     a_sc1, b_sc1 = a_sc, b_sc
                     if SCALES == SCALES_BLOCK:
-                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, steps, stride_ask,
+                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
                                                        stride_bsn, stride_bsk)
                     p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
                     if SCALES == SCALES_BLOCK:
-                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, steps,
+                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
                                                            stride_ask, stride_bsn, stride_bsk)
                     p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                     mbarrier.arrive(empty.index(s1), count=1)
                     acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
                     c += 2
-            for kk in range(k_single, steps):  # a wide or tailed tile's steps, or a narrow tile's odd last one
+            for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 a = a_ring.index(A_PARTS * s + a_part)
@@ -468,7 +379,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                     part_t = warpgroup_mma(a, b_tail.index(B_PARTS * s + b_part).permute((1, 0)), fresh_t,
                                            use_acc=False, is_async=True)
                 if SCALES == SCALES_BLOCK:
-                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, steps,
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
                                                              stride_ask, stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
@@ -488,28 +399,17 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
         c_buf = c_smem.index(which * C_BUFS)
         c_buf_hi = c_smem.index(which * C_BUFS + C_BUFS - 1)  # a 256-wide tile's second half
-        RAW: gl.constexpr = SPLIT_K > 1 and not SWAP_AB
         if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a tile's runs writes C
             last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split, pid_m * num_n + pid_n,
                                        split_rows, M, N, SPLIT_K)
             if last:
                 _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
                              stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
-        elif STREAM_K:  # a cut tile's pieces meet in this kernel: the second writes C
-            writes = slot < 0
-            if slot >= 0:
-                writes, acc, acc_hi = _meet_pieces(acc, acc_hi, Sums, Counters, slot, which, CONSUMERS, WIDE)
-            if writes:
-                _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, 0, M, N, stride_cm,
-                             stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, False, C_BUFS - 1)
-                if WIDE:
-                    _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF, 0, M, N,
-                                 stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, False,
-                                 C_BUFS - 1)
         else:
+            RAW: gl.constexpr = SPLIT_K > 1
             _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, split * split_rows, M, N,
                          stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
-        if WIDE and not STREAM_K:
+        if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
         if TAIL_N > 0:
@@ -525,8 +425,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         STREAM_K: gl.constexpr):
+                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -554,24 +453,24 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, STREAM_K))], [4, 4, 1], [160, 160, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, STREAM_K))], [4, 1], [240, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, STREAM_K)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, STREAM_K))], [1], [24])
+                                   CONSUMERS, SWAP_AB, TAIL_N)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -798,31 +697,6 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     return not int8 and m > 32 and n >= 4096 and k >= 4096
 
 
-# Stream-K for block scales (two consumers' 128 x 128 tiles): from M = 8192 and 64 K steps, where
-# the rounds of tiles are under 98 % full (``stream_k_preferred``)
-STREAM_K_MIN_M = 8192
-STREAM_K_MIN_K_STEPS = 64
-STREAM_K_MAX_FILL = 0.98
-
-
-def stream_k_preferred(m: int, n: int, k: int, scales: str, block_n: int, consumers: int, sms: int = 132) -> bool:
-    """Whether the launch cuts the last two rounds of tiles into equal shares of their K steps
-    (``stream_k``): block scales on 128 x 128 tiles from M = 8192, K of 64 steps or more (8192),
-    where the rounds of tiles are under STREAM_K_MAX_FILL full. Against the same tiles without
-    it, timed in turn twice in one run, x itself at M = 8192
-    (benchmarks/results/matmul_fp8_stream_k_block_repeat_m8192_h200_2026-12-01_s29e.json): 70B
-    down 1.031-1.037, 70B o 1.011-1.013, 8B down 1.007-1.016, 8192^3 1.002-1.011, the four it
-    takes (rounds 97 % full); where K is 4096 0.985-1.006 (8B qkv, o, gate_up), and 70B qkv
-    (99.5 % full) 0.994-0.997. (70B gate_up, 99.6 % full, gained 1.018-1.021 without a reason
-    the fill gives; it is left out.) Stream-K lost elsewhere: with 128 x 256 tiles 0.87-0.98 at
-    every M = 8192 shape, with three consumers' 192 x 128 tiles 0.94-1.02 (s29b-s29e): shares
-    that start at different K steps read from DRAM what whole rounds find in L2."""
-    tiles = cdiv(m, consumers * SUB_M) * cdiv(n, block_n)
-    return (scales == "block" and block_n == 128 and consumers == 2 and m >= STREAM_K_MIN_M
-            and cdiv(k, BLOCK_K) >= STREAM_K_MIN_K_STEPS and tiles > sms
-            and _wave_fill(tiles, sms) < STREAM_K_MAX_FILL)
-
-
 def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
     """Whether ``scaled_matmul`` takes the transposed product (``swap_ab``, tensor or row scales)
     for a decode-sized FP8 product: M <= 32 with N and K from 4096 where ``_swap_runs`` finds
@@ -903,24 +777,18 @@ class _Plan(NamedTuple):
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
     options: dict  # launch options: a register cap where two CTAs share an SM
-    cut_blocks: int  # stream-K: 64-row blocks of the tiles its shares may cut (0: none), a count and sums each
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
-          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
-          stream_k: Optional[bool] = None) -> _Plan:
+          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
-    ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``; with ``stream_k`` the
-    last two rounds of tiles in equal shares of their K steps, where the tiles make more than
-    one round and the last is part-empty)."""
+    ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
     if split_n and (int8 or scales == "block" or swap_ab or (ctas_per_sm or 1) != 1 or (split_k or 1) != 1):
         raise ValueError("split_n takes FP8 with tensor or row scales, one CTA an SM, no swap_ab and no K split")
-    if stream_k and (swap_ab or split_n or (ctas_per_sm or 1) != 1 or (split_k or 1) != 1):
-        raise ValueError("stream_k takes one CTA an SM, no swap_ab, split_n or K split")
     if swap_ab:
         config = swap_config(n, m, k, sms)
         if ctas_per_sm is None:
@@ -961,13 +829,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     if tma_store is None:  # tile_config's choice, or for FP8 tiles of the caller's width bulk stores
         tma_store = config[2] if not own_width or swap_ab else not int8
     tma_store = tma_store and not tail  # a tail's block goes by plain stores
-    if stream_k and tail:
-        raise ValueError(f"stream_k takes tiles without a tail, got block_n={block_n}")
-    if stream_k is None:  # the measured rule, where nothing else splits the work
-        stream_k = (not swap_ab and not split_n and not tail and (split_k or config[3]) == 1 and ctas_per_sm == 1
-                    and stream_k_preferred(m, n, k, scales, block_n, consumers, sms))
     k_steps = cdiv(k, BLOCK_K)
-    split_k = 1 if stream_k else split_k
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
     ring_bytes = stages * _slot_bytes(block_n, consumers, split_n)
@@ -988,17 +850,12 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     # ... with bulk stores, where the second block fits too (as the first, else one)
     c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
     tile_rows = SUB_M if split_n else consumers * SUB_M
-    tiles = cdiv(m, tile_rows) * cdiv(n, block_n)
-    items = tiles * split_k
-    # Stream-K where a last round would leave SMs idle: the last two rounds' tiles are cut (into
-    # two pieces at most), each 64-row block of them a count and a place for a piece's sum
-    stream_k = bool(stream_k) and tiles > sms and tiles % sms != 0
-    cut_blocks = (tiles % sms + sms) * consumers if stream_k else 0
+    items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs, STREAM_K=stream_k)
+                      SPLIT_N=split_n, C_BUFS=c_bufs)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
-                 partial_dtype, constexprs, _launch_options(ctas_per_sm), cut_blocks)
+                 partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -1016,7 +873,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, stream_k: Optional[bool] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
@@ -1025,9 +882,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
     where the tile is ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts
     (3: 192 x 128 tiles, FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit)
-    blocks of C in shared memory each consumer of a 256-wide tile has, one a half; ``stream_k``
-    cuts the last two rounds' tiles into equal shares of their K steps where the last round is
-    part-empty (one CTA an SM, no K split, tail, ``split_n`` or ``swap_ab``). C (or with split K, the partial sums)
+    blocks of C in shared memory each consumer of a 256-wide tile has, one a half. C (or with split K, the partial sums)
     goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
     leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
@@ -1053,7 +908,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, stream_k)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -1063,10 +918,6 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if partial is not None and swap_ab:
         tiles = cdiv(m, plan.consumers * SUB_M) * cdiv(n, plan.block_n)
         sums, counters = partial, split_k_counters(a_q.device, tiles)
-    if plan.cut_blocks:  # stream-K: a 64-row block's sum for every block a share may cut
-        sums = torch.empty((plan.cut_blocks, SUB_M * plan.block_n), device=a_q.device,
-                           dtype=torch.int32 if a_q.dtype == torch.int8 else torch.float32)
-        counters = split_k_counters(a_q.device, plan.cut_blocks)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
@@ -1092,7 +943,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, stream_k: bool = False):
+                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1116,6 +967,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, STREAM_K=stream_k)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
