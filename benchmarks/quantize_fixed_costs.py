@@ -4,12 +4,11 @@ and per-row scales, and the zeroing of the counters alone, from CUDA graphs (bes
 
     OUT=out python3 benchmarks/quantize_fixed_costs.py    (writes $OUT/quantize_fixed_costs.json)"""
 
-import json
 import os
 
 import torch
 
-from qflash.bench.harness import environment, graph_ms
+from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels.quantize import quantize as launch
 
 F8 = torch.float8_e4m3fn
@@ -29,8 +28,7 @@ def main():
             rows.append(dict(what=f"{m}x4096 fp8 {name}", us=min(graph_ms(fn) for _ in range(2)) * 1e3))
     for r in rows:
         print(f"{r['what']:32s} {r['us']:7.2f} us")
-    with open(os.path.join(os.environ.get("OUT", "."), "quantize_fixed_costs.json"), "w") as f:
-        json.dump(dict(env=environment(), rows=rows), f, indent=1)
+    save_json(os.path.join(os.environ.get("OUT", "."), "quantize_fixed_costs.json"), dict(env=environment(), rows=rows))
 
 
 if __name__ == "__main__":

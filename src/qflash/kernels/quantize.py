@@ -423,7 +423,8 @@ def _tensor_plan(numel: int, element_size: int, sms: int, hold_bytes: int, block
     if not sms:
         hold, block, programs = 1024, 1024, min(4, numel // 1024)
     else:
-        least, most = 4 * 4 * 32 * TENSOR_WARPS, max(hold_bytes // element_size, 4 * 4 * 32 * TENSOR_WARPS)
+        least = 4 * 4 * 32 * TENSOR_WARPS  # four values a thread in each quarter
+        most = max(hold_bytes // element_size, least)
         if not sms * least <= numel <= 2 * sms * most:
             return None
         hold = min(most, next_power_of_2(cdiv(numel, sms)))
