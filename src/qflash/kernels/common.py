@@ -93,7 +93,7 @@ def build_for_sm90(fn, types: dict, constants: dict, **options):
     fixed = {(index[name],): value for name, value in constants.items()}
     aligned = {(index[name],): _ALIGNED for name, type_name in signature.items() if type_name.startswith("*")}
     return triton.compile(GluonASTSource(fn, signature, fixed, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, **options})
+                          options=dict(num_warps=4, **options))
 
 
 def build_tl_for_sm90(fn, args: dict, constants: dict, **options):

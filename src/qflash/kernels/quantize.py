@@ -88,7 +88,7 @@ def _scale_of(amax, QMAX: tl.constexpr):
     divisions are IEEE-rounded (div_rn; the plain "/" is approximate on the GPU), and
     there is one of each per group: the elements are multiplied by the inverse.
     """
-    qmax = amax * 0.0 + QMAX  # QMAX in amax's shape (also in Gluon, whose full needs a layout); inf: see below
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
     finite = amax < float("inf")
     scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
     inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 1.0)
