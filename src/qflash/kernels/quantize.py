@@ -8,12 +8,13 @@ mostly hits L2). A per-tensor scale needs the whole tensor's absmax before the f
 value is quantized. From 2 to about 34 MB of input, one cooperative launch
 (``_tensor_kernel``) finds it and quantizes: one program an SM holds up to 128 KB of the
 input in its registers (17 MB on the H200) across a grid barrier, and streams the rest
-twice, the second time mostly from L2 (0.69-0.78 of a same-size copy's bandwidth from 24
-to 32 MB, against the sweep's 0.55-0.63). Smaller and larger tensors: a sweep by a few
-programs per SM, each adding its maximum to one value by an atomic max, then the quantize
-pass, which takes the tiles in reverse order, so that it starts on those the sweep read
-last (two reads of the input: about 0.6 of the copy bandwidth at most, once the tensor is
-larger than L2). A static per-tensor scale, given by the caller, needs neither: one read.
+twice, the second time mostly from L2 (from 24 to 32 MB 0.73-0.76 of a same-size copy's
+bandwidth for float8, 0.67-0.69 for int8, against the sweep's 0.55-0.63). Smaller and
+larger tensors: a sweep by a few programs per SM, each adding its maximum to one value by
+an atomic max, then the quantize pass, which takes the tiles in reverse order, so that it
+starts on those the sweep read last (two reads of the input: about 0.6 of the copy
+bandwidth at most, once the tensor is larger than L2). A static per-tensor scale, given by
+the caller, needs neither: one read.
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
@@ -144,37 +145,30 @@ def _round_to_float8(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _saturate(y, QMAX: tl.constexpr):
-    """Clamp to [-QMAX, QMAX]; comparisons with NaN are false, so NaN passes through unchanged."""
-    return tl.where(y > QMAX, QMAX, tl.where(y < -QMAX, -QMAX, y))
-
-
-@triton.jit
 def _quantized(x, inv, QMAX: tl.constexpr, OUT: tl.constexpr, EMULATE_CASTS: tl.constexpr,
                OWN_ABSMAX: tl.constexpr = True):
     """saturate(round(x * inv)) in OUT, for float32 values x: inv = QMAX / absmax of their group
-    (OWN_ABSMAX), or the reciprocal of a static scale, which any value may exceed."""
+    (OWN_ABSMAX), or the reciprocal of a static scale, which any value may exceed.
+
+    With the group's own absmax no clamp is needed: |x * inv| <= QMAX * (1 + 2^-23) rounds to
+    QMAX at most, and a non-finite group (inv = NaN) gives NaN, then 0 (int8) or NaN (float8).
+    A static scale needs it (int8's conversion saturates at -128, not -127, and float8's is a
+    saturating one only from sm_90 on): one ``min.NaN.xorsign.abs`` a value, which keeps NaN."""
     y = x * inv
+    if not OWN_ABSMAX:
+        y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
     if OUT == tl.int8 and not EMULATE_CASTS:
-        # With the group's own absmax no clamp is needed: |x * inv| <= 127 * (1 + 2^-23) rounds
-        # to <= 127, and a non-finite group (inv = NaN) converts to 0. A static scale needs the
-        # clamp (the conversion saturates at -128, not -127); NaN passes through it to 0.
-        if not OWN_ABSMAX:
-            y = _saturate(y, QMAX)
         q = _to_int8_rne(y)
     elif OUT == tl.int8:
-        y = tl.where(y == y, y, 0.0)  # NaN (a non-finite group) -> 0
-        q = _round_half_even(tl.minimum(tl.maximum(y, -QMAX), QMAX)).to(tl.int8)
+        q = _round_half_even(tl.where(y == y, y, 0.0)).to(tl.int8)  # NaN -> 0
+    elif EMULATE_CASTS:  # e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 and 2^-14
+        r = _round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)
+        # The interpreter casts NaN to a finite value: put the formats' NaN back, 0x7F with
+        # the sign bit of the float32 NaN (as PyTorch's conversion keeps it).
+        nan = tl.where(r.to(tl.int32, bitcast=True) < 0, -1, 127).to(tl.int8).to(OUT, bitcast=True)
+        q = tl.where(r == r, r.to(OUT), nan)
     else:
-        y = _saturate(y, QMAX)
-        if EMULATE_CASTS:  # e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 and 2^-14
-            r = _round_to_float8(y, 3, -6) if OUT == tl.float8e4nv else _round_to_float8(y, 2, -14)
-            # The interpreter casts NaN to a finite value: put the formats' NaN back, 0x7F with
-            # the sign bit of the float32 NaN (as PyTorch's conversion keeps it).
-            nan = tl.where(r.to(tl.int32, bitcast=True) < 0, -1, 127).to(tl.int8).to(OUT, bitcast=True)
-            q = tl.where(r == r, r.to(OUT), nan)
-        else:
-            q = y.to(OUT, fp_downcast_rounding="rtne")
+        q = y.to(OUT, fp_downcast_rounding="rtne")
     return q
 
 
