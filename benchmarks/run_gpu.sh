@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
-#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
+#   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [unmarked] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles] [host]
 #                                      [flex] [window] [demo] [check] [memory] [ncu]
-#   (default: tests bench demo check; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
+#   (default: tests bench demo check; unmarked: the tests without the gpu mark, on the GPU; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
 #   picks the gluon stage's providers; BWD_VARY and TAG narrow and
@@ -29,6 +29,8 @@ for stage in "${stages[@]}"; do
     smoke)  timeout 120 python3 benchmarks/smoke.py 2>&1 | tail -n 30 ;;
     tests)  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -p no:cacheprovider -rf --durations=30 -n "${TESTS_N:-8}" ${TESTS_K:+-k "$TESTS_K"} \
               2>&1 | grep -v "Warning\|warner" | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -n 60 ;;
+    unmarked) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests -m "not gpu" -q -p no:cacheprovider -rf -n "${TESTS_N:-8}" \
+              ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "Warning\|warner" | tee "$OUT/gpu_tests_unmarked.log" | tail -n 30 ;;
     tiles)  timeout 300 python3 -m qflash.bench.attention --tiles --seqlens 512,4096,16384 \
               --out "$OUT/attention_tiles.json" 2>&1 | tail -n 40 ;;
     bench)  timeout 240 python3 -m qflash.cli bench attention \
@@ -76,6 +78,6 @@ for stage in "${stages[@]}"; do
               --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" python3 benchmarks/ncu_probe.py \
               2>&1 | tail -n 30
             ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
-    *) echo "unknown stage $stage (smoke, tests, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, window, demo, check, memory, ncu)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, flex, window, demo, check, memory, ncu)"; exit 2 ;;
   esac
 done

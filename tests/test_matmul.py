@@ -10,7 +10,7 @@ import qflash
 from qflash.bench.matmul import MATMUL_TILE_GRID
 from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
-from qflash.testing import assert_written, poisoned, rel_l2_err, sqnr_db
+from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err, rounding_floor, sqnr_db
 
 from conftest import DEVICE
 
@@ -173,6 +173,26 @@ def test_gpu_int8_bit_exact_bf16_and_fp8_block(m, n, k):
     c = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32)
     err = rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64))
     assert err < 1e-5 * k ** 0.5, f"fp8 block: rel err {err}, scales finite: {bool(a_s.isfinite().all())}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(96, 1024, 2048), (8, 4096, 4096), (128, 4096, 4096), (1024, 4096, 8192)])
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+def test_gpu_fp8_as_accurate_as_cublas(m, n, k, scales):
+    """The accuracy rule against cuBLAS in the same precision: inside a 128-wide K block Hopper's
+    tensor cores keep about 14 bits of an FP8 sum, for both. Error against the float64 product
+    of the dequantized inputs <= 2 x ``torch._scaled_mm``'s (float32 sums between its blocks,
+    no fast accumulation) + float32 rounding; row scales with bfloat16 out (cuBLAS's only one)."""
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, scales)
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, scales)
+    out_dtype = torch.float32 if scales == "tensor" else torch.bfloat16
+    c = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype)
+    cublas = torch._scaled_mm(a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if scales == "row" else a_s,
+                              scale_b=b_s.reshape(1, -1) if scales == "row" else b_s, out_dtype=out_dtype,
+                              use_fast_accum=False)
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
+    assert_flash_rule(c, ref, cublas, floor=rounding_floor(ref, out_dtype), what=f"fp8 {scales}")
 
 
 @pytest.mark.parametrize("int8", [True, False])

@@ -202,7 +202,7 @@ def test_names_what_it_does_not_take():
         ((a_q, b_q, "column"), "'tensor', 'row' or 'block'"),
         ((a_q, b_q.to(torch.float32).to(f8), "row"), "both be int8 or float8_e4m3fn"),
         ((a_q.float().to(torch.float8_e5m2), b_q.float().to(torch.float8_e5m2), "row"), "float8_e4m3fn"),
-        ((a_q[:, :40], b_q[:, :40], "row"), "16-byte aligned"),
+        ((a_q[:, :40].contiguous(), b_q[:, :40].contiguous(), "row"), "16-byte aligned"),  # rows of 40 bytes
         ((a_q, b_q[:, :32], "row"), "share a positive K"),
     ]
     for (x, y, scales), match in cases:

@@ -301,7 +301,7 @@ def cmd_check(args) -> int:
         r["result"] = "pass" if r["ok"] else "FAIL"
     console.print(rich_table(rows, ["op", "case", "kernel_err", "torch_err", "bound", "result", "error"],
                              "qflash check: kernel error against an fp64 reference; bound = 2 x PyTorch's error "
-                             "+ rounding floor (attention), 0 (bit-exact) or fp32 rounding (fp8 matmul)"))
+                             "+ rounding floor (attention), 0 (bit-exact) or Hopper's FP8 sum precision (fp8 matmul)"))
     failed = sum(not r["ok"] for r in rows)
     console.print(f"{len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0

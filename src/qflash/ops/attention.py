@@ -163,7 +163,10 @@ def _backward(ctx, dout, dlse):
     if dout.dtype != out.dtype or dout.shape != out.shape:
         raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
-    backward = torch.ops.qflash.attention_backward if torch.compiler.is_compiling() else _attention_backward_impl
+    # Traced (torch.compile's joint graph: fake, functional tensors, where torch 2.11 does not say it is
+    # compiling), the backward must be the opaque op; eager, the launcher itself, without the op's dispatch.
+    traced = torch.compiler.is_compiling() or type(dout) is not torch.Tensor
+    backward = torch.ops.qflash.attention_backward if traced else _attention_backward_impl
     dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                                  cu_seqlens_q, cu_seqlens_k, *ctx.rest)
     grads = [dq, dk, dv] + [None] * (_NUM_INPUTS - 3)
