@@ -127,8 +127,8 @@ def _matmul_case(kind: str, scales: str):
         # Hopper's tensor cores keep about 14 bits of an FP8 sum within each 128-wide K block (the
         # kernel adds the blocks in float32): errors up to about 2^-13 of the sum of the terms'
         # magnitudes, doubled for a margin. (Triton's interpreter sums in float32: far below.)
-        a_abs, b_abs = dequantize_operand(a_q, a_s, block_rows=1), dequantize_operand(b_q, b_s, block_rows=QBLOCK)
-        magnitudes = a_abs.abs() @ b_abs.abs().T
+        a_deq, b_deq = dequantize_operand(a_q, a_s, block_rows=1), dequantize_operand(b_q, b_s, block_rows=QBLOCK)
+        magnitudes = a_deq.abs() @ b_deq.abs().T  # [M, N]: sum over k of |a_ik b_jk|
         return out, ref, None, FP8_SUM_EPS * float(magnitudes.max()) + 1e-5 * float(ref.abs().max())
 
     return run
