@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qflash
-from qflash.bench.matmul import MATMUL_TILE_GRID
+from qflash.bench.matmul import MATMUL_TILE_GRID, cublas_fp8
 from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err, rounding_floor, sqnr_db
@@ -188,9 +188,7 @@ def test_gpu_fp8_as_accurate_as_cublas(m, n, k, scales):
     b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, scales)
     out_dtype = torch.float32 if scales == "tensor" else torch.bfloat16
     c = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype)
-    cublas = torch._scaled_mm(a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if scales == "row" else a_s,
-                              scale_b=b_s.reshape(1, -1) if scales == "row" else b_s, out_dtype=out_dtype,
-                              use_fast_accum=False)
+    cublas = cublas_fp8(a_q, b_q, a_s, b_s, out_dtype)()
     ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)
     assert_flash_rule(c, ref, cublas, floor=rounding_floor(ref, out_dtype), what=f"fp8 {scales}")
 

@@ -84,7 +84,7 @@ def graph_ms(fn) -> Optional[float]:
         return None
 
 
-def _copy_bandwidth() -> float:
+def copy_bandwidth() -> float:
     """Device-to-device copy of 1 GiB, bytes read + written, in TB/s."""
     import triton
 
@@ -102,7 +102,7 @@ def measure_ceilings() -> Dict[str, Optional[float]]:
     """
     import triton
 
-    out: Dict[str, Optional[float]] = {"copy_TBps": _copy_bandwidth()}
+    out: Dict[str, Optional[float]] = {"copy_TBps": copy_bandwidth()}
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -79,15 +79,16 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
     for method in ("fp8 (tensor)", "fp8 (row x col)"):  # cuBLASLt, fp32 accumulation (no fast accumulate)
         a_q, a_s = q[method][0]()
         b_q, b_s = q[method][1]
-        out[f"torch._scaled_mm {method[4:]}"] = _cublas_fp8(a_q, b_q, a_s, b_s)
+        out[f"torch._scaled_mm {method[4:]}"] = cublas_fp8(a_q, b_q, a_s, b_s)
     return out
 
 
-def _cublas_fp8(a_q, b_q, a_s, b_s) -> Callable[[], torch.Tensor]:
-    """cuBLAS's FP8 product (``torch._scaled_mm``, float32 accumulation, bf16 out) on our operands:
-    B (N, K) as its transpose, per-tensor scales as they are, per-row ones as a column / a row."""
+def cublas_fp8(a_q, b_q, a_s, b_s, out_dtype=torch.bfloat16) -> Callable[[], torch.Tensor]:
+    """cuBLAS's FP8 product (``torch._scaled_mm``, float32 sums between its K blocks: no fast
+    accumulation) on our operands: B (N, K) as its transpose, per-tensor scales as they are,
+    per-row ones as a column / a row (cuBLAS takes those with bfloat16 out only)."""
     return partial(torch._scaled_mm, a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if a_s.numel() > 1 else a_s,
-                   scale_b=b_s.reshape(1, -1) if b_s.numel() > 1 else b_s, out_dtype=torch.bfloat16)
+                   scale_b=b_s.reshape(1, -1) if b_s.numel() > 1 else b_s, out_dtype=out_dtype, use_fast_accum=False)
 
 
 def _quantize_then_matmul(mm, quant_a, b_q, b_s):
@@ -189,7 +190,7 @@ def run_tiles(shapes, device: str, kinds: Optional[List[str]] = None) -> List[di
                 fn = partial(scaled_matmul, a_q, b_q, a_s, b_s, None, torch.bfloat16, scales, config=cfg)
                 rows.append(_time_row(f"qflash {kind}", fn, ref, m, n, k, device, config=cfg.__dict__))
             if kind in ("fp8 tensor", "fp8 row"):
-                rows.append(_time_row(f"torch._scaled_mm {kind[4:]}", _cublas_fp8(a_q, b_q, a_s, b_s), ref, m, n, k,
+                rows.append(_time_row(f"torch._scaled_mm {kind[4:]}", cublas_fp8(a_q, b_q, a_s, b_s), ref, m, n, k,
                                       device))
         del a, b, ref
     return rows
