@@ -31,7 +31,8 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
-# xC: C CTAs an SM, bB: B blocks of C a consumer; auto: tile_config's; w[N][sM]: the transposed
+# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G; auto[G][T]: tile_config's
+# (T: A's block scales column-major); w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
@@ -46,23 +47,28 @@ def variant(text):
         return None
     if text == "tl":
         return {"tl": True}
-    if text == "auto":
-        return {}
+    auto = re.fullmatch(r"auto(\d)?(T?)", text)
+    if auto:
+        group, cols = auto.groups()
+        return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}))
     swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?", text)
     if swap:
         stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto, w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB], got {text!r}")
-    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs = match.groups()
+        raise SystemExit(f"a variant is auto[G], w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB] [kG], "
+                         f"got {text!r}")
+    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs, k_group = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if split_n:
         out["split_n"] = True
     if bufs:
         out["c_bufs"] = int(bufs)
+    if k_group:
+        out["k_group"] = int(k_group)
     if group:
         out["group_m"] = int(group)
     if consumers:
@@ -158,12 +164,16 @@ def main():
             base = base16 = None
             for label, opts in variants:
                 opts = resolve(opts, m, n)
-                out = run(opts, a_q, b_q, a_k, b_k, torch.float32, scales)
-                out16 = run(opts, a_q, b_q, a_k, b_k, torch.bfloat16, scales)
+                a_k_used = a_k
+                if opts and opts.get("a_scale_cols"):  # A's block scales column-major: the same values
+                    opts = {key: v for key, v in opts.items() if key != "a_scale_cols"}
+                    a_k_used = a_k.t().contiguous().t()
+                out = run(opts, a_q, b_q, a_k_used, b_k, torch.float32, scales)
+                out16 = run(opts, a_q, b_q, a_k_used, b_k, torch.bfloat16, scales)
                 base = out if base is None else base
                 base16 = out16 if base16 is None else base16
                 err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                ms = graph_ms(lambda: run(opts, a_q, b_q, a_k, b_k, torch.bfloat16, scales))
+                ms = graph_ms(lambda: run(opts, a_q, b_q, a_k_used, b_k, torch.bfloat16, scales))
                 same = torch.equal(out, base) and torch.equal(out16, base16)
                 opts = opts or {}
                 rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,

@@ -142,6 +142,20 @@ def test_two_c_blocks_build():
     assert "0 bytes spill stores" in report and kernel["shared"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("scales,block_n,k_group", [("tensor", 128, 4), ("block", 128, 4), ("block", 64, 8)])
+def test_k_steps_in_groups_build(scales, block_n, k_group):
+    """K steps in groups of 4 or 8: each product waited for with one left in flight, the third on
+    issued into the registers of the partial two steps back (``use_acc`` a runtime False, so ptxas
+    keeps them there: two partials, not G), no spills and no serialized wgmma."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=5, tma_store=True,
+                        k_group=k_group)
+    report = ptxas_report(kernel["ptx"])
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    pairs = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=5, tma_store=True)
+    wait_one = "wgmma.wait_group.sync.aligned 1;"
+    assert kernel["ptx"].count(wait_one) > pairs["ptx"].count(wait_one)
+
+
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
 def test_three_consumers_build(scales):
     """192 x 128 tiles: three consumer warpgroups and the loader's warp (padded to a fourth
@@ -505,6 +519,22 @@ def test_plan_consumers():
     assert own.constexprs["TMA_STORE"]
 
 
+def test_plan_k_groups():
+    """Block scales take their K steps in groups of eight, four from K = LONG_K (as measured); tensor
+    and row scales keep the pairs; a caller's own group is kept, and other sizes are refused."""
+    def k_group(k, scales, **kw):
+        return gluon._plan(1024, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None,
+                           gluon.GROUP_M, 132, None, False, **kw).constexprs["K_GROUP"]
+
+    assert k_group(4096, "block") == 8 and k_group(gluon.LONG_K - 128, "block") == 8
+    assert k_group(gluon.LONG_K, "block") == 4 and k_group(28672, "block") == 4
+    assert k_group(4096, "tensor") == k_group(28672, "row") == 2
+    assert k_group(4096, "tensor", k_group=8) == 8 and k_group(28672, "block", k_group=2) == 2
+    a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_group must be 2, 4 or 8, got 3"):
+        gluon.launch(a, a, torch.ones(()), torch.ones(()), None, torch.bfloat16, "tensor", k_group=3)
+
+
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):
@@ -757,6 +787,36 @@ def test_gpu_three_consumers(m, n, k, scales):
         c16 = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, consumers=3)
     assert_written(c16)
     assert torch.equal(c16, c.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m,n,k,block_n", [(1000, 900, 1280, 128), (193, 385, 640, 128), (300, 1000, 896, 64),
+                                           (64, 128, 1024, 128), (64, 128, 128, 128), (257, 2048, 1920, 32)])
+@pytest.mark.parametrize("k_group", [4, 8])
+def test_gpu_k_steps_in_groups(m, n, k, block_n, scales, k_group):
+    """K steps in groups of 4 or 8 (two partials, from the third step on each product into the
+    registers of the partial two steps back): the bits of the pairs (the same partials added in
+    the same order) for 1 to 15 K steps (every remainder of four, and groups then pairs then a
+    single step), with ragged M and N, bias, float32 and bfloat16."""
+    if scales == "block":
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)
+        bias = None
+    else:
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
+        bias = torch.randn(n, device="cuda")
+        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        with poisoned():
+            grouped = gluon.launch(a_q, b_q, a_k, b_k, bias, out_dtype, scales, block_n=block_n, k_group=k_group)
+        assert_written(grouped)
+        assert torch.equal(grouped, gluon.launch(a_q, b_q, a_k, b_k, bias, out_dtype, scales, block_n=block_n,
+                                                 k_group=2))
+    assert rel_l2_err(grouped.double(), ref) < 2 ** -8
 
 
 @pytest.mark.gpu

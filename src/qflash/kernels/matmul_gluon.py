@@ -39,7 +39,8 @@ FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's pr
 fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
 bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
 tile is two 128-wide halves that take turns with one partial; a narrower tile takes its K steps
-in pairs with two partials, so that its own next product runs while it adds. Scales: per tensor,
+in groups (pairs; with block scales eights, or fours at long K) with two partials, so that its own
+next product runs while it adds each partial but a group's last. Scales: per tensor,
 or per row of A times per row of B (an output column), applied in the epilogue in the
 reference's order, with the launch's floating-point fusion off so that INT8 results are
 bit-exact; block scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in
@@ -240,9 +241,58 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
+def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok, b_ptr,
+             stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
+             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr):
+    """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
+    step's product is issued before the previous step's partial is waited for and added, so the
+    adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
+    into the registers of the partial two steps back: ``use_acc`` is ``never``, a runtime False,
+    so ptxas keeps two register sets (with a constant False it gives every product its own and
+    spills), and that partial is pinned after its add (a wait with one product left in
+    flight, which is already the case), so the next product cannot be issued before the add.
+    ``a_sc``, ``b_sc``: step ``kk``'s block scales in, step ``kk + G``'s out."""
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
+                         fresh, use_acc=False, is_async=True)
+    prev_s, prev_a, prev_b = s, a_sc, b_sc
+    spare = fresh
+    for j in gl.static_range(1, G):
+        s = (c + j) % STAGES
+        mbarrier.wait(ready.index(s), ((c + j) // STAGES) & 1)
+        if j == 1:
+            cur = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
+                                b_ring.index(B_PARTS * s + b_part).permute((1, 0)), fresh, use_acc=False,
+                                is_async=True)
+        else:
+            cur = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
+                                b_ring.index(B_PARTS * s + b_part).permute((1, 0)), spare, use_acc=never,
+                                is_async=True)
+        cur_a, cur_b = a_sc, b_sc
+        if SCALES == SCALES_BLOCK:
+            cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
+                                           stride_bsk)
+        prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+        mbarrier.arrive(empty.index(prev_s), count=1)
+        acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
+        if j + 1 < G:
+            acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
+            spare = prev
+        elif SCALES == SCALES_BLOCK:  # the next group's first step
+            a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
+                                         stride_bsk)
+        prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
+    prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+    mbarrier.arrive(empty.index(prev_s), count=1)
+    acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
+    return acc, a_sc, b_sc, c + G
+
+
+@gluon.jit
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr):
+                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -338,37 +388,24 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                                    stride_bsn, stride_bsk)
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
+                a_ptrs, b_ptr, rows = AScale, BScale, 0
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
-                # steps go in pairs, and the first step's partial is added while the second's
-                # product runs. (Three consumers have 160 registers a thread, not 232.)
-                k_single = k_lo + (k_hi - k_lo) // 2 * 2
-                for kk in range(k_lo, k_single, 2):
-                    s0 = c % STAGES
-                    s1 = (c + 1) % STAGES
-                    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-                    p0 = warpgroup_mma(a_ring.index(A_PARTS * s0 + a_part),
-                                       b_ring.index(B_PARTS * s0 + b_part).permute((1, 0)), fresh, use_acc=False,
-                                       is_async=True)
-                    mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-                    p1 = warpgroup_mma(a_ring.index(A_PARTS * s1 + a_part),
-                                       b_ring.index(B_PARTS * s1 + b_part).permute((1, 0)), fresh, use_acc=False,
-                                       is_async=True)
-                    a_sc1, b_sc1 = a_sc, b_sc
-                    if SCALES == SCALES_BLOCK:
-                        a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi, stride_ask,
-                                                       stride_bsn, stride_bsk)
-                    p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, p0, a_sc, b_sc, SCALES, True)
-                    if SCALES == SCALES_BLOCK:
-                        a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 2, k_hi,
-                                                           stride_ask, stride_bsn, stride_bsk)
-                    p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-                    mbarrier.arrive(empty.index(s1), count=1)
-                    acc = _promote(acc, p1, a_sc1, b_sc1, SCALES, True)
-                    c += 2
+                # steps go in groups of K_GROUP, then pairs, each partial added while the next
+                # step's product runs. (Three consumers have 160 registers a thread, not 232.)
+                k_single = k_lo + (k_hi - k_lo) // K_GROUP * K_GROUP
+                for kk in range(k_lo, k_single, K_GROUP):
+                    acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring, ready,
+                                                  empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk,
+                                                  a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
+                if K_GROUP > 2:  # what is left of them in pairs
+                    k_pairs = k_single
+                    k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
+                    for kk in range(k_pairs, k_single, 2):
+                        acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring,
+                                                      ready, empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn,
+                                                      stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -425,7 +462,8 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr):
+                         SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
+                         K_GROUP: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -453,23 +491,23 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
@@ -481,6 +519,11 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 # / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
 RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
+# K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
+# ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), 0-1.5 % faster than fours, but from
+# LONG_K fours ran 1.5-2 % faster than eights. Tensor and row scales keep the pairs (groups there:
+# 0.98-1.02 x, within the spread).
+BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -578,9 +621,9 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       M = 256 70B qkv 0.93 against 0.79, M = 384 8B qkv 0.81 against 0.72, M = 640 8B o 0.81
       against 0.67 and 8B down 0.89 against 0.73 (per row 1.05-1.13 against 0.97-1.02).
 
-    Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs and the scales by
-    fused multiply-adds (1.03-1.24x the 256-wide tiles at M = 1024 / 8192,
-    ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
+    Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs (now groups of
+    eight or four, ``BLOCK_K_GROUP``) and the scales by fused multiply-adds (1.03-1.24x the
+    256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
     stores): it stays on the tl kernel."""
     if int8:
         return BLOCK_N, STAGES, False, 1, 2
@@ -783,7 +826,8 @@ class _Plan(NamedTuple):
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
-          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None) -> _Plan:
+          ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
+          k_group: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
     ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
@@ -849,11 +893,13 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         c_bufs = 2 if block_n == 256 and not split_n else 1
     # ... with bulk stores, where the second block fits too (as the first, else one)
     c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
+    if k_group is None:
+        k_group = BLOCK_K_GROUP[k >= LONG_K] if scales == "block" else 2
     tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs)
+                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
@@ -873,7 +919,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None, k_group: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
@@ -882,7 +928,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
     where the tile is ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts
     (3: 192 x 128 tiles, FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit)
-    blocks of C in shared memory each consumer of a 256-wide tile has, one a half. C (or with split K, the partial sums)
+    blocks of C in shared memory each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4
+    or 8; by default 8 for block scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group
+    of a tile up to 128 wide (``_k_group``). C (or with split K, the partial sums)
     goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
     leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
     follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
@@ -902,13 +950,15 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
                          f"split_n={split_n}, split_k={split_k}, ctas_per_sm={ctas_per_sm}")
     if ctas_per_sm not in (None, 1, 2):
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
+    if k_group not in (None, 2, 4, 8):
+        raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
     if swap_ab and (scales == "block" or tma_store):
         raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -943,7 +993,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1):
+                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -967,6 +1017,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
