@@ -520,9 +520,9 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 # K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
-# ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), 0-1.5 % faster than fours, but from
-# LONG_K fours ran 1.5-2 % faster than eights. Tensor and row scales keep the pairs (groups there:
-# 0.98-1.02 x, within the spread).
+# ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), up to 1.5 % faster than fours at
+# K = 4096 / 8192; from LONG_K fours were ahead at 6 of 8 points (by up to 2 %). Tensor and row
+# scales keep the pairs (groups there: 0.97-1.02 x, within the spread).
 BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
 
 
