@@ -195,6 +195,21 @@ def _kernel_scales(a_s, b_s, scales):
     return a_s.reshape(-1, 1), b_s.reshape(-1, 1)
 
 
+def _fp8_case(m, n, k, scales):
+    """FP8 operands on the GPU with tensor, row or (1 x 128 / 128 x 128) block scales as the kernel
+    takes them, a bias (none with block scales) and the float64 reference:
+    (a_q, b_q, a_k, b_k, bias, ref)."""
+    if scales == "block":
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        return a_q, b_q, a_k, b_k, None, fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
+    a_k, b_k = _kernel_scales(a_s, b_s, scales)
+    bias = torch.randn(n, device="cuda")
+    return a_q, b_q, a_k, b_k, bias, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+
+
 def _int8_kernel_scales(a_s, b_s, scales, m, n):
     """(kind, a_k, b_k) for the INT8 bit-exact tests. The reference reads one value each as per
     tensor scales ((a_s * b_s) first): so must the kernel; "mixed" goes as (M, 1) and (N, 1)
@@ -767,17 +782,7 @@ def test_gpu_three_consumers(m, n, k, scales):
     close to the reference, bfloat16 output that float32 rounded once. Close: float32 rounding
     over K, or where K is one or two steps, one step's sum inside the tensor cores (about 14 bits:
     1.3e-4 at K = 128 in s27e, for two consumers' tiles alike)."""
-    if scales == "block":
-        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-        ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)
-        bias = None
-    else:
-        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-        a_k, b_k = _kernel_scales(a_s, b_s, scales)
-        bias = torch.randn(n, device="cuda")
-        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    a_q, b_q, a_k, b_k, bias, ref = _fp8_case(m, n, k, scales)
     with poisoned():
         c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, consumers=3)
     assert_written(c)
@@ -799,17 +804,7 @@ def test_gpu_k_steps_in_groups(m, n, k, block_n, scales, k_group):
     registers of the partial two steps back): the bits of the pairs (the same partials added in
     the same order) for 1 to 15 K steps (every remainder of four, and groups then pairs then a
     single step), with ragged M and N, bias, float32 and bfloat16."""
-    if scales == "block":
-        a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-        a_q, a_k = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-        b_q, b_k = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-        ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float64)
-        bias = None
-    else:
-        a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
-        a_k, b_k = _kernel_scales(a_s, b_s, scales)
-        bias = torch.randn(n, device="cuda")
-        ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    a_q, b_q, a_k, b_k, bias, ref = _fp8_case(m, n, k, scales)
     for out_dtype in (torch.float32, torch.bfloat16):
         with poisoned():
             grouped = gluon.launch(a_q, b_q, a_k, b_k, bias, out_dtype, scales, block_n=block_n, k_group=k_group)
