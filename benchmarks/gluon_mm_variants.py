@@ -58,7 +58,7 @@ def variant(text):
                     **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto[G], w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB] [kG], "
+        raise SystemExit(f"a variant is auto[G][T], w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB] [kG], "
                          f"got {text!r}")
     block_n, stages, tma, split_n, split, group, consumers, ctas, bufs, k_group = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
