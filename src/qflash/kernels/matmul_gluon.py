@@ -623,8 +623,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
 
     Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs (now groups of
     eight or four, ``BLOCK_K_GROUP``) and the scales by fused multiply-adds (1.03-1.24x the
-    256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the session-7 tiles (128 x 128, 6 slots, plain
-    stores): it stays on the tl kernel."""
+    256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the
+    session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
     if int8:
         return BLOCK_N, STAGES, False, 1, 2
     consumers = 1 if m <= SUB_M else 2
