@@ -6,6 +6,7 @@
 import torch
 
 import qflash
+from qflash.bench.matmul import cublas_fp8
 from qflash.reference.matmul import fp8_matmul_ref
 
 torch.manual_seed(0)
@@ -17,8 +18,7 @@ for m, n, k in [(70, 96, 304), (96, 1024, 2048), (8, 4096, 4096), (128, 4096, 40
     ours = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32).double()
     errs = {"ours": ours}
     for fast in (False, True):
-        errs[f"cublas fast={fast}"] = torch._scaled_mm(a_q, b_q.T, scale_a=a_s, scale_b=b_s, out_dtype=torch.float32,
-                                                       use_fast_accum=fast).double()
+        errs[f"cublas fast={fast}"] = cublas_fp8(a_q, b_q, a_s, b_s, torch.float32, fast_accum=fast)().double()
     print(f"{m}x{n}x{k}", "  ".join(f"{name}: max {float((c - ref).abs().max()):.2e} rel_l2 "
                                       f"{float((c - ref).norm() / ref.norm()):.2e}" for name, c in errs.items()),
           flush=True)

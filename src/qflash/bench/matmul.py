@@ -83,12 +83,13 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
     return out
 
 
-def cublas_fp8(a_q, b_q, a_s, b_s, out_dtype=torch.bfloat16) -> Callable[[], torch.Tensor]:
-    """cuBLAS's FP8 product (``torch._scaled_mm``, float32 sums between its K blocks: no fast
-    accumulation) on our operands: B (N, K) as its transpose, per-tensor scales as they are,
+def cublas_fp8(a_q, b_q, a_s, b_s, out_dtype=torch.bfloat16, fast_accum: bool = False) -> Callable[[], torch.Tensor]:
+    """cuBLAS's FP8 product (``torch._scaled_mm``; by default float32 sums between its K blocks, no
+    fast accumulation) on our operands: B (N, K) as its transpose, per-tensor scales as they are,
     per-row ones as a column / a row (cuBLAS takes those with bfloat16 out only)."""
     return partial(torch._scaled_mm, a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if a_s.numel() > 1 else a_s,
-                   scale_b=b_s.reshape(1, -1) if b_s.numel() > 1 else b_s, out_dtype=out_dtype, use_fast_accum=False)
+                   scale_b=b_s.reshape(1, -1) if b_s.numel() > 1 else b_s, out_dtype=out_dtype,
+                   use_fast_accum=fast_accum)
 
 
 def _quantize_then_matmul(mm, quant_a, b_q, b_s):
