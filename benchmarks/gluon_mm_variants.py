@@ -31,8 +31,8 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
-# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, aL: block scales loaded L
-# steps ahead; auto[G][T][aL]: tile_config's (T: A's block scales column-major); w[N][sM]: the transposed
+# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G; auto[G][T]: tile_config's
+# (T: A's block scales column-major); w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
@@ -47,11 +47,10 @@ def variant(text):
         return None
     if text == "tl":
         return {"tl": True}
-    auto = re.fullmatch(r"auto(\d)?(T?)(?:a(\d))?", text)
+    auto = re.fullmatch(r"auto(\d)?(T?)", text)
     if auto:
-        group, cols, ahead = auto.groups()
-        return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}),
-                    **({"scales_ahead": int(ahead)} if ahead else {}))
+        group, cols = auto.groups()
+        return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}))
     swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?", text)
     if swap:
         stages, split, ctas = swap.groups()

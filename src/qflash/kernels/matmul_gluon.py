@@ -241,9 +241,9 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _k_group(acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok,
-             b_ptr, stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
-             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr, AHEAD: gl.constexpr):
+def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok, b_ptr,
+             stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
+             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -251,16 +251,12 @@ def _k_group(acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, never, a_ring, b
     so ptxas keeps two register sets (with a constant False it gives every product its own and
     spills), and that partial is pinned after its add (a wait with one product left in
     flight, which is already the case), so the next product cannot be issued before the add.
-    Block scales load AHEAD (1 or 2) steps before the step whose product is issued with them:
-    ``a_sc``, ``b_sc`` are step ``kk``'s and ``a_sc1``, ``b_sc1`` (AHEAD = 2) step ``kk + 1``'s
-    in, steps ``kk + G`` and ``kk + G + 1`` out. (One step ahead, ptxas puts the scales' multiply
-    among the next product's wgmma and it waits there for the load.)"""
+    ``a_sc``, ``b_sc``: step ``kk``'s block scales in, step ``kk + G``'s out."""
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
                          fresh, use_acc=False, is_async=True)
     prev_s, prev_a, prev_b = s, a_sc, b_sc
-    next_a, next_b = a_sc1, b_sc1  # AHEAD = 2: the scales of the step issued next
     spare = fresh
     for j in gl.static_range(1, G):
         s = (c + j) % STAGES
@@ -275,16 +271,8 @@ def _k_group(acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, never, a_ring, b
                                 is_async=True)
         cur_a, cur_b = a_sc, b_sc
         if SCALES == SCALES_BLOCK:
-            if AHEAD == 2:  # this step's came two steps ago; the next step's load now
-                cur_a, cur_b = next_a, next_b
-                next_a, next_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j + 1, k_hi, stride_ask,
-                                                 stride_bsn, stride_bsk)
-                if j == G - 1:  # and the next group's second step
-                    a_sc1, b_sc1, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G + 1, k_hi, stride_ask,
-                                                   stride_bsn, stride_bsk)
-            else:
-                cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
-                                               stride_bsk)
+            cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
+                                           stride_bsk)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
         mbarrier.arrive(empty.index(prev_s), count=1)
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
@@ -292,22 +280,19 @@ def _k_group(acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, never, a_ring, b
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
         elif SCALES == SCALES_BLOCK:  # the next group's first step
-            if AHEAD == 2:
-                a_sc, b_sc = next_a, next_b
-            else:
-                a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
-                                             stride_bsk)
+            a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
+                                         stride_bsk)
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
     mbarrier.arrive(empty.index(prev_s), count=1)
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
-    return acc, a_sc, b_sc, a_sc1, b_sc1, c + G
+    return acc, a_sc, b_sc, c + G
 
 
 @gluon.jit
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, SCALES_AHEAD: gl.constexpr):
+                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -401,10 +386,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                     hi_ok = False
                 a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
                                                    stride_bsn, stride_bsk)
-                a_sc1, b_sc1 = a_sc, b_sc  # the second step's, where groups load two steps ahead (below)
             else:
                 a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
-                a_sc1, b_sc1 = 1.0, 1.0
                 a_ptrs, b_ptr, rows = AScale, BScale, 0
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
@@ -412,22 +395,17 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 # steps go in groups of K_GROUP, then pairs, each partial added while the next
                 # step's product runs. (Three consumers have 160 registers a thread, not 232.)
                 k_single = k_lo + (k_hi - k_lo) // K_GROUP * K_GROUP
-                if SCALES == SCALES_BLOCK and SCALES_AHEAD == 2:
-                    a_sc1, b_sc1, _ = _step_scales(a_ptrs, rows < M, b_ptr, False, k_lo + 1, k_hi, stride_ask,
-                                                   stride_bsn, stride_bsk)
                 for kk in range(k_lo, k_single, K_GROUP):
-                    acc, a_sc, b_sc, a_sc1, b_sc1, c = _k_group(
-                        acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, K < 0, a_ring, b_ring, ready, empty, a_ptrs,
-                        rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES,
-                        SCALES, K_GROUP, SCALES_AHEAD)
+                    acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring, ready,
+                                                  empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk,
+                                                  a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
-                        acc, a_sc, b_sc, a_sc1, b_sc1, c = _k_group(
-                            acc, fresh, a_sc, b_sc, a_sc1, b_sc1, c, kk, k_hi, K < 0, a_ring, b_ring, ready, empty,
-                            a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS,
-                            B_PARTS, STAGES, SCALES, 2, SCALES_AHEAD)
+                        acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring,
+                                                      ready, empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn,
+                                                      stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -485,7 +463,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         K_GROUP: gl.constexpr, SCALES_AHEAD: gl.constexpr):
+                         K_GROUP: gl.constexpr):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -513,23 +491,23 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, SCALES_AHEAD)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
@@ -546,8 +524,6 @@ LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide til
 # K = 4096 / 8192; from LONG_K fours were ahead at 6 of 8 points (by up to 2 %). Tensor and row
 # scales keep the pairs (groups there: 0.97-1.02 x, within the spread).
 BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
-# K steps ahead that a grouped tile loads its block scales (``_k_group``)
-BLOCK_SCALES_AHEAD = 2
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -851,7 +827,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
-          k_group: Optional[int] = None, scales_ahead: Optional[int] = None) -> _Plan:
+          k_group: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
     ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
@@ -923,7 +899,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group, SCALES_AHEAD=scales_ahead or BLOCK_SCALES_AHEAD)
+                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
                  partial_dtype, constexprs, _launch_options(ctas_per_sm))
 
@@ -943,8 +919,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, k_group: Optional[int] = None,
-           scales_ahead: Optional[int] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None, k_group: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
@@ -977,16 +952,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if k_group not in (None, 2, 4, 8):
         raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
-    if scales_ahead not in (None, 1, 2):
-        raise ValueError(f"scales_ahead must be 1 or 2, got {scales_ahead}")
     if swap_ab and (scales == "block" or tma_store):
         raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group,
-                 scales_ahead)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -1021,8 +993,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     scales_ahead: int = BLOCK_SCALES_AHEAD):
+                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1046,7 +1017,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                     SCALES_AHEAD=scales_ahead)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
