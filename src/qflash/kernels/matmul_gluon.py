@@ -58,7 +58,6 @@ from typing import NamedTuple, Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
@@ -141,44 +140,6 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
 
 
 @gluon.jit
-def _mm_scale_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, BN: gl.constexpr):
-    """One warp beside the loader, for block scales: every K step's scales into its ring slot (A's
-    for every 64-row part, B's copied to all 64 entries of a row so that a consumer reads it as it
-    reads A's; rows past M and a block past N read as zero), by copies that the slot's ready
-    barrier waits for (each thread adds an arrival for its own), then this warp's own arrival."""
-    (a_sc_ring, b_sc_ring, ready, empty, M, N, K, AScale, BScale, stride_asm, stride_ask, stride_bsn,
-     stride_bsk) = args
-    SUB: gl.constexpr = a_sc_ring.shape[1]
-    A_PARTS: gl.constexpr = a_sc_ring.shape[0] // STAGES
-    B_SC: gl.constexpr = b_sc_ring.shape[0] // STAGES  # B's blocks a tile
-    BK: gl.constexpr = 128
-    num_m = gl.cdiv(M, A_PARTS * SUB)
-    num_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
-    sc_layout: gl.constexpr = gl.BlockedLayout([SUB // 32], [32], [1], [0])  # one warp: a part's rows
-    sub_rows = gl.arange(0, SUB, layout=sc_layout)
-    c = 0
-    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
-        b_block = pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
-        for kk in range(k_lo, k_hi):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            for part in gl.static_range(A_PARTS):
-                rows = (pid_m * A_PARTS + part) * SUB + sub_rows
-                async_copy.async_copy_global_to_shared(a_sc_ring.index(A_PARTS * s + part),
-                                                       AScale + rows * stride_asm + kk * stride_ask, mask=rows < M)
-            b_scs = BScale + b_block * stride_bsn + kk * stride_bsk + sub_rows * 0
-            async_copy.async_copy_global_to_shared(b_sc_ring.index(B_SC * s), b_scs)
-            if B_SC == 2:
-                async_copy.async_copy_global_to_shared(b_sc_ring.index(B_SC * s + 1), b_scs + stride_bsn,
-                                                       mask=(sub_rows * 0 + pid_n * BN + BK) < N)
-            async_copy.mbarrier_arrive(ready.index(s))
-            mbarrier.arrive(ready.index(s), count=1)
-            c += 1
-
-
-@gluon.jit
 def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
                  stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
                  RAW: gl.constexpr, SWAP_AB: gl.constexpr, PENDING: gl.constexpr = 0):
@@ -257,16 +218,13 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
-def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS: gl.constexpr, layout: gl.constexpr):
-    """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
-    consumer's 64 rows, and B's for the tile's first (and a 256-wide tile's second) 128 columns,
-    each copied to 64 entries, in ``layout`` (one a row of the consumer's partials)."""
-    B_SC: gl.constexpr = b_sc_ring.shape[0] // (a_sc_ring.shape[0] // A_PARTS)  # B's blocks a slot
-    a_sc = a_sc_ring.index(A_PARTS * s + a_part).load(layout)
-    b_sc = b_sc_ring.index(B_SC * s).load(layout)
-    b_sc_hi = b_sc
-    if B_SC == 2:
-        b_sc_hi = b_sc_ring.index(B_SC * s + 1).load(layout)
+def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
+    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
+    for the tile's first and (``hi_ok``) second 128 columns."""
+    ok = kk < k_hi
+    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
+    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
+    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
     return a_sc, b_sc, b_sc_hi
 
 
@@ -283,9 +241,9 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part,
-             A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
-             G: gl.constexpr):
+def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok, b_ptr,
+             stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
+             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -293,16 +251,12 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
     so ptxas keeps two register sets (with a constant False it gives every product its own and
     spills), and that partial is pinned after its add (a wait with one product left in
     flight, which is already the case), so the next product cannot be issued before the add.
-    Block scales come from each step's slot, read when its product is issued."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, fresh.type.layout)
+    ``a_sc``, ``b_sc``: step ``kk``'s block scales in, step ``kk + G``'s out."""
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
                          fresh, use_acc=False, is_async=True)
-    prev_a, prev_b = 1.0, 1.0  # not used: no scales in the K loop
-    if SCALES == SCALES_BLOCK:
-        prev_a, prev_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
-    prev_s = s
+    prev_s, prev_a, prev_b = s, a_sc, b_sc
     spare = fresh
     for j in gl.static_range(1, G):
         s = (c + j) % STAGES
@@ -315,20 +269,24 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
             cur = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
                                 b_ring.index(B_PARTS * s + b_part).permute((1, 0)), spare, use_acc=never,
                                 is_async=True)
-        cur_a, cur_b = prev_a, prev_b
+        cur_a, cur_b = a_sc, b_sc
         if SCALES == SCALES_BLOCK:
-            cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
+            cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
+                                           stride_bsk)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
         mbarrier.arrive(empty.index(prev_s), count=1)
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
+        elif SCALES == SCALES_BLOCK:  # the next group's first step
+            a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
+                                         stride_bsk)
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
     mbarrier.arrive(empty.index(prev_s), count=1)
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
-    return acc, c + G
+    return acc, a_sc, b_sc, c + G
 
 
 @gluon.jit
@@ -347,8 +305,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
     them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
-    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring, ready,
-     empty, M, N, K, stride_cm, stride_asm, stride_bsn, split_rows) = args
+    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K, stride_cm,
+     stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows) = args
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -413,9 +371,24 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                                                       instr_shape=[16, TAIL, 32])
                 acc_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
                 fresh_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
-            # Block scales: each K step's partial times its scales (A: one a row, B: one a 128 x 128
-            # block) before it joins the total, read from the step's ring slot (``_slot_scales``).
-            row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+            if SCALES == SCALES_BLOCK:
+                # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
+                # before it joins the total; the next step's scales load while this one's product runs.
+                rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                a_ptrs = AScale + rows * stride_asm
+                if BN >= BK:  # B's first 128 x 128 block of the tile
+                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
+                else:  # 64- or 32-wide tiles: two or four to a block
+                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
+                if WIDE:
+                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
+                else:
+                    hi_ok = False
+                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
+                                                   stride_bsn, stride_bsk)
+            else:
+                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
+                a_ptrs, b_ptr, rows = AScale, BScale, 0
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
@@ -423,14 +396,16 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 # step's product runs. (Three consumers have 160 registers a thread, not 232.)
                 k_single = k_lo + (k_hi - k_lo) // K_GROUP * K_GROUP
                 for kk in range(k_lo, k_single, K_GROUP):
-                    acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
-                                      a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
+                    acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring, ready,
+                                                  empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk,
+                                                  a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
-                        acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
-                                          a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
+                        acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring,
+                                                      ready, empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn,
+                                                      stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -440,9 +415,9 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 if TAIL_N > 0:  # in flight beside the block's product
                     part_t = warpgroup_mma(a, b_tail.index(B_PARTS * s + b_part).permute((1, 0)), fresh_t,
                                            use_acc=False, is_async=True)
-                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
                 if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                             stride_ask, stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if TAIL_N > 0:
@@ -454,6 +429,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
+                if SCALES == SCALES_BLOCK:
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -504,74 +481,34 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                                            c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
-    if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part, B's for its one or two blocks
-        sc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a slot's row: plain
-        a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES, SUB], sc_layout)
-        B_SC: gl.constexpr = 2 if LEAD_PART + TAIL_N == 256 else 1
-        b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES, SUB], sc_layout)
-    else:
-        a_sc_ring = a_ring  # not used
-        b_sc_ring = a_ring
-    # A slot is ready once the loader's copies land (and with block scales, the scale loader's);
-    # every consumer releases it.
-    ready, empty = ring_barriers(STAGES, 2 if SCALES == SCALES_BLOCK else 1, CONSUMERS)
+    ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
-    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring,
-                ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn, split_rows)
+    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K,
+                stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows)
     loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K)
-    scale_loader = (a_sc_ring, b_sc_ring, ready, empty, M, N, K, AScale, BScale, stride_asm, stride_ask, stride_bsn,
-                    stride_bsk)
-    BN: gl.constexpr = B_PARTS * LEAD_PART + TAIL_N
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
-        if SCALES == SCALES_BLOCK:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N)),
-                (_mm_scale_loader, (scale_loader, GROUP_M, STAGES, SPLIT_K, BN))], [4, 4, 1, 1], [160, 160, 24, 24])
-        else:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
+        gl.warp_specialize([
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
-        if SCALES == SCALES_BLOCK:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N)),
-                (_mm_scale_loader, (scale_loader, GROUP_M, STAGES, SPLIT_K, BN))], [4, 1, 1], [240, 24, 24])
-        else:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
+        gl.warp_specialize([
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
-        if SCALES == SCALES_BLOCK:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N)),
-                (_mm_scale_loader, (scale_loader, GROUP_M, STAGES, SPLIT_K, BN))], [1, 1], [24, 24])
-        else:
-            gl.warp_specialize([
-                (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-                (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
+        gl.warp_specialize([
+            (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -861,12 +798,6 @@ def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
     return ((1 if split_n else consumers) * SUB_M + block_n) * BLOCK_K
 
 
-def _scale_bytes(block_n: int, consumers: int) -> int:
-    """A ring slot's block scales (float32): a 64-row part of A's a consumer, and B's for the tile's
-    one (two where 256 wide) blocks, each copied to 64 entries (``_mm_loader``)."""
-    return (consumers + (2 if block_n == 256 else 1)) * SUB_M * 4
-
-
 def _tail_stages(block_n: int, consumers: int) -> int:
     """Ring slots for a tile with a tail: no block of C in shared memory beside them, up to 8."""
     return min(8, SMEM_BYTES // _slot_bytes(block_n, consumers))
@@ -945,10 +876,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    slot_bytes = _slot_bytes(block_n, consumers, split_n)
-    if scales == "block":
-        slot_bytes += _scale_bytes(block_n, consumers)
-    ring_bytes = stages * slot_bytes
+    ring_bytes = stages * _slot_bytes(block_n, consumers, split_n)
     if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
