@@ -9,7 +9,8 @@ cudaProfilerStop, inside an NVTX range that names it, so that ncu profiles just 
         -o probe python3 benchmarks/ncu_probe.py
     ncu --import probe.ncu-rep --page details --print-nvtx-rename kernel > details.txt
 
-(``bash benchmarks/run_gpu.sh ncu`` does both.) ncu replays each kernel many times and flushes
+(``bash benchmarks/run_gpu.sh ncu`` does both; ``--block``: only the block-scaled kernel at
+``BLOCK_CASES``, for warp-stall samples by instruction.) ncu replays each kernel many times and flushes
 the caches before each replay, so a kernel's L2 hits from the one before it do not show; time
 with CUDA graphs (gluon_mm_variants.py), not here. cuBLAS's kernel names carry its tile and
 cluster shape (nvjet_sm90_qqtst_160x64_128x7_1x2_...: 64 rows x 160 columns, 128-deep K steps,
@@ -21,8 +22,23 @@ import torch
 
 from qflash import fp8_matmul, quantize
 
-LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "70B qkv": (10240, 8192)}
+LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "70B qkv": (10240, 8192), "70B o": (8192, 8192),
+         "70B down": (8192, 28672)}
 CASES = [(128, "8B qkv"), (128, "70B qkv"), (128, "8B o"), (8192, "70B qkv"), (16, "8B o")]
+# --block: block scales at M = 8192 where K is long (70B down) and where it is not (70B o), nothing else
+BLOCK_CASES = [(8192, "70B down"), (8192, "70B o")]
+
+
+def block_jobs():
+    """(label, call) for the block-scaled kernel alone at BLOCK_CASES."""
+    out = []
+    for m, name in BLOCK_CASES:
+        n, k = LLAMA[name]
+        a_q, a_s = quantize(torch.randn(m, k, device="cuda"), torch.float8_e4m3fn, "block", (1, 128))
+        b_q, b_s = quantize(torch.randn(n, k, device="cuda"), torch.float8_e4m3fn, "block", (128, 128))
+        out.append((f"ours M={m} {name} block",
+                    lambda a_q=a_q, b_q=b_q, a_s=a_s, b_s=b_s: fp8_matmul(a_q, b_q, a_s, b_s)))
+    return out
 
 
 def jobs():
@@ -53,7 +69,7 @@ def jobs():
 
 
 def main():
-    calls = jobs()
+    calls = block_jobs() if "--block" in sys.argv[1:] else jobs()
     for _, fn in calls:  # compile and warm up
         fn(), fn()
     torch.cuda.synchronize()
