@@ -550,6 +550,20 @@ def test_plan_k_groups():
         gluon.launch(a, a, torch.ones(()), torch.ones(()), None, torch.bfloat16, "tensor", k_group=3)
 
 
+def test_plan_block_group_m():
+    """Block scales from K = LONG_K at M >= 8192 order their tiles in rows of four (as measured);
+    elsewhere, and a caller's own order, as asked."""
+    def group_m(m, k, scales, group=None):
+        return gluon._plan(m, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None, group, 132,
+                           None, False).constexprs["GROUP_M"]
+
+    long_k = gluon.LONG_K
+    assert group_m(8192, long_k, "block") == gluon.BLOCK_LONG_K_GROUP_M == 4
+    assert group_m(8192, long_k - 128, "block") == group_m(4096, long_k, "block") == gluon.GROUP_M
+    assert group_m(8192, long_k, "tensor") == group_m(8192, long_k, "row") == gluon.GROUP_M
+    assert group_m(8192, long_k, "block", 16) == 16
+
+
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):

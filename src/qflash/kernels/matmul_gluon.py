@@ -524,6 +524,12 @@ LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide til
 # K = 4096 / 8192; from LONG_K fours were ahead at 6 of 8 points (by up to 2 %). Tensor and row
 # scales keep the pairs (groups there: 0.97-1.02 x, within the spread).
 BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
+# Tile order for block scales from LONG_K at M >= 8192: rows of 4 tiles, not GROUP_M. The down
+# projections' speed over GROUP_M = 8 in three runs (matmul_fp8_block_group_m_*_s33g.json, _s33h,
+# _s33i; the same bits): 8B down 1.054 / 1.027 / 1.051, 70B down 1.012 / 1.008 / 0.997. Not at
+# M = 1024 (0.993 / 0.995, s33g), nor at M = 8192 with K under LONG_K (0.976-1.000, s33h).
+BLOCK_LONG_K_GROUP_M = 4
+BLOCK_LONG_K_GROUP_M_MIN_M = 8192
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -825,7 +831,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
+          group_m: Optional[int], sms: int, consumers: Optional[int], swap_ab: bool,
           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
           k_group: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
@@ -895,6 +901,9 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
     if k_group is None:
         k_group = BLOCK_K_GROUP[k >= LONG_K] if scales == "block" else 2
+    if group_m is None:
+        long_block = scales == "block" and k >= LONG_K and m >= BLOCK_LONG_K_GROUP_M_MIN_M
+        group_m = BLOCK_LONG_K_GROUP_M if long_block else GROUP_M
     tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
@@ -917,24 +926,24 @@ _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
+           group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
-    ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
-    order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
-    ring in half the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows
-    whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
-    where the tile is ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts
-    (3: 192 x 128 tiles, FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit)
-    blocks of C in shared memory each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4
-    or 8; by default 8 for block scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group
-    of a tile up to 128 wide (``_k_group``). C (or with split K, the partial sums)
-    goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
-    leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
-    follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
-    argument binding (``CachedLauncher``)."""
+    ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
+    (by default GROUP_M, or BLOCK_LONG_K_GROUP_M for block scales at long K and large M),
+    ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each ring in half
+    the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows whose columns two
+    consumers split (FP8, tensor or row scales; by default ``split_columns`` where the tile is
+    ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts (3: 192 x 128 tiles,
+    FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit) blocks of C in shared memory
+    each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4 or 8; by default 8 for block
+    scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
+    (``_k_group``). C (or with split K, the partial sums) goes out through shared memory and bulk
+    copies where its rows are 16-byte aligned, the ring leaves room and the tile has no tail. Eager
+    calls of short kernels are bound by the host: what follows from the shapes is made once
+    (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
