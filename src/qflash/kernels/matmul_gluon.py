@@ -97,15 +97,14 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr, SCALES: gl.constexpr):
+               TAIL_N: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
     a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
     in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
     add nothing. ``args``: the kernel's tuple of runtime arguments for the loader."""
-    (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
-     b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
+    a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
     B_PARTS: gl.constexpr = b_ring.shape[0] // STAGES
     SUB: gl.constexpr = a_desc.block_type.shape[0]
@@ -114,33 +113,19 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     LEAD: gl.constexpr = B_PARTS * LEAD_PART  # B's block: the tile less its tail
     TAIL_PART: gl.constexpr = TAIL_N // B_PARTS
     BN: gl.constexpr = LEAD + TAIL_N
-    B_SC: gl.constexpr = 2 if LEAD + TAIL_N == 2 * BK else 1  # B's scale blocks a tile (block scales)
     STEP_BYTES: gl.constexpr = (A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
-                                + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0)
-                                + ((A_PARTS * a_sc_desc.block_type.nbytes + B_SC * b_sc_desc.block_type.nbytes)
-                                   if SCALES == SCALES_BLOCK else 0))
+                                + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0  # K steps over all items: the ring's position
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
-        if SCALES == SCALES_BLOCK:  # B's 128 x 128 block of the tile's first (and second) 128 columns
-            b_block = pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), STEP_BYTES)
-            if SCALES == SCALES_BLOCK:
-                # The step's block scales by the copy engine too, from flat views: A's (column-major)
-                # 64 rows a part, and 4 values of B's from the block's scale on (the first is used).
-                for part in gl.static_range(A_PARTS):
-                    tma.async_copy_global_to_shared(a_sc_desc, [kk * stride_ask + (pid_m * A_PARTS + part) * SUB],
-                                                    ready.index(s), a_sc_ring.index(A_PARTS * s + part))
-                for blk in gl.static_range(B_SC):
-                    tma.async_copy_global_to_shared(b_sc_desc, [(b_block + blk) * stride_bsn + kk * stride_bsk],
-                                                    ready.index(s), b_sc_ring.index(B_SC * s + blk))
             for part in gl.static_range(A_PARTS):
                 tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK], ready.index(s),
                                                 a_ring.index(A_PARTS * s + part))
@@ -233,18 +218,13 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
-def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS: gl.constexpr, layout: gl.constexpr):
-    """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
-    consumer's 64 rows, and B's for the tile's first (and a 256-wide tile's second) 128 columns,
-    each copied to 64 entries, in ``layout`` (one a row of the consumer's partials)."""
-    B_SC: gl.constexpr = b_sc_ring.shape[0] // (a_sc_ring.shape[0] // A_PARTS)  # B's blocks a slot
-    four: gl.constexpr = gl.BlockedLayout([32], [32], [4], [0])  # every thread all 32 (the first is used)
-    first = gl.arange(0, 32, layout=four) == 0
-    a_sc = a_sc_ring.index(A_PARTS * s + a_part).load(layout)
-    b_sc = gl.sum(gl.where(first, b_sc_ring.index(B_SC * s).load(four), 0.0), axis=0)
-    b_sc_hi = b_sc
-    if B_SC == 2:
-        b_sc_hi = gl.sum(gl.where(first, b_sc_ring.index(B_SC * s + 1).load(four), 0.0), axis=0)
+def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
+    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
+    for the tile's first and (``hi_ok``) second 128 columns."""
+    ok = kk < k_hi
+    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
+    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
+    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
     return a_sc, b_sc, b_sc_hi
 
 
@@ -261,9 +241,9 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part,
-             A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
-             G: gl.constexpr):
+def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok, b_ptr,
+             stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
+             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -271,16 +251,12 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
     so ptxas keeps two register sets (with a constant False it gives every product its own and
     spills), and that partial is pinned after its add (a wait with one product left in
     flight, which is already the case), so the next product cannot be issued before the add.
-    Block scales come from each step's slot, read when its product is issued."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, fresh.type.layout)
+    ``a_sc``, ``b_sc``: step ``kk``'s block scales in, step ``kk + G``'s out."""
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
                          fresh, use_acc=False, is_async=True)
-    prev_a, prev_b = 1.0, 1.0  # not used: no scales in the K loop
-    if SCALES == SCALES_BLOCK:
-        prev_a, prev_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
-    prev_s = s
+    prev_s, prev_a, prev_b = s, a_sc, b_sc
     spare = fresh
     for j in gl.static_range(1, G):
         s = (c + j) % STAGES
@@ -293,20 +269,24 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
             cur = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
                                 b_ring.index(B_PARTS * s + b_part).permute((1, 0)), spare, use_acc=never,
                                 is_async=True)
-        cur_a, cur_b = prev_a, prev_b
+        cur_a, cur_b = a_sc, b_sc
         if SCALES == SCALES_BLOCK:
-            cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
+            cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
+                                           stride_bsk)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
         mbarrier.arrive(empty.index(prev_s), count=1)
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
+        elif SCALES == SCALES_BLOCK:  # the next group's first step
+            a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
+                                         stride_bsk)
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
     mbarrier.arrive(empty.index(prev_s), count=1)
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
-    return acc, c + G
+    return acc, a_sc, b_sc, c + G
 
 
 @gluon.jit
@@ -325,8 +305,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
     them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
-    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring, ready,
-     empty, M, N, K, stride_cm, stride_asm, stride_bsn, split_rows) = args
+    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K, stride_cm,
+     stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows) = args
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -391,9 +371,24 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                                                       instr_shape=[16, TAIL, 32])
                 acc_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
                 fresh_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
-            # Block scales: each K step's partial times its scales (A: one a row, B: one a 128 x 128
-            # block) before it joins the total, read from the step's ring slot (``_slot_scales``).
-            row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+            if SCALES == SCALES_BLOCK:
+                # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
+                # before it joins the total; the next step's scales load while this one's product runs.
+                rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                a_ptrs = AScale + rows * stride_asm
+                if BN >= BK:  # B's first 128 x 128 block of the tile
+                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
+                else:  # 64- or 32-wide tiles: two or four to a block
+                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
+                if WIDE:
+                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
+                else:
+                    hi_ok = False
+                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
+                                                   stride_bsn, stride_bsk)
+            else:
+                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
+                a_ptrs, b_ptr, rows = AScale, BScale, 0
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
@@ -401,14 +396,16 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 # step's product runs. (Three consumers have 160 registers a thread, not 232.)
                 k_single = k_lo + (k_hi - k_lo) // K_GROUP * K_GROUP
                 for kk in range(k_lo, k_single, K_GROUP):
-                    acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
-                                      a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
+                    acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring, ready,
+                                                  empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk,
+                                                  a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
-                        acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
-                                          a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
+                        acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring,
+                                                      ready, empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn,
+                                                      stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -418,9 +415,9 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 if TAIL_N > 0:  # in flight beside the block's product
                     part_t = warpgroup_mma(a, b_tail.index(B_PARTS * s + b_part).permute((1, 0)), fresh_t,
                                            use_acc=False, is_async=True)
-                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
                 if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, A_PARTS, row_layout)
+                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
+                                                             stride_ask, stride_bsn, stride_bsk)
                 part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if TAIL_N > 0:
@@ -432,6 +429,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
+                if SCALES == SCALES_BLOCK:
+                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -459,8 +458,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc_desc, AScale, BScale, Bias, Sums,
-                         Counters, M, N, K,
+def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale, Bias, Sums, Counters, M, N, K,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -483,21 +481,13 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                            c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
-    if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part, B's for its one or two blocks
-        a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES, SUB], a_sc_desc.layout)
-        B_SC: gl.constexpr = 2 if LEAD_PART + TAIL_N == 256 else 1
-        b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES, 32], b_sc_desc.layout)
-    else:
-        a_sc_ring = a_ring  # not used
-        b_sc_ring = a_ring
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
-    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring,
-                ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn, split_rows)
-    loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc,
-              a_sc_ring, b_sc_ring, stride_ask, stride_bsn, stride_bsk)
+    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K,
+                stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows)
+    loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K)
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
@@ -506,19 +496,19 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 4, 1], [160, 160, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 1], [240, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [1], [24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -534,6 +524,12 @@ LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide til
 # K = 4096 / 8192; from LONG_K fours were ahead at 6 of 8 points (by up to 2 %). Tensor and row
 # scales keep the pairs (groups there: 0.97-1.02 x, within the spread).
 BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
+# Tile order for block scales from LONG_K at M >= 8192: rows of 4 tiles, not GROUP_M. The down
+# projections' speed over GROUP_M = 8 in three runs (matmul_fp8_block_group_m_*_s33g.json, _s33h,
+# _s33i; the same bits): 8B down 1.054 / 1.027 / 1.051, 70B down 1.012 / 1.008 / 0.997. Not at
+# M = 1024 (0.993 / 0.995, s33g), nor at M = 8192 with K under LONG_K (0.976-1.000, s33h).
+BLOCK_LONG_K_GROUP_M = 4
+BLOCK_LONG_K_GROUP_M_MIN_M = 8192
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -808,12 +804,6 @@ def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
     return ((1 if split_n else consumers) * SUB_M + block_n) * BLOCK_K
 
 
-def _scale_bytes(block_n: int, consumers: int) -> int:
-    """A ring slot's block scales (float32): a 64-row part of A's a consumer, and B's for the tile's
-    one (two where 256 wide) blocks, each copied to 64 entries (``_mm_loader``)."""
-    return consumers * SUB_M * 4 + (2 if block_n == 256 else 1) * 128
-
-
 def _tail_stages(block_n: int, consumers: int) -> int:
     """Ring slots for a tile with a tail: no block of C in shared memory beside them, up to 8."""
     return min(8, SMEM_BYTES // _slot_bytes(block_n, consumers))
@@ -841,7 +831,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: str, has_bias: bool,
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
-          group_m: int, sms: int, consumers: Optional[int], swap_ab: bool,
+          group_m: Optional[int], sms: int, consumers: Optional[int], swap_ab: bool,
           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
           k_group: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
@@ -892,10 +882,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    slot_bytes = _slot_bytes(block_n, consumers, split_n)
-    if scales == "block":
-        slot_bytes += _scale_bytes(block_n, consumers)
-    ring_bytes = stages * slot_bytes
+    ring_bytes = stages * _slot_bytes(block_n, consumers, split_n)
     if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
@@ -914,6 +901,9 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
     if k_group is None:
         k_group = BLOCK_K_GROUP[k >= LONG_K] if scales == "block" else 2
+    if group_m is None:
+        long_block = scales == "block" and k >= LONG_K and m >= BLOCK_LONG_K_GROUP_M_MIN_M
+        group_m = BLOCK_LONG_K_GROUP_M if long_block else GROUP_M
     tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
@@ -931,40 +921,29 @@ def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
-SCALE_LAYOUT = None  # the flat scale views' shared layout (made on first use: no work at import)
-
-
-def _flat_scale_desc(t: torch.Tensor, block: int):
-    """A 1-D descriptor over the storage a scale tensor spans, in boxes of ``block`` values."""
-    global SCALE_LAYOUT
-    if SCALE_LAYOUT is None:
-        SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    flat = torch.as_strided(t, (extent,), (1,))
-    return unchecked_descriptor(flat, [extent], [1], [block], SCALE_LAYOUT)
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
            bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str, block_n: Optional[int] = None,
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
-           group_m: int = GROUP_M, consumers: Optional[int] = None, swap_ab: bool = False,
+           group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
-    ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile
-    order, ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each
-    ring in half the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows
-    whose columns two consumers split (FP8, tensor or row scales; by default ``split_columns``
-    where the tile is ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts
-    (3: 192 x 128 tiles, FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit)
-    blocks of C in shared memory each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4
-    or 8; by default 8 for block scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group
-    of a tile up to 128 wide (``_k_group``). C (or with split K, the partial sums)
-    goes out through shared memory and bulk copies where its rows are 16-byte aligned, the ring
-    leaves room and the tile has no tail. Eager calls of short kernels are bound by the host: what
-    follows from the shapes is made once (``_plan``), and the kernel launches without Triton's
-    argument binding (``CachedLauncher``)."""
+    ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
+    (by default GROUP_M, or BLOCK_LONG_K_GROUP_M for block scales at long K and large M),
+    ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each ring in half
+    the shared memory) ``swap_ctas_per_sm``; ``split_n`` makes tiles of 64 rows whose columns two
+    consumers split (FP8, tensor or row scales; by default ``split_columns`` where the tile is
+    ``tile_config``'s own); ``consumers`` (1, 2 or 3) the tile's 64-row parts (3: 192 x 128 tiles,
+    FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit) blocks of C in shared memory
+    each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4 or 8; by default 8 for block
+    scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
+    (``_k_group``). C (or with split K, the partial sums) goes out through shared memory and bulk
+    copies where its rows are 16-byte aligned, the ring leaves room and the tile has no tail. Eager
+    calls of short kernels are bound by the host: what follows from the shapes is made once
+    (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
@@ -1006,15 +985,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     tail = plan.constexprs["TAIL_N"]  # B's tile in one block, or a block and a narrower tail
     parts = 2 if plan.constexprs["SPLIT_N"] else 1  # B in a part a consumer where they split the columns
     b_desc = _desc(b_q, (plan.block_n - tail) // parts, qdtype)
-    a_sc_desc = b_sc_desc = a_desc  # not read without block scales
-    if scales == "block":
-        if a_scale.stride(0) != 1:  # the copy engine takes A's scales a K step at a time: column-major
-            a_scale = a_scale.t().contiguous().t()
-        # (boxes of 128 bytes: a copy's shared-memory destination is 128-byte aligned)
-        a_sc_desc, b_sc_desc = _flat_scale_desc(a_scale, SUB_M), _flat_scale_desc(b_scale, 32)
     _launcher[plan.grid](
-        a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
-        a_scale, b_scale,
+        a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
         **plan.constexprs, num_warps=4, **plan.options,
@@ -1040,8 +1012,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     target = (torch.int32 if int8 else torch.float32) if split_k > 1 and not swap_ab else out_dtype
     out = SIGNATURE_NAMES[target]
 
-    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
 
@@ -1052,8 +1022,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "c_desc": (desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n, split_n)) if tma_store
                         else desc(SUB_M)),
              "AScale": "*fp32",
-             "a_sc_desc": (f"tensordesc<fp32[{SUB_M}],{flat!r}>" if scales == "block" else desc(SUB_M)),
-             "b_sc_desc": (f"tensordesc<fp32[32],{flat!r}>" if scales == "block" else desc(SUB_M)),
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
