@@ -534,12 +534,18 @@ def test_plan_consumers():
     assert own.constexprs["TMA_STORE"]
 
 
+def _default_constexprs(m, k, scales, group_m=None, **kw):
+    """The kernel constexprs ``_plan`` picks for an M x 4096 x K bfloat16 product on 132 SMs with
+    tile_config's tiles (``group_m`` and ``kw``: the caller's own options)."""
+    return gluon._plan(m, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None, group_m, 132, None,
+                       False, **kw).constexprs
+
+
 def test_plan_k_groups():
     """Block scales take their K steps in groups of eight, four from K = LONG_K (as measured); tensor
     and row scales keep the pairs; a caller's own group is kept, and other sizes are refused."""
     def k_group(k, scales, **kw):
-        return gluon._plan(1024, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None,
-                           gluon.GROUP_M, 132, None, False, **kw).constexprs["K_GROUP"]
+        return _default_constexprs(1024, k, scales, **kw)["K_GROUP"]
 
     assert k_group(4096, "block") == 8 and k_group(gluon.LONG_K - 128, "block") == 8
     assert k_group(gluon.LONG_K, "block") == 4 and k_group(28672, "block") == 4
@@ -554,8 +560,7 @@ def test_plan_block_group_m():
     """Block scales from K = LONG_K at M >= 8192 order their tiles in rows of four (as measured);
     elsewhere, and a caller's own order, as asked."""
     def group_m(m, k, scales, group=None):
-        return gluon._plan(m, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None, group, 132,
-                           None, False).constexprs["GROUP_M"]
+        return _default_constexprs(m, k, scales, group)["GROUP_M"]
 
     long_k = gluon.LONG_K
     assert group_m(8192, long_k, "block") == gluon.BLOCK_LONG_K_GROUP_M == 4

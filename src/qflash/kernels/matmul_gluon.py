@@ -899,11 +899,11 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         c_bufs = 2 if block_n == 256 and not split_n else 1
     # ... with bulk stores, where the second block fits too (as the first, else one)
     c_bufs = c_bufs if tma_store and ring_bytes + c_bufs * c_blocks <= SMEM_BYTES else 1
+    long_k_block = scales == "block" and k >= LONG_K
     if k_group is None:
-        k_group = BLOCK_K_GROUP[k >= LONG_K] if scales == "block" else 2
+        k_group = BLOCK_K_GROUP[long_k_block] if scales == "block" else 2
     if group_m is None:
-        long_block = scales == "block" and k >= LONG_K and m >= BLOCK_LONG_K_GROUP_M_MIN_M
-        group_m = BLOCK_LONG_K_GROUP_M if long_block else GROUP_M
+        group_m = BLOCK_LONG_K_GROUP_M if long_k_block and m >= BLOCK_LONG_K_GROUP_M_MIN_M else GROUP_M
     tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
