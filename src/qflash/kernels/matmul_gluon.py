@@ -97,14 +97,15 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr):
+               TAIL_N: gl.constexpr, SCALES: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
     a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
     in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
     add nothing. ``args``: the kernel's tuple of runtime arguments for the loader."""
-    a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K = args
+    (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
+     b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
     B_PARTS: gl.constexpr = b_ring.shape[0] // STAGES
     SUB: gl.constexpr = a_desc.block_type.shape[0]
@@ -113,19 +114,36 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     LEAD: gl.constexpr = B_PARTS * LEAD_PART  # B's block: the tile less its tail
     TAIL_PART: gl.constexpr = TAIL_N // B_PARTS
     BN: gl.constexpr = LEAD + TAIL_N
+    B_SC: gl.constexpr = 2 if LEAD + TAIL_N == 2 * BK else 1  # B's scale blocks a tile (block scales)
+    B_SC_ROWS: gl.constexpr = 8  # rows of 4 a B scale's place in a slot: 128 bytes, a copy's alignment
     STEP_BYTES: gl.constexpr = (A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
-                                + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0))
+                                + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0)
+                                + ((A_PARTS * a_sc_desc.block_type.nbytes + B_SC * b_sc_desc.block_type.nbytes)
+                                   if SCALES == SCALES_BLOCK else 0))
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     c = 0  # K steps over all items: the ring's position
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+        if SCALES == SCALES_BLOCK:  # B's 128 x 128 block of the tile's first (and second) 128 columns
+            b_block = pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), STEP_BYTES)
+            if SCALES == SCALES_BLOCK:
+                # The step's block scales by the copy engine too, from flat views: A's (column-major)
+                # 64 rows a part, and B's in the 16-byte aligned four values that hold the block's
+                # (a copy's first element must be 16-byte aligned: else an illegal instruction).
+                for part in gl.static_range(A_PARTS):
+                    tma.async_copy_global_to_shared(a_sc_desc, [kk * stride_ask + (pid_m * A_PARTS + part) * SUB],
+                                                    ready.index(s), a_sc_ring.index(A_PARTS * s + part))
+                for blk in gl.static_range(B_SC):
+                    b_at = (b_block + blk) * stride_bsn + kk * stride_bsk
+                    tma.async_copy_global_to_shared(b_sc_desc, [b_at - b_at % 4], ready.index(s),
+                                                    b_sc_ring.index(B_SC_ROWS * (B_SC * s + blk)))
             for part in gl.static_range(A_PARTS):
                 tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK], ready.index(s),
                                                 a_ring.index(A_PARTS * s + part))
@@ -218,13 +236,21 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
-def _step_scales(a_ptrs, row_ok, b_ptr, hi_ok, kk, k_hi, stride_ask, stride_bsn, stride_bsk):
-    """Block scales of K step ``kk`` (zeros from ``k_hi`` on): A's for the consumer's rows, and B's
-    for the tile's first and (``hi_ok``) second 128 columns."""
-    ok = kk < k_hi
-    a_sc = gl.load(a_ptrs + kk * stride_ask, mask=row_ok & ok, other=0.0)
-    b_sc = gl.load(b_ptr + kk * stride_bsk, mask=ok, other=0.0)
-    b_sc_hi = gl.load(b_ptr + stride_bsn + kk * stride_bsk, mask=ok & hi_ok, other=0.0)
+def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, b_sel_hi, A_PARTS: gl.constexpr, layout: gl.constexpr):
+    """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
+    consumer's 64 rows, in ``layout`` (one a row of the consumer's partials), and B's for the
+    tile's first (and a 256-wide tile's second) 128 columns, value ``b_sel`` (``b_sel_hi``) of the
+    aligned four that the loader copied (its place in B's scales modulo 4)."""
+    B_SC_ROWS: gl.constexpr = 8  # as in _mm_loader
+    B_SC: gl.constexpr = b_sc_ring.shape[0] // B_SC_ROWS // (a_sc_ring.shape[0] // A_PARTS)  # B's blocks a slot
+    four: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread all four
+    lane = gl.arange(0, 4, layout=four)
+    a_sc = a_sc_ring.index(A_PARTS * s + a_part).load(layout)
+    b_sc = gl.sum(gl.where(lane == b_sel, b_sc_ring.index(B_SC_ROWS * B_SC * s).load(four), 0.0), axis=0)
+    b_sc_hi = b_sc
+    if B_SC == 2:
+        b_sc_hi = gl.sum(gl.where(lane == b_sel_hi, b_sc_ring.index(B_SC_ROWS * (B_SC * s + 1)).load(four), 0.0),
+                         axis=0)
     return a_sc, b_sc, b_sc_hi
 
 
@@ -241,9 +267,9 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
 
 
 @gluon.jit
-def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, empty, a_ptrs, row_ok, b_ptr,
-             stride_ask, stride_bsn, stride_bsk, a_part, b_part, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr,
-             STAGES: gl.constexpr, SCALES: gl.constexpr, G: gl.constexpr):
+def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part, b_at,
+             stride_bsk, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
+             G: gl.constexpr, B_SC_ALIGNED: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -251,12 +277,19 @@ def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, 
     so ptxas keeps two register sets (with a constant False it gives every product its own and
     spills), and that partial is pinned after its add (a wait with one product left in
     flight, which is already the case), so the next product cannot be issued before the add.
-    ``a_sc``, ``b_sc``: step ``kk``'s block scales in, step ``kk + G``'s out."""
+    Block scales come from each step's slot, read when its product is issued; ``b_at``: where the
+    first step's B scale is in B's scales (with B_SC_ALIGNED, a multiple of 4 and the next steps'
+    the next values: the value a step takes of its four is known when the kernel is built)."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, fresh.type.layout)
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
                          fresh, use_acc=False, is_async=True)
-    prev_s, prev_a, prev_b = s, a_sc, b_sc
+    prev_a, prev_b = 1.0, 1.0  # not used: no scales in the K loop
+    if SCALES == SCALES_BLOCK:
+        prev_a, prev_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, 0 if B_SC_ALIGNED else b_at % 4, 0,
+                                         A_PARTS, row_layout)
+    prev_s = s
     spare = fresh
     for j in gl.static_range(1, G):
         s = (c + j) % STAGES
@@ -269,30 +302,27 @@ def _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, never, a_ring, b_ring, ready, 
             cur = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
                                 b_ring.index(B_PARTS * s + b_part).permute((1, 0)), spare, use_acc=never,
                                 is_async=True)
-        cur_a, cur_b = a_sc, b_sc
+        cur_a, cur_b = prev_a, prev_b
         if SCALES == SCALES_BLOCK:
-            cur_a, cur_b, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + j, k_hi, stride_ask, stride_bsn,
-                                           stride_bsk)
+            b_sel = j % 4 if B_SC_ALIGNED else (b_at + j * stride_bsk) % 4
+            cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, row_layout)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
         mbarrier.arrive(empty.index(prev_s), count=1)
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
-        elif SCALES == SCALES_BLOCK:  # the next group's first step
-            a_sc, b_sc, _ = _step_scales(a_ptrs, row_ok, b_ptr, False, kk + G, k_hi, stride_ask, stride_bsn,
-                                         stride_bsk)
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
     mbarrier.arrive(empty.index(prev_s), count=1)
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
-    return acc, a_sc, b_sc, c + G
+    return acc, c + G
 
 
 @gluon.jit
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr):
+                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -305,8 +335,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     an item's sum goes as it is to rows split * split_rows + row of a partial-sum buffer, which a
     second kernel adds up; in the transposed product, to ``Sums``, where the tile's last run adds
     them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
-    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K, stride_cm,
-     stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows) = args
+    (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring, ready,
+     empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows) = args
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -371,24 +401,10 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                                                       instr_shape=[16, TAIL, 32])
                 acc_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
                 fresh_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
-            if SCALES == SCALES_BLOCK:
-                # Each K step's partial times its scales (A: one a row, B: one a 128 x 128 block)
-                # before it joins the total; the next step's scales load while this one's product runs.
-                rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
-                a_ptrs = AScale + rows * stride_asm
-                if BN >= BK:  # B's first 128 x 128 block of the tile
-                    b_ptr = BScale + pid_n * (BN // BK) * stride_bsn
-                else:  # 64- or 32-wide tiles: two or four to a block
-                    b_ptr = BScale + pid_n // (BK // BN) * stride_bsn
-                if WIDE:
-                    hi_ok = pid_n * BN + HALF < N  # the second half of the tile is inside B: it has a scale
-                else:
-                    hi_ok = False
-                a_sc, b_sc, b_sc_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, k_lo, k_hi, stride_ask,
-                                                   stride_bsn, stride_bsk)
-            else:
-                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
-                a_ptrs, b_ptr, rows = AScale, BScale, 0
+            # Block scales: each K step's partial times its scales (A: one a row, B: one a 128 x 128
+            # block) before it joins the total, read from the step's ring slot (``_slot_scales``).
+            row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+            b_base = (pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)) * stride_bsn  # B's first block's scales
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
@@ -396,16 +412,16 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 # step's product runs. (Three consumers have 160 registers a thread, not 232.)
                 k_single = k_lo + (k_hi - k_lo) // K_GROUP * K_GROUP
                 for kk in range(k_lo, k_single, K_GROUP):
-                    acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring, ready,
-                                                  empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn, stride_bsk,
-                                                  a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, K_GROUP)
+                    acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
+                                      a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS, STAGES,
+                                      SCALES, K_GROUP, B_SC_ALIGNED)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
-                        acc, a_sc, b_sc, c = _k_group(acc, fresh, a_sc, b_sc, c, kk, k_hi, K < 0, a_ring, b_ring,
-                                                      ready, empty, a_ptrs, rows < M, b_ptr, stride_ask, stride_bsn,
-                                                      stride_bsk, a_part, b_part, A_PARTS, B_PARTS, STAGES, SCALES, 2)
+                        acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
+                                          a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS,
+                                          STAGES, SCALES, 2, False)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -415,9 +431,11 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 if TAIL_N > 0:  # in flight beside the block's product
                     part_t = warpgroup_mma(a, b_tail.index(B_PARTS * s + b_part).permute((1, 0)), fresh_t,
                                            use_acc=False, is_async=True)
+                a_sc, b_sc, b_sc_hi = 1.0, 1.0, 1.0  # not used: no scales in the K loop
                 if SCALES == SCALES_BLOCK:
-                    a_next, b_next, b_next_hi = _step_scales(a_ptrs, rows < M, b_ptr, hi_ok, kk + 1, k_hi,
-                                                             stride_ask, stride_bsn, stride_bsk)
+                    b_at = b_base + kk * stride_bsk
+                    a_sc, b_sc, b_sc_hi = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_at % 4,
+                                                       (b_at + stride_bsn) % 4, A_PARTS, row_layout)
                 part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
                 acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
                 if TAIL_N > 0:
@@ -429,8 +447,6 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
                 mbarrier.arrive(empty.index(s), count=1)
-                if SCALES == SCALES_BLOCK:
-                    a_sc, b_sc, b_sc_hi = a_next, b_next, b_next_hi
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -458,12 +474,13 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
 
 
 @gluon.jit
-def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale, Bias, Sums, Counters, M, N, K,
+def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc_desc, AScale, BScale, Bias, Sums,
+                         Counters, M, N, K,
                          stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows, SCALES: gl.constexpr,
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         K_GROUP: gl.constexpr):
+                         K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -481,34 +498,43 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, AScale, BScale,
                                            c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
+    if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part, B's for its one or two blocks
+        a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES, SUB], a_sc_desc.layout)
+        B_SC: gl.constexpr = 2 if LEAD_PART + TAIL_N == 256 else 1
+        # B's: four values a block, each in 128 bytes (eight rows of four) for the copies' alignment
+        b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES * 8, 4], b_sc_desc.layout)
+    else:
+        a_sc_ring = a_ring  # not used
+        b_sc_ring = a_ring
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
-    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, ready, empty, M, N, K,
-                stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, split_rows)
-    loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K)
+    consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring,
+                ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows)
+    loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc,
+              a_sc_ring, b_sc_ring, stride_ask, stride_bsn, stride_bsk)
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 4, 1], [160, 160, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [4, 1], [240, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N))], [1], [24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -685,6 +711,8 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 # Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
 # 128-wide slots, with room beside the wider ones for a 64-row block of C
 TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
+# (block scales: 3 of 128 wide, since each slot's scales, 384 bytes, would leave no room for C)
+TWO_CTA_BLOCK_STAGES = {**TWO_CTA_STAGES, 128: 3}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
 # the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
@@ -804,6 +832,12 @@ def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
     return ((1 if split_n else consumers) * SUB_M + block_n) * BLOCK_K
 
 
+def _scale_bytes(block_n: int, consumers: int) -> int:
+    """A ring slot's block scales (float32): a 64-row part of A's a consumer, and B's for the tile's
+    one (two where 256 wide) blocks, four values each in 128 bytes (``_mm_loader``)."""
+    return consumers * SUB_M * 4 + (2 if block_n == 256 else 1) * 128
+
+
 def _tail_stages(block_n: int, consumers: int) -> int:
     """Ring slots for a tile with a tail: no block of C in shared memory beside them, up to 8."""
     return min(8, SMEM_BYTES // _slot_bytes(block_n, consumers))
@@ -874,7 +908,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         elif tail:
             stages = _tail_stages(block_n, consumers)
         else:
-            stages = (TWO_CTA_STAGES[block_n] if ctas_per_sm == 2 else RING_STAGES[consumers][block_n] if own_width
+            two_cta = TWO_CTA_BLOCK_STAGES if scales == "block" else TWO_CTA_STAGES
+            stages = (two_cta[block_n] if ctas_per_sm == 2 else RING_STAGES[consumers][block_n] if own_width
                       else config[1])
     if tma_store is None:  # tile_config's choice, or for FP8 tiles of the caller's width bulk stores
         tma_store = config[2] if not own_width or swap_ab else not int8
@@ -882,7 +917,10 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     k_steps = cdiv(k, BLOCK_K)
     split_k = min(split_k or config[3], k_steps)
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
-    ring_bytes = stages * _slot_bytes(block_n, consumers, split_n)
+    slot_bytes = _slot_bytes(block_n, consumers, split_n)
+    if scales == "block":
+        slot_bytes += _scale_bytes(block_n, consumers)
+    ring_bytes = stages * slot_bytes
     if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
     # With split K the kernel writes float32 (int32) partial sums, split after split, and a second
@@ -921,6 +959,33 @@ def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
+SCALE_LAYOUT = None  # the flat scale views' shared layout (made on first use: no work at import)
+
+
+def _flat_scale_desc(t: torch.Tensor, block: int):
+    """A 1-D descriptor over the storage a scale tensor spans, in boxes of ``block`` values."""
+    global SCALE_LAYOUT
+    if SCALE_LAYOUT is None:
+        SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    flat = torch.as_strided(t, (extent,), (1,))
+    return unchecked_descriptor(flat, [extent], [1], [block], SCALE_LAYOUT)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it does not start 16-byte aligned (a bulk copy's source must)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
+    """A's block scales as the kernel's bulk copies take them, a K step's 64 rows at a time:
+    column-major, each K step's column starting 16-byte aligned (a copy of them where not)."""
+    m, k_blocks = a_scale.shape
+    if a_scale.stride(0) == 1 and (a_scale.stride(1) % 4 == 0 or k_blocks == 1) and a_scale.data_ptr() % 16 == 0:
+        return a_scale
+    columns = torch.empty((k_blocks, cdiv(m, 4) * 4), dtype=a_scale.dtype, device=a_scale.device)
+    columns[:, :m].copy_(a_scale.t())
+    return columns[:, :m].t()
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -985,11 +1050,23 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     tail = plan.constexprs["TAIL_N"]  # B's tile in one block, or a block and a narrower tail
     parts = 2 if plan.constexprs["SPLIT_N"] else 1  # B in a part a consumer where they split the columns
     b_desc = _desc(b_q, (plan.block_n - tail) // parts, qdtype)
+    a_sc_desc = b_sc_desc = a_desc  # not read without block scales
+    if scales == "block":
+        a_scale, b_scale = _scales_for_copies(a_scale), _aligned(b_scale)
+        a_sc_desc, b_sc_desc = _flat_scale_desc(a_scale, SUB_M), _flat_scale_desc(b_scale, 4)
+        # B's scales along K in rows of a multiple of 4, and each run of K steps starting at a
+        # multiple of 4: a group's steps take values 0, 1, 2, 3, ... of their fours
+        k_run = cdiv(cdiv(k, BLOCK_K), plan.split_k)
+        b_sc_aligned = (b_scale.stride(1) == 1 and b_scale.stride(0) % 4 == 0
+                        and (plan.split_k == 1 or k_run % 4 == 0))
+    else:
+        b_sc_aligned = False
     _launcher[plan.grid](
-        a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_scale, b_scale,
+        a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
+        a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
-        **plan.constexprs, num_warps=4, **plan.options,
+        **plan.constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4, **plan.options,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
@@ -1002,7 +1079,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
 def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = True,
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
-                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2):
+                     ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
+                     b_sc_aligned: bool = True):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1011,6 +1089,8 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     # split K: C takes the partial sums, except in the transposed product (they go to Sums)
     target = (torch.int32 if int8 else torch.float32) if split_k > 1 and not swap_ab else out_dtype
     out = SIGNATURE_NAMES[target]
+
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"
@@ -1022,10 +1102,13 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "c_desc": (desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n, split_n)) if tma_store
                         else desc(SUB_M)),
              "AScale": "*fp32",
+             "a_sc_desc": (f"tensordesc<fp32[{SUB_M}],{flat!r}>" if scales == "block" else desc(SUB_M)),
+             "b_sc_desc": (f"tensordesc<fp32[32],{flat!r}>" if scales == "block" else desc(SUB_M)),
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
-                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
+                     SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
+                     B_SC_ALIGNED=b_sc_aligned)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
