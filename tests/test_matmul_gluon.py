@@ -85,9 +85,11 @@ def test_swap_ab_two_ctas_an_sm_build(block_n, split_k):
 @pytest.mark.parametrize("scales,block_n", [("tensor", 64), ("block", 64), ("row", 128), ("block", 128)])
 def test_two_ctas_an_sm_64_row_tiles_build(scales, block_n):
     """Two CTAs an SM with 64-row tiles 64 or 128 wide: capped at 128 registers a thread, no spills,
-    and two rings (6 / 4 slots) with a block of C each fit in the SM's shared memory."""
+    and two rings (6 / 4 slots; 3 of 128 wide with block scales) with a block of C each fit in the
+    SM's shared memory."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n,
-                        stages=gluon.TWO_CTA_STAGES[block_n], tma_store=True, consumers=1, ctas_per_sm=2)
+                        stages=(gluon.TWO_CTA_BLOCK_STAGES if scales == "block" else gluon.TWO_CTA_STAGES)[block_n],
+                        tma_store=True, consumers=1, ctas_per_sm=2)
     report = ptxas_report(kernel["ptx"])
     assert ".maxnreg 128" in kernel["ptx"] and "0 bytes spill stores" in report and "serialized" not in report
     assert "cp.async.bulk.tensor.2d.global.shared" in kernel["ptx"]
@@ -154,6 +156,21 @@ def test_k_steps_in_groups_build(scales, block_n, k_group):
     pairs = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=5, tma_store=True)
     wait_one = "wgmma.wait_group.sync.aligned 1;"
     assert kernel["ptx"].count(wait_one) > pairs["ptx"].count(wait_one)
+
+
+@pytest.mark.parametrize("block_n,k_group,aligned", [(128, 8, True), (128, 4, False), (64, 8, True), (256, 2, True)])
+def test_block_scales_by_bulk_copies_build(block_n, k_group, aligned):
+    """Block scales come into each ring slot by 1-D bulk copies beside A and B (A's 64 rows a
+    part, B's aligned four values a block), counted in the slot's expected bytes; no spills with
+    B's value picked where the kernel is built (groups of eight) or at run time (groups of four)."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "block", block_n=block_n,
+                        stages=gluon.RING_STAGES[2][block_n], k_group=k_group, b_sc_aligned=aligned)
+    report = ptxas_report(kernel["ptx"])
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    b_blocks = 2 if block_n == 256 else 1
+    assert kernel["ptx"].count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2 + b_blocks
+    step_bytes = 2 * 64 * 128 + block_n * 128 + 2 * 64 * 4 + b_blocks * 16
+    assert re.search(rf"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], {step_bytes};", kernel["ptx"])
 
 
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
@@ -380,19 +397,23 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n", [32, 64, 128, 256])
 def test_gpu_fp8_block_scales_any_strides(block_n):
-    """Block scales are read through their strides: column-major scales (DeepGEMM's layout) and
-    a view with a gap between rows give the same bits as contiguous ones."""
-    m, n, k = 200, 300, 1040  # K: rows of A_q and B_q 16-byte aligned, as the bulk copies need
+    """Block scales are read through their strides: A's column-major (as ``quantize`` gives them,
+    read by the copy engine as they are) or row-major (the launcher makes a column-major copy),
+    B's contiguous (rows of 9: each step's value picked from its aligned four at run time) or with
+    a gap between rows (rows of 12: picked where the kernel is built), all give the same bits."""
+    m, n, k = 203, 300, 1040  # K: rows of A_q and B_q 16-byte aligned, as the bulk copies need
     a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
     a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
     b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    assert a_s.stride() == (1, 204)
     stages = {32: 10, 64: 8, 128: 5, 256: 3}[block_n]
     want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.float32, "block", block_n=block_n, stages=stages)
-    a_cols = a_s.t().contiguous().t()
     b_gap = torch.full((b_s.shape[0], b_s.shape[1] + 3), float("nan"), device="cuda")[:, :b_s.shape[1]]
     b_gap.copy_(b_s)
-    got = gluon.launch(a_q, b_q, a_cols, b_gap, None, torch.float32, "block", block_n=block_n, stages=stages)
-    assert torch.equal(got, want)
+    for a_k, b_k in [(a_s, b_gap), (a_s.contiguous(), b_s), (a_s.contiguous(), b_gap)]:
+        got = gluon.launch(a_q, b_q, a_k, b_k, None, torch.float32, "block", block_n=block_n, stages=stages)
+        assert torch.equal(got, want), (a_k.stride(), b_k.stride())
+    assert rel_l2_err(want, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5
 
 
 def test_tile_config_follows_the_measurements():

@@ -249,6 +249,18 @@ def test_dequantize_round_trip_and_sqnr():
     assert qflash.dequantize(x_q, scale, "block", (1, 128)).shape == x.shape
 
 
+@pytest.mark.parametrize("m", [1, 63, 113, 128])
+def test_row_block_scales_column_major(m):
+    """(1, bn) block scales come column-major, each column 16-byte aligned (strides (1, M rounded
+    up to 4)), the layout the FP8 matmul's bulk copies read; the values are the reference's."""
+    x = torch.randn(m, 384, device=DEVICE)
+    x_q, scale = qflash.quantize(x, torch.float8_e4m3fn, "block", (1, 128))
+    assert scale.shape == (m, 3) and scale.stride() == (1, -(-m // 4) * 4)
+    assert scale.data_ptr() % 16 == 0
+    want_q, want_scale = quantize_ref(x, torch.float8_e4m3fn, "block", (1, 128))
+    assert torch.equal(scale, want_scale) and same_bits(x_q, want_q)
+
+
 def test_outliers_collapse_per_tensor_but_not_per_row():
     x = with_outlier_channels(torch.randn(128, 256), num=4, scale=100.0, seed=0).T.contiguous().to(DEVICE)
     # channels as rows: a few rows 100x larger

@@ -33,21 +33,25 @@ epilogue writes each block back to C transposed, by plain stores. One CTA stream
 40 GB/s, so where B's tiles make one to two rounds of the SMs two CTAs share each SM (registers
 capped at 128 a thread, 8 ring slots each) and the second round runs beside the first.
 
-C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s
-weight layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32.
-FP8 (e4m3) is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a
-fresh partial that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22
-bits of a long sum) while the other consumer's product keeps the tensor cores busy. A 256-wide
-tile is two 128-wide halves that take turns with one partial; a narrower tile takes its K steps
-in groups (pairs; with block scales eights, or fours at long K) with two partials, so that its own
-next product runs while it adds each partial but a group's last. Scales: per tensor,
-or per row of A times per row of B (an output column), applied in the epilogue in the
-reference's order, with the launch's floating-point fusion off so that INT8 results are
-bit-exact; block scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in
-128-wide tiles by fused multiply-adds). With split K each run's sum goes unscaled to a float32
-(int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a fixed order and
-applies the scales and bias; in the transposed product the last run of a tile to arrive (an
-atomic count) adds them in the kernel, also in a fixed order.
+C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s weight
+layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32. FP8 (e4m3)
+is promoted to float32 every BLOCK_K = 128 products: each K step's product goes to a fresh partial
+that is added into the float32 total (Hopper's FP8 accumulation keeps only 14-22 bits of a long sum)
+while the other consumer's product keeps the tensor cores busy. A 256-wide tile is two 128-wide
+halves that take turns with one partial; a narrower tile takes its K steps in groups (pairs; with
+block scales eights, or fours at long K) with two partials, so that its own next product runs while
+it adds each partial but a group's last. Scales: per tensor, or per row of A times per row of B (an
+output column), applied in the epilogue in the reference's order, with the launch's floating-point
+fusion off so that INT8 results are bit-exact; block scales (1 x 128 for A, 128 x 128 for B)
+multiply each K step's partial (in 128-wide tiles by fused multiply-adds). The loader brings a K
+step's block scales into its ring slot with A and B, by 1-D bulk copies from flat views of the
+scales (A's column-major, as ``quantize`` writes (1, 128) scales, 64 rows a part; B's in the 16-byte
+aligned four values that hold the block's value, since a copy must start aligned), so the consumers
+wait for nothing but their slot (the scales' global loads had held up the wgmma issue: 12 % of the
+samples, s33a; 0.99-1.09 x the loads at M = 1024 and 8192, s34d). With split K each run's sum goes
+unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
+fixed order and applies the scales and bias; in the transposed product the last run of a tile to
+arrive (an atomic count) adds them in the kernel, also in a fixed order.
 """
 
 from __future__ import annotations
@@ -1051,6 +1055,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     parts = 2 if plan.constexprs["SPLIT_N"] else 1  # B in a part a consumer where they split the columns
     b_desc = _desc(b_q, (plan.block_n - tail) // parts, qdtype)
     a_sc_desc = b_sc_desc = a_desc  # not read without block scales
+    constexprs = plan.constexprs
     if scales == "block":
         a_scale, b_scale = _scales_for_copies(a_scale), _aligned(b_scale)
         a_sc_desc, b_sc_desc = _flat_scale_desc(a_scale, SUB_M), _flat_scale_desc(b_scale, 4)
@@ -1059,6 +1064,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         k_run = cdiv(cdiv(k, BLOCK_K), plan.split_k)
         b_sc_aligned = (b_scale.stride(1) == 1 and b_scale.stride(0) % 4 == 0
                         and (plan.split_k == 1 or k_run % 4 == 0))
+        if not b_sc_aligned and k_group is None and plan.constexprs["K_GROUP"] > 4:
+            # picked at run time, each step's B scale costs registers: groups of eight would spill
+            constexprs = {**constexprs, "K_GROUP": 4}
     else:
         b_sc_aligned = False
     _launcher[plan.grid](
@@ -1066,7 +1074,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
-        **plan.constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4, **plan.options,
+        **constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4, **plan.options,
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,
@@ -1103,7 +1111,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                         else desc(SUB_M)),
              "AScale": "*fp32",
              "a_sc_desc": (f"tensordesc<fp32[{SUB_M}],{flat!r}>" if scales == "block" else desc(SUB_M)),
-             "b_sc_desc": (f"tensordesc<fp32[32],{flat!r}>" if scales == "block" else desc(SUB_M)),
+             "b_sc_desc": (f"tensordesc<fp32[4],{flat!r}>" if scales == "block" else desc(SUB_M)),
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,

@@ -9,7 +9,10 @@ Scales (float32):
     per tensor   a_scale and b_scale with one element each
     per row      a_scale (M,) or (M, 1), b_scale (N,) or (N, 1) (one may be per tensor)
     block (fp8)  a_scale (M, ceil(K/128)) for 1 x 128 groups and
-                 b_scale (ceil(N/128), ceil(K/128)) for 128 x 128 groups
+                 b_scale (ceil(N/128), ceil(K/128)) for 128 x 128 groups, any strides;
+                 on Hopper the kernel reads a_scale fastest column-major with each column
+                 16-byte aligned, as ``quantize(..., "block", (1, 128))`` returns it (other
+                 layouts cost a copy of a_scale each call)
 """
 
 from __future__ import annotations

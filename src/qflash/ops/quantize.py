@@ -6,7 +6,9 @@ Symmetric, with one float32 scale per group; the groups:
     "row"      one per row     (activations)  (M, 1)
     "column"   one per column                 (1, N)
     "block"    one per (bm x bn) block        (ceil(M / bm), ceil(N / bn)),
-               e.g. (1, 128) for activations and (128, 128) for weights (DeepSeek-V3)
+               e.g. (1, 128) for activations and (128, 128) for weights (DeepSeek-V3);
+               with (1, bn) blocks the scales come column-major, strides (1, M rounded up to
+               4): the layout in which ``fp8_matmul``'s copy engine reads them (DeepGEMM's)
 
 Rounding: int8 rounds to nearest, ties to even (as torch.round), and saturates at +-127;
 float8 rounds to nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
