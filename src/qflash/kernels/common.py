@@ -19,6 +19,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def aligned_columns(shape: tuple, device, alloc=torch.empty) -> torch.Tensor:
+    """A float32 (rows, cols) tensor stored column-major with each column starting 16-byte aligned
+    (strides (1, rows rounded up to 4)): how the FP8 matmul's bulk copies take (1, 128) block
+    scales, a K step's rows at a time. ``alloc`` makes the storage (``testing.new_output``: poisoned
+    in tests)."""
+    rows, cols = shape
+    return alloc((cols, cdiv(rows, 4) * 4), dtype=torch.float32, device=device)[:, :rows].t()
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), without ``triton.next_power_of_2``'s wrapper."""
     return 1 << max(0, n - 1).bit_length()

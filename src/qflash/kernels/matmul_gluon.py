@@ -65,8 +65,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, build_for_sm90, cdiv, is_hopper, nvmma_layout,
-                                   sm_count)
+from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, aligned_columns, build_for_sm90, cdiv, is_hopper,
+                                   nvmma_layout, sm_count)
 from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides, split_k_counters)
@@ -87,6 +87,11 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
     first_m = (t // per_group) * GROUP_M
     rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
     return first_m + (t % per_group) % rows_in_group, (t % per_group) // rows_in_group
+
+
+# A B scale's place in a ring slot: eight rows of four float32 values, 128 bytes (a bulk copy's
+# shared-memory alignment), of which the copy fills the first row (the aligned four that hold it)
+B_SC_ROWS = gl.constexpr(8)
 
 
 @gluon.jit
@@ -118,8 +123,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     LEAD: gl.constexpr = B_PARTS * LEAD_PART  # B's block: the tile less its tail
     TAIL_PART: gl.constexpr = TAIL_N // B_PARTS
     BN: gl.constexpr = LEAD + TAIL_N
-    B_SC: gl.constexpr = 2 if LEAD + TAIL_N == 2 * BK else 1  # B's scale blocks a tile (block scales)
-    B_SC_ROWS: gl.constexpr = 8  # rows of 4 a B scale's place in a slot: 128 bytes, a copy's alignment
+    B_SC: gl.constexpr = b_sc_ring.shape[0] // (B_SC_ROWS * STAGES)  # B's scale blocks a tile (block scales)
     STEP_BYTES: gl.constexpr = (A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
                                 + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0)
                                 + ((A_PARTS * a_sc_desc.block_type.nbytes + B_SC * b_sc_desc.block_type.nbytes)
@@ -130,8 +134,8 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     c = 0  # K steps over all items: the ring's position
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
-        if SCALES == SCALES_BLOCK:  # B's 128 x 128 block of the tile's first (and second) 128 columns
-            b_block = pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
+        if SCALES == SCALES_BLOCK:
+            b_block = _b_scale_block(pid_n, BN, BK)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
@@ -240,12 +244,18 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
+def _b_scale_block(pid_n, BN: gl.constexpr, BK: gl.constexpr):
+    """The 128 x 128 block of B's scales that holds column block ``pid_n``'s first 128 columns
+    (a 64- or 32-wide tile shares its block with the tiles beside it)."""
+    return pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
+
+
+@gluon.jit
 def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, b_sel_hi, A_PARTS: gl.constexpr, layout: gl.constexpr):
     """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
     consumer's 64 rows, in ``layout`` (one a row of the consumer's partials), and B's for the
     tile's first (and a 256-wide tile's second) 128 columns, value ``b_sel`` (``b_sel_hi``) of the
     aligned four that the loader copied (its place in B's scales modulo 4)."""
-    B_SC_ROWS: gl.constexpr = 8  # as in _mm_loader
     B_SC: gl.constexpr = b_sc_ring.shape[0] // B_SC_ROWS // (a_sc_ring.shape[0] // A_PARTS)  # B's blocks a slot
     four: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread all four
     lane = gl.arange(0, 4, layout=four)
@@ -408,7 +418,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
             # Block scales: each K step's partial times its scales (A: one a row, B: one a 128 x 128
             # block) before it joins the total, read from the step's ring slot (``_slot_scales``).
             row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-            b_base = (pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)) * stride_bsn  # B's first block's scales
+            b_base = _b_scale_block(pid_n, BN, BK) * stride_bsn  # where the tile's B scales start
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
@@ -505,8 +515,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part, B's for its one or two blocks
         a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES, SUB], a_sc_desc.layout)
         B_SC: gl.constexpr = 2 if LEAD_PART + TAIL_N == 256 else 1
-        # B's: four values a block, each in 128 bytes (eight rows of four) for the copies' alignment
-        b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES * 8, 4], b_sc_desc.layout)
+        b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES * B_SC_ROWS, 4], b_sc_desc.layout)
     else:
         a_sc_ring = a_ring  # not used
         b_sc_ring = a_ring
@@ -839,7 +848,7 @@ def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
 def _scale_bytes(block_n: int, consumers: int) -> int:
     """A ring slot's block scales (float32): a 64-row part of A's a consumer, and B's for the tile's
     one (two where 256 wide) blocks, four values each in 128 bytes (``_mm_loader``)."""
-    return consumers * SUB_M * 4 + (2 if block_n == 256 else 1) * 128
+    return consumers * SUB_M * 4 + (2 if block_n == 256 else 1) * B_SC_ROWS * 4 * 4
 
 
 def _tail_stages(block_n: int, consumers: int) -> int:
@@ -963,17 +972,17 @@ def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
-SCALE_LAYOUT = None  # the flat scale views' shared layout (made on first use: no work at import)
+@functools.cache
+def _scale_layout():
+    """The shared layout of the flat scale views' boxes: one row of float32, no swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 def _flat_scale_desc(t: torch.Tensor, block: int):
     """A 1-D descriptor over the storage a scale tensor spans, in boxes of ``block`` values."""
-    global SCALE_LAYOUT
-    if SCALE_LAYOUT is None:
-        SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     flat = torch.as_strided(t, (extent,), (1,))
-    return unchecked_descriptor(flat, [extent], [1], [block], SCALE_LAYOUT)
+    return unchecked_descriptor(flat, [extent], [1], [block], _scale_layout())
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -987,9 +996,9 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
     m, k_blocks = a_scale.shape
     if a_scale.stride(0) == 1 and (a_scale.stride(1) % 4 == 0 or k_blocks == 1) and a_scale.data_ptr() % 16 == 0:
         return a_scale
-    columns = torch.empty((k_blocks, cdiv(m, 4) * 4), dtype=a_scale.dtype, device=a_scale.device)
-    columns[:, :m].copy_(a_scale.t())
-    return columns[:, :m].t()
+    columns = aligned_columns((m, k_blocks), a_scale.device)
+    columns.copy_(a_scale)
+    return columns
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -1064,7 +1073,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         k_run = cdiv(cdiv(k, BLOCK_K), plan.split_k)
         b_sc_aligned = (b_scale.stride(1) == 1 and b_scale.stride(0) % 4 == 0
                         and (plan.split_k == 1 or k_run % 4 == 0))
-        if not b_sc_aligned and k_group is None and plan.constexprs["K_GROUP"] > 4:
+        if not b_sc_aligned and k_group is None and constexprs["K_GROUP"] > 4:
             # picked at run time, each step's B scale costs registers: groups of eight would spill
             constexprs = {**constexprs, "K_GROUP": 4}
     else:
@@ -1098,7 +1107,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     target = (torch.int32 if int8 else torch.float32) if split_k > 1 and not swap_ab else out_dtype
     out = SIGNATURE_NAMES[target]
 
-    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    flat = _scale_layout()
 
     def desc(rows: int, dtype=gdt, type_name=name, cols=BLOCK_K) -> str:
         return f"tensordesc<{type_name}[{rows}, {cols}],{nvmma_layout((rows, cols), dtype)!r}>"

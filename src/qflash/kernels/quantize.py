@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import CachedLauncher, cdiv, next_power_of_2, sm_count
+from qflash.kernels.common import CachedLauncher, aligned_columns, cdiv, next_power_of_2, sm_count
 from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
 
@@ -483,7 +483,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
                  stream_block)
     x_q = new_output((m, n), dtype=dtype, device=x.device)
     if granularity == "block" and block_size[0] == 1:  # activations' (1, bn) blocks: column-major
-        scale = _columns(plan.scale_shape, x.device)
+        scale = aligned_columns(plan.scale_shape, x.device, new_output)
     else:
         scale = new_output(plan.scale_shape, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
@@ -507,15 +507,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda, **plan.constexprs,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
-
-
-def _columns(shape: tuple, device) -> torch.Tensor:
-    """A float32 (rows, cols) tensor stored column-major, each column starting 16-byte aligned
-    (strides (1, rows rounded up to 4)): the layout in which the FP8 matmul's copy engine takes
-    (1, 128) block scales, a K step's rows at a time, without a transposing copy."""
-    rows, cols = shape
-    storage = new_output((cols, -(-rows // 4) * 4), dtype=torch.float32, device=device)
-    return storage[:, :rows].t()
 
 
 _NOT_COOPERATIVE = set()  # devices where a cooperative launch of _tensor_kernel failed: they take the sweep
