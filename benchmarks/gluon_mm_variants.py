@@ -20,6 +20,7 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
+from qflash.kernels import common
 from qflash.kernels.common import sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash import quantize
@@ -35,7 +36,9 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # (T: A's block scales column-major); w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
-# public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no);
+# public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
+# the same with the Gluon kernel's programmatic dependent launch on (``common.PDL``; session
+# 35's runs, before it became opt-in, named "public" the launch on and "publicN" off);
 # tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
 
@@ -45,6 +48,8 @@ def variant(text):
     tile_config's choice; 'public' -> None."""
     if text == "public":
         return None
+    if text == "publicP":  # the dispatch with the Gluon kernel's programmatic dependent launch on
+        return {"pdl": True}
     if text == "tl":
         return {"tl": True}
     auto = re.fullmatch(r"auto(\d)?(T?)", text)
@@ -88,7 +93,7 @@ def shapes(ms, cube=True):
 
 def resolve(opts, m, n):
     """The variant's options for an M x N product: 'sa' made a number of runs."""
-    if opts is None or opts.get("tl") or opts.get("split_k") != "a":
+    if opts is None or opts.get("tl") or opts.get("pdl") or opts.get("split_k") != "a":
         return opts
     tiles = g.cdiv(m, 2 * g.SUB_M) * g.cdiv(n, opts["block_n"])
     sms = sm_count(torch.device("cuda"))
@@ -98,6 +103,12 @@ def resolve(opts, m, n):
 def run(opts, a_q, b_q, a_k, b_k, out_dtype, scales):
     if opts is None:
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
+    if opts.get("pdl"):
+        saved, common.PDL = common.PDL, True
+        try:
+            return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
+        finally:
+            common.PDL = saved
     if opts.get("tl"):
         config = default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], scales, False, a_q.device)
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales, config=config)

@@ -9,11 +9,13 @@ import torch
 
 import qflash
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
+from qflash.reference.quantize import quantize_ref
 from qflash.testing import assert_written, poisoned, rel_l2_err
 
 from conftest import DEVICE, ptxas_report, sm90_build
 
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
+from qflash.kernels import common  # noqa: E402
 
 
 @pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
@@ -29,10 +31,13 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     run as two 128-wide halves; C (or split K's partial sums) can leave through shared memory and
     bulk copies. 128-wide FP8 tiles take their K steps in pairs: the first partial is added while
     the second's product is still in flight (a wait that leaves one group outstanding), with block
-    scales by fused multiply-adds."""
+    scales by fused multiply-adds. Launched early (programmatic dependent launch), each of the
+    three partitions waits for the kernel ahead (before its first access to global memory: the GPU
+    test of chained launches), and the loader lets the next kernel launch."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
                         tma_store=tma_store, split_k=split_k)
     ptx = kernel["ptx"]
+    assert ptx.count("griddepcontrol.wait;") == 3 and ptx.count("griddepcontrol.launch_dependents;") == 1
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n{min(block_n, 128)}k32.{kind}" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
@@ -320,6 +325,54 @@ def test_gpu_int8_bulk_store_bit_exact(m, n, k):
 
 
 @pytest.mark.gpu
+def test_gpu_chained_launches_wait_for_the_kernel_ahead(monkeypatch):
+    """Programmatic dependent launch: a product that reads the bytes of the one before it (C of
+    the first, bfloat16, taken as the second's INT8 A) starts while the first still runs (5
+    tiles, K = 8192: most SMs free) and must wait for it before it loads; so must a quantize of
+    that C and the FP8 product of what it wrote (``common.PDL``: the quantize too). Back to back
+    with nothing between them, eagerly and replayed from a CUDA graph on fresh inputs; C of the
+    first starts poisoned, so a load that came too early reads NaN bytes (without the product's
+    waits this test failed on the H200, s35a)."""
+    monkeypatch.setattr(common, "PDL", True)
+    m, n, k, n2 = 128, 640, 8192, 384
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "tensor", "cuda")
+    _, b2, _, _ = _quantized(m, n2, 2 * n, torch.int8, "tensor", "cuda")
+    b3, b3_s = qflash.quantize(torch.randn(n2, n, device="cuda"), torch.float8_e4m3fn, "row")
+    one = torch.ones((), device="cuda")
+
+    def chain():
+        with poisoned():
+            c1 = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", block_n=128, split_k=1, pdl=True)
+        c2 = gluon.launch(c1.view(torch.int8), b2, one, one, None, torch.float32, "tensor", pdl=True)
+        x_q, x_s = qflash.quantize(c1, torch.float8_e4m3fn, "row")
+        c3 = gluon.launch(x_q, b3, x_s.reshape(-1, 1), b3_s.reshape(-1, 1), None, torch.float32, "row", pdl=True)
+        return c1, c2, x_q, x_s, c3
+
+    def check(c1, c2, x_q, x_s, c3):
+        assert_written(c1)
+        assert torch.equal(c1, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.bfloat16))
+        assert torch.equal(c2, int8_matmul_ref(c1.view(torch.int8), b2, one, one, None, torch.float32))
+        want_q, want_s = quantize_ref(c1, torch.float8_e4m3fn, "row")
+        assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(x_s, want_s)
+        assert torch.equal(c3, gluon.launch(want_q, b3, want_s.reshape(-1, 1), b3_s.reshape(-1, 1), None,
+                                            torch.float32, "row", pdl=False))
+
+    for _ in range(3):
+        check(*chain())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for _ in range(3):
+        fresh_q, _, fresh_s, _ = _quantized(m, n, k, torch.int8, "tensor", "cuda")
+        a_q.copy_(fresh_q)
+        a_s.copy_(fresh_s)
+        outs[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*outs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_gpu_repeated_launches_bit_exact(split_k):
     """Launches after the first skip Triton's argument binding (``CachedLauncher``): fresh inputs
@@ -492,18 +545,19 @@ def test_plan_consumers():
     assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1
     swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
     assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
-    assert swapped.options == {}
+    assert swapped.options == {"launch_pdl": True}  # the runs meet in the kernel: no second kernel
     swapped = plan(10240, 16, 8192, swap_ab=True)  # 160 tiles: two CTAs an SM, each with 8 slots
-    assert swapped.grid == (160,) and swapped.constexprs["STAGES"] == 8 and swapped.options == {"maxnreg": 128}
+    assert swapped.grid == (160,) and swapped.constexprs["STAGES"] == 8
+    assert swapped.options == {"maxnreg": 128, "launch_pdl": False}
     assert plan(10240, 16, 8192, swap_ab=True, stages=10).constexprs["STAGES"] == 10  # the caller's depth
     with pytest.raises(ValueError, match="do not fit"):
         plan(10240, 32, 8192, swap_ab=True, stages=10)  # two rings of 10 x 12 KB do not
     with pytest.raises(ValueError, match="two CTAs an SM take one-consumer tiles up to 128 wide"):
         plan(1024, 4096, 4096, ctas_per_sm=2)  # two consumers: their registers do not halve
-    assert plan(1024, 4096, 4096).options == {}
+    assert plan(1024, 4096, 4096).options == {"launch_pdl": False}
     two = plan(128, 6144, 4096, block_n=64, consumers=1, ctas_per_sm=2)  # 192 tiles 64 x 64, 6 slots each
     assert two.grid == (192,) and two.constexprs["STAGES"] == 6 and two.constexprs["TMA_STORE"]
-    assert two.options == {"maxnreg": 128}
+    assert two.options == {"maxnreg": 128, "launch_pdl": False}
     assert plan(128, 10240, 8192, block_n=128, consumers=1, ctas_per_sm=2).constexprs["STAGES"] == 4
     with pytest.raises(ValueError, match="up to 128 wide"):
         plan(128, 28672, 4096, block_n=256, consumers=1, ctas_per_sm=2)
@@ -588,6 +642,22 @@ def test_plan_block_group_m():
     assert group_m(8192, long_k - 128, "block") == group_m(4096, long_k, "block") == gluon.GROUP_M
     assert group_m(8192, long_k, "tensor") == group_m(8192, long_k, "row") == gluon.GROUP_M
     assert group_m(8192, long_k, "block", 16) == 16
+
+
+def test_programmatic_dependent_launch_where_measured():
+    """Short products launch early (``launches_early``): up to 128 rows on grids that fill 70 % of
+    the SMs, without split-K's second kernel; the transposed product's runs meet in the kernel."""
+    assert gluon.launches_early(128, 96, 132, False) and gluon.launches_early(16, 160, 132, False)
+    assert not gluon.launches_early(16, 160, 132, False, ctas_per_sm=2)  # 70B qkv at M = 16: 1.00 -> 0.81
+    assert not gluon.launches_early(128, 80, 132, False)  # 70B qkv at M = 128: 0.88 -> 0.84 x cuBLAS
+    assert not gluon.launches_early(128, 128, 132, True) and not gluon.launches_early(1024, 132, 132, False)
+
+    def options(m, n, k, swap_ab=False):
+        return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, None, None, None, None, None, 132, None,
+                           swap_ab).options
+    assert options(128, 6144, 4096)["launch_pdl"] and not options(128, 10240, 8192)["launch_pdl"]
+    assert not options(1024, 6144, 4096)["launch_pdl"]
+    assert options(6144, 16, 4096, swap_ab=True)["launch_pdl"]  # C^T of 16 rows: the user's M is 16
 
 
 def test_launch_refuses_wide_int8_tiles():
@@ -680,7 +750,7 @@ def test_gpu_swap_ab_two_ctas_an_sm(m, n, k):
     bits of one CTA an SM: INT8 against the int32 reference with bias and row scales, FP8 the same
     bits as the one-CTA launch and within float32 rounding."""
     assert gluon._plan(n, m, k, False, torch.bfloat16, "row", True, None, None, None, None, gluon.GROUP_M,
-                       torch.cuda.get_device_properties(0).multi_processor_count, None, True).options
+                       torch.cuda.get_device_properties(0).multi_processor_count, None, True).options["maxnreg"]
     bias = torch.randn(n, device="cuda")
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
     with poisoned():
@@ -708,7 +778,7 @@ def test_gpu_two_ctas_an_sm_64_row_tiles(m, n, k, block_n, scales):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = gluon._plan(m, n, k, False, torch.bfloat16, scales, True, block_n, None, None, None, gluon.GROUP_M, sms,
                        1, False, 2)
-    assert plan.options and plan.grid[0] > sms
+    assert plan.options["maxnreg"] and plan.grid[0] > sms
     assert plan.constexprs["TMA_STORE"] == (n % 8 == 0)  # bulk stores need 16-byte rows of bfloat16
     bias = torch.randn(n, device="cuda")
     if scales != "block":

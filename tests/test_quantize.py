@@ -285,6 +285,15 @@ def test_bad_inputs():
             fn()
 
 
+def test_one_pass_kernel_launched_early_build():
+    """As a programmatic dependent launch (``common.PDL``), the one-pass kernel built for sm_90
+    waits for the kernel ahead before it reads x and lets the next kernel launch; otherwise (and
+    in the interpreter) neither."""
+    for pdl in (False, True):
+        ptx = sm90_build("qflash.kernels.quantize", shape=(128, 4096), granularity="row", pdl=pdl)["ptx"]
+        assert ptx.count("griddepcontrol.wait;") == ptx.count("griddepcontrol.launch_dependents;") == int(pdl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity,block", GROUPS)
 @pytest.mark.parametrize("qdtype", QDTYPES)

@@ -58,6 +58,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Programmatic dependent launch, opt in (True): the Gluon matmul of a few rows
+# (``matmul_gluon.launches_early``) and the one-pass quantize then start while the kernel ahead of
+# them still runs, wait for it before they touch memory, and let the next kernel start early.
+# Back to back, the products gained up to a microsecond each, and a layer's quantize-then-product
+# pair 0.97-1.19 x (session 35, s35c, s35d); but a product launched so after a kernel that did not
+# let it start early lost 0.26-2.5 us a pair (s35a), as it would after a caller's own kernels.
+PDL = False
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached): the grid of a persistent kernel."""
     return _sm_count(_index(device))

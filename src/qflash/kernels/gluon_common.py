@@ -1,5 +1,6 @@
 """Gluon pieces shared by the Hopper kernels (``attention_gluon.py``, ``matmul_gluon.py``): the
-mbarriers of their warp-specialized rings, and their host tensor descriptors."""
+mbarriers of their warp-specialized rings, grid dependency control, and their host tensor
+descriptors."""
 
 from __future__ import annotations
 
@@ -27,6 +28,24 @@ def ring_barriers(SLOTS: gl.constexpr, FILLS: gl.constexpr, RELEASES: gl.constex
         mbarrier.init(ready.index(s), count=FILLS)
         mbarrier.init(empty.index(s), count=RELEASES)
     return ready, empty
+
+
+@gluon.jit
+def wait_for_prior_grids():
+    """Wait until the kernels before this one in the stream have finished and their writes are
+    visible (``griddepcontrol.wait``). Launched with programmatic dependent launch (Triton's
+    ``launch_pdl``) a kernel may start while the one before it still runs: nothing may read or
+    write global memory before this wait. Without that launch it returns at once."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def let_next_grid_launch():
+    """Let the next kernel in the stream, if it was launched with programmatic dependent launch,
+    start on the SMs this grid leaves free (``griddepcontrol.launch_dependents``; the first call a
+    CTA counts). That kernel still waits for this one to finish before it touches memory."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDescriptor:

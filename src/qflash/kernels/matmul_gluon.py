@@ -65,9 +65,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
+from qflash.kernels import common
 from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, aligned_columns, build_for_sm90, cdiv, is_hopper,
                                    nvmma_layout, sm_count)
-from qflash.kernels.gluon_common import ring_barriers, unchecked_descriptor
+from qflash.kernels.gluon_common import let_next_grid_launch, ring_barriers, unchecked_descriptor, wait_for_prior_grids
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides, split_k_counters)
 from qflash.testing import new_output
@@ -131,6 +132,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
+    wait_for_prior_grids()  # launched early (programmatic dependent launch): the inputs may still be in the making
     c = 0  # K steps over all items: the ring's position
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
@@ -163,6 +165,10 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD + part * TAIL_PART, kk * BK],
                                                     ready.index(s), b_tail.index(B_PARTS * s + part))
             c += 1
+    # Every load issued: the next kernel may take the SMs this one leaves. (Let at the start, a long
+    # kernel's CTAs that launched early onto the free SMs of a part-empty grid ran 0.79 x at M = 16
+    # 70B qkv, two CTAs an SM; s35b.)
+    let_next_grid_launch()
 
 
 @gluon.jit
@@ -351,6 +357,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
     (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring, ready,
      empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows) = args
+    wait_for_prior_grids()  # the scales, the bias and C: not before the kernel ahead of this one is done
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -557,6 +564,8 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 # Ring slots for tiles of each width, with C blocks beside them: two consumers' slots of 20 / 24 / 32
 # / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
 RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
+PDL_MAX_M = 128  # programmatic dependent launch (common.PDL) up to this many rows of A (``_plan``) ...
+PDL_MIN_FILL = 0.7  # ... where the grid fills this share of the SMs
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 # K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
 # ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), up to 1.5 % faster than fours at
@@ -872,7 +881,7 @@ class _Plan(NamedTuple):
     grid: tuple
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
-    options: dict  # launch options: a register cap where two CTAs share an SM
+    options: dict  # launch options: a register cap where two CTAs share an SM, programmatic dependent launch
 
 
 @functools.lru_cache(maxsize=1024)
@@ -960,8 +969,30 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
                       SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
-    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (min(items, ctas_per_sm * sms),),
-                 partial_dtype, constexprs, _launch_options(ctas_per_sm))
+    grid = min(items, ctas_per_sm * sms)
+    reduce_kernel = partial_dtype is not None and not swap_ab
+    options = dict(_launch_options(ctas_per_sm),
+                   launch_pdl=launches_early(n if swap_ab else m, grid, sms, reduce_kernel, ctas_per_sm))
+    return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (grid,), partial_dtype, constexprs,
+                 options)
+
+
+def launches_early(m: int, grid: int, sms: int, reduce_kernel: bool, ctas_per_sm: int = 1) -> bool:
+    """Whether a product of ``m`` rows of A on ``grid`` CTAs (``ctas_per_sm`` an SM) is a
+    programmatic dependent launch: it may start while the kernel ahead of it in the stream still
+    runs, sets up its rings and waits (``wait_for_prior_grids``) before it touches memory; each CTA
+    lets the next kernel launch once it has issued its last load. That hides a microsecond or so a
+    product, which counts where products are short and the kernel ahead lets them launch early (a
+    product of ours, ``quantize``'s one-pass kernel): up to PDL_MAX_M rows, one CTA an SM on
+    PDL_MIN_FILL of the SMs or more, and no second kernel adding split-K runs. x cuBLAS per tensor,
+    back to back from CUDA graphs, without / with (matmul_fp8_pdl_probe_chains_m16_m128_h200_2026-12-02_s35d.json):
+    M = 16 8B qkv 0.94 -> 1.12, 8B o 0.92 -> 1.07, 8B down 1.18 -> 1.27, 70B o 0.98 -> 1.06; M = 128
+    8B qkv 0.90 -> 0.99, 8B o 1.04 -> 1.15, 70B o 0.95 -> 1.05; the rest within 0.02. After a per-row
+    quantize, as a layer runs them: 0.98-1.04 x the pair without. Not taken: two CTAs an SM (M = 16
+    70B qkv 1.00 -> 0.81, s35c), 80 CTAs of a long product (M = 128 70B qkv 0.88 -> 0.84, s35b),
+    beside split-K's second kernel (-0.01 to -0.02), and from M = 1024 (even or up to 2 % slower,
+    ..._pdl_trigger_m1024_m8192_..._s35b.json)."""
+    return m <= PDL_MAX_M and grid >= PDL_MIN_FILL * sms and not reduce_kernel and ctas_per_sm == 1
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
@@ -1006,7 +1037,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, k_group: Optional[int] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1018,10 +1049,12 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit) blocks of C in shared memory
     each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4 or 8; by default 8 for block
     scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
-    (``_k_group``). C (or with split K, the partial sums) goes out through shared memory and bulk
-    copies where its rows are 16-byte aligned, the ring leaves room and the tile has no tail. Eager
-    calls of short kernels are bound by the host: what follows from the shapes is made once
-    (``_plan``), and the kernel launches without Triton's argument binding (``CachedLauncher``)."""
+    (``_k_group``); ``pdl`` whether the launch is programmatic dependent (by default
+    ``launches_early``'s choice where ``common.PDL`` is True, else not). C (or with split K, the
+    partial sums) goes out through shared memory and bulk copies where its rows are 16-byte aligned,
+    the ring leaves room and the tile has no tail. Eager calls of short kernels are bound by the
+    host: what follows from the shapes is made once (``_plan``), and the kernel launches without
+    Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
@@ -1083,7 +1116,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
-        **constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4, **plan.options,
+        **constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4,
+        **{**plan.options, "launch_pdl": (common.PDL and plan.options["launch_pdl"]) if pdl is None else pdl},
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
         enable_fp_fusion=False,

@@ -35,7 +35,9 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qflash.kernels import common
 from qflash.kernels.common import CachedLauncher, aligned_columns, cdiv, next_power_of_2, sm_count
 from qflash.reference.quantize import QMAX
 from qflash.testing import new_output
@@ -187,8 +189,11 @@ def _quantize_kernel(
     stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
     QMAX: tl.constexpr, OUT: tl.constexpr, GROUP: tl.constexpr, EMULATE_CASTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP_N: tl.constexpr,
-    STATIC_SCALE: tl.constexpr = False, REVERSED: tl.constexpr = False,
+    STATIC_SCALE: tl.constexpr = False, REVERSED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched early (common.PDL): x may still be in the making; the next kernel may start
+        gdc_wait()  # (and waits for this one before it reads x_q)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if REVERSED:  # last tile first: those the absmax pass read last are still in L2
@@ -505,6 +510,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         x, x_q, scale, per_tensor, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda, **plan.constexprs,
+        PDL=cuda and common.PDL, launch_pdl=cuda and common.PDL,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
 
@@ -520,11 +526,11 @@ def _quantize_tensor(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, pl
     m, n = x.shape
     zeroed = torch.zeros(2, dtype=torch.int32, device=x.device)  # Amax (float32 bits), then Arrived
     args = (x, x_q, scale, zeroed.view(torch.float32), zeroed[1:], m * n)
-    common = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], **plan.constexprs)
+    constants = dict(QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], **plan.constexprs)
     if x.is_cuda:
         try:
             _tensor_launcher[plan.grid](*args, EMULATE_CASTS=False, FIND_ABSMAX=True, QUANTIZE=True,
-                                        num_warps=TENSOR_WARPS, launch_cooperative_grid=True, **common)
+                                        num_warps=TENSOR_WARPS, launch_cooperative_grid=True, **constants)
         except RuntimeError as error:
             if "cooperative" not in str(error):
                 raise
@@ -535,18 +541,27 @@ def _quantize_tensor(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, pl
     else:
         for phase in ("FIND_ABSMAX", "QUANTIZE"):
             _tensor_launcher[plan.grid](*args, EMULATE_CASTS=True, FIND_ABSMAX=phase == "FIND_ABSMAX",
-                                        QUANTIZE=phase == "QUANTIZE", num_warps=TENSOR_WARPS, **common)
+                                        QUANTIZE=phase == "QUANTIZE", num_warps=TENSOR_WARPS, **constants)
     return True
 
 
 def compile_for_sm90(x_dtype: torch.dtype = torch.bfloat16, dtype: torch.dtype = torch.float8_e4m3fn,
-                     shape: Tuple[int, int] = (4096, 4096)):
-    """Build ``_tensor_kernel`` for sm_90 without a GPU (what the CPU tests read), specialized as the
-    H200's launch (132 SMs) of a dynamic per-tensor scale on a contiguous (M, N) ``x_dtype`` tensor
-    would be."""
+                     shape: Tuple[int, int] = (4096, 4096), granularity: str = "tensor", pdl: bool = True):
+    """Build for sm_90 without a GPU (what the CPU tests read), specialized as the H200's launch
+    (132 SMs) on a contiguous (M, N) ``x_dtype`` tensor would be: ``_tensor_kernel`` for a dynamic
+    per-tensor scale, or for ``granularity`` "row" the one-pass ``_quantize_kernel`` (``pdl``: as a
+    programmatic dependent launch, ``common.PDL``)."""
     from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     m, n = shape
+    if granularity == "row":
+        plan = _plan(m, n, "row", None, False, TILE_ELEMS, None, 132, torch.empty((), dtype=x_dtype).element_size(),
+                     False, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+        args = dict(X=f"*{SIGNATURE_NAMES[x_dtype]}", Xq=f"*{SIGNATURE_NAMES[dtype]}", Scale="*fp32", Amax="*fp32",
+                    M=m, N=n, stride_xm=n, stride_xn=1, stride_qm=n, stride_qn=1, stride_sm=1, stride_sn=1)
+        constants = {**plan.constexprs, "QMAX": QMAX[dtype], "OUT": _TL_DTYPES[dtype], "EMULATE_CASTS": False,
+                     "PDL": pdl}
+        return build_tl_for_sm90(_quantize_kernel, args, constants, num_warps=constants.pop("num_warps"))
     plan = _tensor_plan(m * n, torch.empty((), dtype=x_dtype).element_size(), 132, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
     args = dict(X=f"*{SIGNATURE_NAMES[x_dtype]}", Xq=f"*{SIGNATURE_NAMES[dtype]}", Scale="*fp32", Amax="*fp32",
                 Arrived="*i32", numel=m * n)

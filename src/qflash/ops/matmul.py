@@ -13,6 +13,12 @@ Scales (float32):
                  on Hopper the kernel reads a_scale fastest column-major with each column
                  16-byte aligned, as ``quantize(..., "block", (1, 128))`` returns it (other
                  layouts cost a copy of a_scale each call)
+
+Early launch (Hopper, opt in): with ``qflash.kernels.common.PDL = True`` FP8 products of up to 128
+rows, and ``quantize``'s one-pass kernel, are programmatic dependent launches: each may start while
+the kernel ahead of it still runs and waits for it before touching memory. That gains where the
+kernel ahead is one of these (products back to back, a quantize then its product) and can lose
+after other kernels (README, session 35).
 """
 
 from __future__ import annotations
