@@ -660,6 +660,28 @@ def test_programmatic_dependent_launch_where_measured():
     assert options(6144, 16, 4096, swap_ab=True)["launch_pdl"]  # C^T of 16 rows: the user's M is 16
 
 
+@pytest.mark.parametrize("switch,pdl,want", [(False, None, False), (True, None, True), (False, True, True),
+                                             (True, False, False)])
+def test_launch_asks_for_early_launch_where_opted_in(monkeypatch, switch, pdl, want):
+    """The launch asks for programmatic dependent launch where ``common.PDL`` opts in and
+    ``launches_early`` takes the product (128 x 6144 x 4096: 96 CTAs), or where the caller says so
+    (``pdl``); the kernel launch is recorded here, not run."""
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    monkeypatch.setattr(gluon, "_launcher", Recorder())
+    monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
+    monkeypatch.setattr(common, "PDL", switch)
+    a_q = torch.zeros(128, 4096, dtype=torch.float8_e4m3fn)
+    b_q = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
+    one = torch.ones(())
+    gluon.launch(a_q, b_q, one, one, None, torch.bfloat16, "tensor", pdl=pdl)
+    assert seen["launch_pdl"] is want
+
+
 def test_launch_refuses_wide_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):
