@@ -978,20 +978,22 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
 
 
 def launches_early(m: int, grid: int, sms: int, reduce_kernel: bool, ctas_per_sm: int = 1) -> bool:
-    """Whether a product of ``m`` rows of A on ``grid`` CTAs (``ctas_per_sm`` an SM) is a
-    programmatic dependent launch: it may start while the kernel ahead of it in the stream still
-    runs, sets up its rings and waits (``wait_for_prior_grids``) before it touches memory; each CTA
-    lets the next kernel launch once it has issued its last load. That hides a microsecond or so a
-    product, which counts where products are short and the kernel ahead lets them launch early (a
-    product of ours, ``quantize``'s one-pass kernel): up to PDL_MAX_M rows, one CTA an SM on
-    PDL_MIN_FILL of the SMs or more, and no second kernel adding split-K runs. x cuBLAS per tensor,
-    back to back from CUDA graphs, without / with (matmul_fp8_pdl_probe_chains_m16_m128_h200_2026-12-02_s35d.json):
-    M = 16 8B qkv 0.94 -> 1.12, 8B o 0.92 -> 1.07, 8B down 1.18 -> 1.27, 70B o 0.98 -> 1.06; M = 128
-    8B qkv 0.90 -> 0.99, 8B o 1.04 -> 1.15, 70B o 0.95 -> 1.05; the rest within 0.02. After a per-row
-    quantize, as a layer runs them: 0.98-1.04 x the pair without. Not taken: two CTAs an SM (M = 16
-    70B qkv 1.00 -> 0.81, s35c), 80 CTAs of a long product (M = 128 70B qkv 0.88 -> 0.84, s35b),
-    beside split-K's second kernel (-0.01 to -0.02), and from M = 1024 (even or up to 2 % slower,
-    ..._pdl_trigger_m1024_m8192_..._s35b.json)."""
+    """Whether a product of ``m`` rows of A on ``grid`` CTAs (``ctas_per_sm`` an SM) is, where
+    ``common.PDL`` opts in (``launch``), a programmatic dependent launch: it may start while the
+    kernel ahead of it in the stream still runs, sets up its rings and waits
+    (``wait_for_prior_grids``) before it touches memory; each CTA lets the next kernel launch once
+    it has issued its last load. That hides a microsecond or so a product, which counts where
+    products are short and the kernel ahead lets them launch early (a product of ours,
+    ``quantize``'s one-pass kernel): up to PDL_MAX_M rows, one CTA an SM on PDL_MIN_FILL of the SMs
+    or more, and no second kernel adding split-K runs. x cuBLAS per tensor, back to back from CUDA
+    graphs, without / with (matmul_fp8_pdl_probe_chains_m16_m128_h200_2026-12-02_s35d.json): M = 16
+    8B qkv 0.94 -> 1.12, 8B o 0.92 -> 1.07, 8B down 1.18 -> 1.27, 70B o 0.98 -> 1.06; M = 128 8B qkv
+    0.90 -> 0.99, 8B o 1.04 -> 1.15, 70B o 0.95 -> 1.05; the rest within 0.02. After a per-row
+    quantize launched early too, as a layer runs them: 0.97-1.19 x the pair without (s35c); after a
+    kernel that does not let it start early, 0.26-2.5 us slower a pair (s35a). Not taken: two CTAs
+    an SM (M = 16 70B qkv 1.00 -> 0.81, s35c), 80 CTAs of a long product (M = 128 70B qkv 0.88 ->
+    0.84, s35b), beside split-K's second kernel (-0.01 to -0.02), and from M = 1024 (even or up to
+    2 % slower, ..._pdl_trigger_m1024_m8192_..._s35b.json)."""
     return m <= PDL_MAX_M and grid >= PDL_MIN_FILL * sms and not reduce_kernel and ctas_per_sm == 1
 
 
