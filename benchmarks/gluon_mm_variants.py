@@ -20,8 +20,7 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import matmul_gluon as g
-from qflash.kernels import common
-from qflash.kernels.common import sm_count
+from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
@@ -104,11 +103,8 @@ def run(opts, a_q, b_q, a_k, b_k, out_dtype, scales):
     if opts is None:
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
     if opts.get("pdl"):
-        saved, common.PDL = common.PDL, True
-        try:
+        with early_launch():
             return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
-        finally:
-            common.PDL = saved
     if opts.get("tl"):
         config = default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], scales, False, a_q.device)
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales, config=config)

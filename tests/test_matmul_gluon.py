@@ -609,11 +609,16 @@ def test_plan_consumers():
     assert own.constexprs["TMA_STORE"]
 
 
+def _default_plan(m, k, scales, group_m=None, n=4096, swap_ab=False, **kw):
+    """The plan ``_plan`` makes for an M x N x K bfloat16 product on 132 SMs with tile_config's
+    tiles (``group_m``, ``swap_ab`` and ``kw``: the caller's own options)."""
+    return gluon._plan(m, n, k, False, torch.bfloat16, scales, False, None, None, None, None, group_m, 132, None,
+                       swap_ab, **kw)
+
+
 def _default_constexprs(m, k, scales, group_m=None, **kw):
-    """The kernel constexprs ``_plan`` picks for an M x 4096 x K bfloat16 product on 132 SMs with
-    tile_config's tiles (``group_m`` and ``kw``: the caller's own options)."""
-    return gluon._plan(m, 4096, k, False, torch.bfloat16, scales, False, None, None, None, None, group_m, 132, None,
-                       False, **kw).constexprs
+    """The kernel constexprs of ``_default_plan``."""
+    return _default_plan(m, k, scales, group_m, **kw).constexprs
 
 
 def test_plan_k_groups():
@@ -653,8 +658,7 @@ def test_programmatic_dependent_launch_where_measured():
     assert not gluon.launches_early(128, 128, 132, True) and not gluon.launches_early(1024, 132, 132, False)
 
     def options(m, n, k, swap_ab=False):
-        return gluon._plan(m, n, k, False, torch.bfloat16, "tensor", False, None, None, None, None, None, 132, None,
-                           swap_ab).options
+        return _default_plan(m, k, "tensor", n=n, swap_ab=swap_ab).options
     assert options(128, 6144, 4096)["launch_pdl"] and not options(128, 10240, 8192)["launch_pdl"]
     assert not options(1024, 6144, 4096)["launch_pdl"]
     assert options(6144, 16, 4096, swap_ab=True)["launch_pdl"]  # C^T of 16 rows: the user's M is 16

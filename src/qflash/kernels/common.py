@@ -4,6 +4,7 @@ and scratch memory."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 
@@ -65,6 +66,17 @@ def _sm_count(index: int) -> int:
 # pair 0.97-1.19 x (session 35, s35c, s35d); but a product launched so after a kernel that did not
 # let it start early lost 0.26-2.5 us a pair (s35a), as it would after a caller's own kernels.
 PDL = False
+
+
+@contextlib.contextmanager
+def early_launch(on: bool = True):
+    """``PDL`` set to ``on`` within the block (the benchmarks' A/B of it), then back as it was."""
+    global PDL
+    saved, PDL = PDL, on
+    try:
+        yield
+    finally:
+        PDL = saved
 
 
 def sm_count(device: torch.device) -> int:

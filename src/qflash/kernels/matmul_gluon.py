@@ -1004,7 +1004,6 @@ def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
     return unchecked_descriptor(t, t.shape, t.stride(), [rows, cols], nvmma_layout((rows, cols), dtype))
 
 
-_launcher = CachedLauncher(_scaled_mm_ws_kernel)
 @functools.cache
 def _scale_layout():
     """The shared layout of the flat scale views' boxes: one row of float32, no swizzle."""
@@ -1032,6 +1031,9 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
     columns = aligned_columns((m, k_blocks), a_scale.device)
     columns.copy_(a_scale)
     return columns
+
+
+_launcher = CachedLauncher(_scaled_mm_ws_kernel)
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,

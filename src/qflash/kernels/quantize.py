@@ -501,6 +501,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         return quantize(x, dtype, granularity, static_scale=static_scale, tile_elems=tile_elems,
                         num_warps=num_warps, one_launch=False)
     per_tensor = static_scale if static_scale is not None else scale  # (read only by GROUP_TENSOR)
+    early = cuda and common.PDL  # programmatic dependent launch (opt in)
     if plan.absmax_programs:
         per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
         _absmax_launcher[(plan.absmax_programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1),
@@ -510,7 +511,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         x, x_q, scale, per_tensor, m, n,
         x.stride(0), x.stride(1), x_q.stride(0), x_q.stride(1), scale.stride(0), scale.stride(1),
         QMAX=QMAX[dtype], OUT=_TL_DTYPES[dtype], EMULATE_CASTS=not cuda, **plan.constexprs,
-        PDL=cuda and common.PDL, launch_pdl=cuda and common.PDL,
+        PDL=early, launch_pdl=early,
     )
     return x_q, scale.reshape(()) if granularity == "tensor" else scale
 
