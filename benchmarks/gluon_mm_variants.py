@@ -32,7 +32,7 @@ LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 409
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
 # xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G; auto[G][T]: tile_config's
-# (T: A's block scales column-major; LG: the loader issuing G K steps at a time); w[N][sM]: the transposed
+# (T: A's block scales column-major); w[N][sM]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, C CTAs an SM (w[N][sM]xC; by
 # default swap_ctas_per_sm's);
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
@@ -51,17 +51,15 @@ def variant(text):
         return {"pdl": True}
     if text == "tl":
         return {"tl": True}
-    auto = re.fullmatch(r"auto(\d)?(T?)(?:L(\d))?", text)
+    auto = re.fullmatch(r"auto(\d)?(T?)", text)
     if auto:
-        group, cols, loads = auto.groups()
-        return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}),
-                    **({"load_group": int(loads)} if loads else {}))
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?(?:L(\d))?", text)
+        group, cols = auto.groups()
+        return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}))
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:x(\d))?", text)
     if swap:
-        stages, split, ctas, loads = swap.groups()
+        stages, split, ctas = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
-                    **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}),
-                    **({"load_group": int(loads)} if loads else {}))
+                    **({"split_k": int(split)} if split else {}), **({"ctas_per_sm": int(ctas)} if ctas else {}))
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?", text)
     if match is None:
         raise SystemExit(f"a variant is auto[G][T], w[N], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] [bB] [kG], "

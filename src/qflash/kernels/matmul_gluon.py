@@ -107,15 +107,13 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr, SCALES: gl.constexpr, LOAD_GROUP: gl.constexpr = 1):
+               TAIL_N: gl.constexpr, SCALES: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
     a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
     in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
-    add nothing. With LOAD_GROUP > 1 the loader waits until LOAD_GROUP slots are free and then
-    issues their K steps back to back, so each row of B is asked for LOAD_GROUP * 128 neighbouring
-    bytes at once. ``args``: the kernel's tuple of runtime arguments for the loader."""
+    add nothing. ``args``: the kernel's tuple of runtime arguments for the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -142,11 +140,6 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
             b_block = _b_scale_block(pid_n, BN, BK)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
-            if LOAD_GROUP > 1:
-                if (kk - k_lo) % LOAD_GROUP == 0:  # the group's later slots free too (passes again below)
-                    for g in gl.static_range(1, LOAD_GROUP):
-                        if kk + g < k_hi:
-                            mbarrier.wait(empty.index((c + g) % STAGES), (((c + g) // STAGES) & 1) ^ 1)
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), STEP_BYTES)
@@ -508,7 +501,7 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False, LOAD_GROUP: gl.constexpr = 1):
+                         K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -549,20 +542,19 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, LOAD_GROUP))],
-            [4, 4, 1], [160, 160, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, LOAD_GROUP))], [4, 1], [240, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, LOAD_GROUP))], [1], [24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -897,7 +889,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: Optional[int], sms: int, consumers: Optional[int], swap_ab: bool,
           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
-          k_group: Optional[int] = None, load_group: Optional[int] = None) -> _Plan:
+          k_group: Optional[int] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
     ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
@@ -972,14 +964,11 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         k_group = BLOCK_K_GROUP[long_k_block] if scales == "block" else 2
     if group_m is None:
         group_m = BLOCK_LONG_K_GROUP_M if long_k_block and m >= BLOCK_LONG_K_GROUP_M_MIN_M else GROUP_M
-    load_group = load_group or 1
-    if load_group > stages:
-        raise ValueError(f"load_group={load_group} K steps issued together need as many ring slots, got {stages}")
     tile_rows = SUB_M if split_n else consumers * SUB_M
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group, LOAD_GROUP=load_group)
+                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
     grid = min(items, ctas_per_sm * sms)
     reduce_kernel = partial_dtype is not None and not swap_ab
     options = dict(_launch_options(ctas_per_sm),
@@ -1052,8 +1041,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
-           load_group: Optional[int] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1094,8 +1082,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group,
-                 load_group)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -1148,7 +1135,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True, load_group: int = 1):
+                     b_sc_aligned: bool = True):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1177,6 +1164,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                     B_SC_ALIGNED=b_sc_aligned, LOAD_GROUP=load_group)
+                     B_SC_ALIGNED=b_sc_aligned)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
