@@ -302,3 +302,94 @@ def test_gpu_decode_split_k_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(c.cpu(), int8_matmul_ref(a_q.cpu(), b_q.cpu(), a_s.cpu(), b_s.cpu(), None, torch.float32))
+
+
+def test_decode_kernel_launched_early_build():
+    """As a programmatic dependent launch (``common.PDL``) the kernel built for sm_90 waits for the
+    kernel ahead once and lets the next one launch once; otherwise it does neither."""
+    from conftest import sm90_build
+
+    for pdl in (False, True):
+        ptx = sm90_build("qflash.kernels.matmul", pdl=pdl)["ptx"]
+        assert ptx.count("griddepcontrol.wait;") == ptx.count("griddepcontrol.launch_dependents;") == int(pdl)
+
+
+@pytest.mark.parametrize("switch,m,hopper,want", [(False, 16, True, False), (True, 16, True, True),
+                                                  (True, 128, True, True), (True, 129, True, False),
+                                                  (True, 16, False, False)])
+def test_launch_asks_for_early_launch_where_opted_in(monkeypatch, switch, m, hopper, want):
+    """The kernel is a programmatic dependent launch where ``common.PDL`` opts in, on Hopper, for
+    products of up to ``common.PDL_MAX_M`` rows; the kernel launch is recorded here, not run."""
+    from qflash.kernels import common, matmul as mm
+
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    monkeypatch.setattr(mm, "_launcher", Recorder())
+    monkeypatch.setattr(mm, "has_tma", lambda device: hopper)
+    monkeypatch.setattr(common, "PDL", switch)
+    a_q, b_q, one = torch.zeros(m, 256, dtype=torch.int8), torch.zeros(64, 256, dtype=torch.int8), torch.ones(())
+    scaled_matmul(a_q, b_q, one, one, None, torch.float32, "tensor", config=MatmulConfig(32, 32, 128, 4, 1))
+    assert seen["launch_pdl"] is want and seen["PDL"] is want
+
+
+@pytest.mark.gpu
+def test_gpu_chained_launches_wait_for_the_kernel_ahead(monkeypatch):
+    """Programmatic dependent launch (``common.PDL``) of the decode-sized products, back to back,
+    each reading what the one before wrote: a long Gluon product of 16 rows on 16 CTAs (most SMs
+    free; it lets the next kernel launch once its last load is issued, while it still computes)
+    whose C (bfloat16) is this kernel's INT8 A (K in runs: the arrival counts), a (1, 128)
+    quantize of that C, and this kernel's block-scaled FP8 product of what it wrote. Each starts
+    while the one ahead still runs and must wait for it before it loads: C of the first starts
+    poisoned, so a load that came too early reads NaN bytes. Eagerly (where the host's launches
+    leave the kernels apart) and replayed from a CUDA graph on fresh inputs (where they overlap);
+    bit for bit against the references (the FP8 product: the same launch without PDL)."""
+    from qflash.kernels import common, matmul as mm, matmul_gluon
+    from qflash.reference.quantize import quantize_ref
+
+    monkeypatch.setattr(common, "PDL", True)
+    m, n, k, n2 = 16, 2048, 8192, 384
+    a_q, a_s = qflash.quantize(torch.randn(m, k, device="cuda"), torch.int8, "tensor")
+    b_q, b_s = qflash.quantize(torch.randn(n, k, device="cuda"), torch.int8, "tensor")
+    b2, _ = qflash.quantize(torch.randn(n2, 2 * n, device="cuda"), torch.int8, "tensor")
+    b3, b3_s = qflash.quantize(torch.randn(n2, n, device="cuda"), torch.float8_e4m3fn, "block", (128, 128))
+    one = torch.ones((), device="cuda")
+    assert mm.default_config(m, n2, 2 * n, "tensor", True, a_q.device).split_k > 1  # the second's K in runs
+
+    def chain():
+        with poisoned():
+            c1 = matmul_gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", block_n=128, pdl=True)
+        c2 = scaled_matmul(c1.view(torch.int8), b2, one, one, None, torch.float32, "tensor")
+        x_q, x_s = qflash.quantize(c1, torch.float8_e4m3fn, "block", (1, 128))
+        c3 = scaled_matmul(x_q, b3, x_s, b3_s, None, torch.float32, "block")
+        return c1, c2, x_q, x_s, c3
+
+    def check(c1, c2, x_q, x_s, c3):
+        assert_written(c1)
+        assert torch.equal(c1, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.bfloat16))
+        assert torch.equal(c2, int8_matmul_ref(c1.view(torch.int8), b2, one, one, None, torch.float32))
+        want_q, want_s = quantize_ref(c1, torch.float8_e4m3fn, "block", (1, 128))
+        assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(x_s, want_s)
+        with common.early_launch(False):
+            assert torch.equal(c3, scaled_matmul(want_q, b3, want_s, b3_s, None, torch.float32, "block"))
+
+    stream = torch.cuda.Stream()  # the graph's: its split-K counts made here, not by a kernel in the graph
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            check(*chain())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = chain()
+    for _ in range(3):
+        fresh_q, fresh_s = qflash.quantize(torch.randn(m, k, device="cuda"), torch.int8, "tensor")
+        a_q.copy_(fresh_q)
+        a_s.copy_(fresh_s)
+        outs[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*outs)
+

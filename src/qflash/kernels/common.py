@@ -60,12 +60,15 @@ def _sm_count(index: int) -> int:
 
 
 # Programmatic dependent launch, opt in (True): the Gluon matmul of a few rows
-# (``matmul_gluon.launches_early``) and the one-pass quantize then start while the kernel ahead of
-# them still runs, wait for it before they touch memory, and let the next kernel start early.
+# (``matmul_gluon.launches_early``), the tl matmul of up to PDL_MAX_M rows and the one-pass quantize
+# then start while the kernel ahead of them still runs, wait for it before they touch memory, and
+# let the next kernel start early (the tl matmul's block-scaled decode pair, quantize then product,
+# 0.95-1.16 x as fast as without, session 36).
 # Back to back, the products gained up to a microsecond each, and a layer's quantize-then-product
 # pair 0.97-1.19 x (session 35, s35c, s35d); but a product launched so after a kernel that did not
 # let it start early lost 0.26-2.5 us a pair (s35a), as it would after a caller's own kernels.
 PDL = False
+PDL_MAX_M = 128  # the matmuls take part up to this many rows of A (a long product gains little from a microsecond)
 
 
 @contextlib.contextmanager

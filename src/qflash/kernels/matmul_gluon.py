@@ -564,8 +564,8 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 # Ring slots for tiles of each width, with C blocks beside them: two consumers' slots of 20 / 24 / 32
 # / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
 RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
-PDL_MAX_M = 128  # programmatic dependent launch (common.PDL) up to this many rows of A (``_plan``) ...
-PDL_MIN_FILL = 0.7  # ... where the grid fills this share of the SMs
+# Programmatic dependent launch (common.PDL, up to common.PDL_MAX_M rows) where the grid fills this share of the SMs
+PDL_MIN_FILL = 0.7
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
 # K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
 # ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), up to 1.5 % faster than fours at
@@ -984,7 +984,7 @@ def launches_early(m: int, grid: int, sms: int, reduce_kernel: bool, ctas_per_sm
     (``wait_for_prior_grids``) before it touches memory; each CTA lets the next kernel launch once
     it has issued its last load. That hides a microsecond or so a product, which counts where
     products are short and the kernel ahead lets them launch early (a product of ours,
-    ``quantize``'s one-pass kernel): up to PDL_MAX_M rows, one CTA an SM on PDL_MIN_FILL of the SMs
+    ``quantize``'s one-pass kernel): up to ``common.PDL_MAX_M`` rows, one CTA an SM on PDL_MIN_FILL of the SMs
     or more, and no second kernel adding split-K runs. x cuBLAS per tensor, back to back from CUDA
     graphs, without / with (matmul_fp8_pdl_probe_chains_m16_m128_h200_2026-12-02_s35d.json): M = 16
     8B qkv 0.94 -> 1.12, 8B o 0.92 -> 1.07, 8B down 1.18 -> 1.27, 70B o 0.98 -> 1.06; M = 128 8B qkv
@@ -994,7 +994,7 @@ def launches_early(m: int, grid: int, sms: int, reduce_kernel: bool, ctas_per_sm
     an SM (M = 16 70B qkv 1.00 -> 0.81, s35c), 80 CTAs of a long product (M = 128 70B qkv 0.88 ->
     0.84, s35b), beside split-K's second kernel (-0.01 to -0.02), and from M = 1024 (even or up to
     2 % slower, ..._pdl_trigger_m1024_m8192_..._s35b.json)."""
-    return m <= PDL_MAX_M and grid >= PDL_MIN_FILL * sms and not reduce_kernel and ctas_per_sm == 1
+    return m <= common.PDL_MAX_M and grid >= PDL_MIN_FILL * sms and not reduce_kernel and ctas_per_sm == 1
 
 
 def _desc(t: torch.Tensor, rows: int, dtype, cols: int = BLOCK_K):
