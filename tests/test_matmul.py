@@ -282,6 +282,25 @@ def test_small_m_default_tiles(monkeypatch):
     assert mm.default_config.__wrapped__(64, 4096, 4096, "row", True, torch.device("cuda")).swap_ab
 
 
+def test_small_m_block_scales_tiles(monkeypatch):
+    """Decode-sized block-scaled products take tensor descriptors and 4 ring slots, or 3 where only
+    that keeps every program resident at once: 448 programs of 16 x 128 (70B gate_up) fit 4 an SM
+    with 3 slots (54 KB) and 3 an SM with 4 (72 KB); 32-row ones fit 3 an SM either way."""
+    from qflash.kernels import matmul as mm
+
+    monkeypatch.setattr(mm, "has_tma", lambda device: True)
+    monkeypatch.setattr(mm, "sm_count", lambda device: 132)
+
+    def cfg(m, n, k):
+        return mm.default_config.__wrapped__(m, n, k, "block", False, torch.device("cuda"))
+
+    assert all(cfg(m, 8192, 8192).use_tma and cfg(m, 8192, 8192).num_stages == 4 for m in (1, 16, 32))
+    assert (cfg(16, 57344, 8192).block_n, cfg(16, 57344, 8192).num_stages) == (128, 3)
+    assert (cfg(32, 57344, 8192).block_n, cfg(32, 57344, 8192).num_stages) == (128, 4)
+    assert (cfg(16, 28672, 4096).block_n, cfg(16, 28672, 4096).num_stages) == (128, 4)  # 224 fit 3 an SM
+    assert not mm.default_config.__wrapped__(16, 8192, 8192, "tensor", False, torch.device("cuda")).use_tma
+
+
 @pytest.mark.gpu
 def test_gpu_decode_split_k_in_a_cuda_graph():
     """The split-K counts are made (and zeroed) during capture when the graph's stream has none yet;

@@ -44,6 +44,8 @@ from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, scale_stri
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
+SM_SHARED_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory, of which each resident CTA ...
+CTA_RESERVED_BYTES = 1024  # ... takes this much beside its own (the programs an SM holds, ``default_config``)
 
 @triton.jit
 def _scaled_matmul_kernel(
@@ -208,10 +210,22 @@ def default_config(m: int, n: int, k: int, scales: str, int8: bool, device: torc
         # path went from 0.58-0.80x torch._scaled_mm (per tensor, CUDA graphs) with the tiles
         # below to 0.84-1.11x (matmul_fp8_small_m_h200_2026-11-30_s11c.json).
         sms = sm_count(device)
+        block_m = max(16, triton.next_power_of_2(m))
         block_n = 128 if cdiv(n, 64) > 2 * sms else 64
         split_k = max(1, min(cdiv(k, QBLOCK) // 8, round(2 * sms / cdiv(n, block_n))))
-        return MatmulConfig(max(16, triton.next_power_of_2(m)), block_n, 128, 4, 6 if block_n == 64 else 4,
-                            split_k=split_k, swap_ab=True)
+        if scales == "block":
+            # Block scales: A and B by tensor descriptors, 4 ring slots, or 3 where that keeps all the
+            # programs resident in one round and 4 would not. x our per-tensor product, the eight Llama
+            # shapes, against these tiles with pointer loads and 6 / 4 slots, from graphs, same bits
+            # (matmul_fp8_decode_block_dispatch_h200_2026-12-02_s36e.json; the search: ..._tiles_..._s36d):
+            # M = 16 0.84-0.99 (0.56-0.87), M = 32 0.72-0.99 (0.53-0.92), M = 1 0.81-0.99 (0.82-0.96;
+            # 8B qkv and o, 7-8 us, lost 0.07-0.08)
+            tiles = cdiv(n, block_n) * split_k
+            slot = (block_m + block_n) * QBLOCK
+            rounds = {s: cdiv(tiles, sms * (SM_SHARED_BYTES // (s * slot + CTA_RESERVED_BYTES))) for s in (3, 4)}
+            return MatmulConfig(block_m, block_n, 128, 4, 3 if rounds[3] < rounds[4] else 4, split_k=split_k,
+                                swap_ab=True, use_tma=True)
+        return MatmulConfig(block_m, block_n, 128, 4, 6 if block_n == 64 else 4, split_k=split_k, swap_ab=True)
     if m <= 64:  # decode-sized M: narrow tiles give more programs to stream B with
         return MatmulConfig(64, 32, 128, 4, 4)
     if int8 or m <= 128:
