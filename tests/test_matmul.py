@@ -323,13 +323,16 @@ def test_gpu_decode_split_k_in_a_cuda_graph():
         assert torch.equal(c.cpu(), int8_matmul_ref(a_q.cpu(), b_q.cpu(), a_s.cpu(), b_s.cpu(), None, torch.float32))
 
 
-def test_decode_kernel_launched_early_build():
+@pytest.mark.parametrize("scales", ["tensor", "block"])
+def test_decode_kernel_launched_early_build(scales):
     """As a programmatic dependent launch (``common.PDL``) the kernel built for sm_90 waits for the
-    kernel ahead once and lets the next one launch once; otherwise it does neither."""
+    kernel ahead once and lets the next one launch once; otherwise it does neither. (Built, not
+    interpreted: the interpreter lets through what the compiler refuses, such as a global that is
+    not a constexpr.)"""
     from conftest import sm90_build
 
     for pdl in (False, True):
-        ptx = sm90_build("qflash.kernels.matmul", pdl=pdl)["ptx"]
+        ptx = sm90_build("qflash.kernels.matmul", pdl=pdl, scales=scales)["ptx"]
         assert ptx.count("griddepcontrol.wait;") == ptx.count("griddepcontrol.launch_dependents;") == int(pdl)
 
 

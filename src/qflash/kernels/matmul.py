@@ -93,6 +93,9 @@ def _scaled_matmul_kernel(
     # instead of being padded to 64 rows. The accumulator is transposed back once, at the end.
     ACC_SHAPE: tl.constexpr = [BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N]
     acc = tl.zeros(ACC_SHAPE, dtype=tl.int32 if IS_INT8 else tl.float32)  # INT8 exact: |sum| < K * 127^2
+    if SCALES == SCALES_BLOCK:  # the first K step's scales; each step then loads the next one's
+        a_s_next, b_s_next = _block_scales(AScale, BScale, rows, M, pid_n, k_lo // BLOCK_K, K, stride_asm, stride_ask,
+                                           stride_bsn, stride_bsk, BLOCK_N, BLOCK_K)
     # Warp specialization: producer warps issue the loads while consumer warps multiply.
     for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if USE_TMA:  # A and B are descriptors: the copy engine fetches whole tiles, zero-filling past the edges
@@ -111,9 +114,13 @@ def _scaled_matmul_kernel(
         else:
             part = _dot(a, b, None, tl.float32, None, SWAP_AB)  # one K block, promoted to the fp32 total below
             if SCALES == SCALES_BLOCK:
-                kb = k // BLOCK_K  # BLOCK_K == QBLOCK: one scale column per step
-                a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)  # [BLOCK_M]
-                b_s = tl.load(BScale + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)
+                # Loaded a step ahead: the compiler does not pipeline these loads. With pointer loads
+                # of A and B, waiting on them each step had cost up to 29 % (decode sizes, M = 16 / 32:
+                # 0.94-1.41 x as fast now; with tensor descriptors 0.98-1.05 x; same bits;
+                # matmul_fp8_decode_block_scales_ahead_h200_2026-12-02_s36g.json against ..._not_ahead_...)
+                a_s, b_s = a_s_next, b_s_next  # [BLOCK_M], scalar
+                a_s_next, b_s_next = _block_scales(AScale, BScale, rows, M, pid_n, k // BLOCK_K + 1, K, stride_asm,
+                                                   stride_ask, stride_bsn, stride_bsk, BLOCK_N, BLOCK_K)
                 if SWAP_AB:
                     part = part * (a_s[None, :] * b_s)
                 else:
@@ -146,6 +153,17 @@ def _scaled_matmul_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
             scaled_epilogue(total, C, AScale, BScale, Bias, rows, cols, M, N, stride_cm, stride_cn, stride_asm,
                             stride_bsn, SCALES, HAS_BIAS)
+
+
+@triton.jit
+def _block_scales(AScale, BScale, rows, M, pid_n, kb, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K step ``kb``'s block scales (BLOCK_K == QBLOCK: one scale column a step): A's for ``rows``
+    ([BLOCK_M]) and B's for this column block (a scalar); zeros past K's last step."""
+    inside = kb < tl.cdiv(K, BLOCK_K)
+    a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=(rows < M) & inside, other=0.0)
+    b_s = tl.load(BScale + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn + kb * stride_bsk, mask=inside, other=0.0)
+    return a_s, b_s
 
 
 @triton.jit
@@ -307,17 +325,22 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
     return c
 
 
-def compile_for_sm90(m: int = 16, n: int = 4096, k: int = 4096, pdl: bool = True):
-    """Build the decode product for sm_90 without a GPU (what the CPU test reads): FP8, per-tensor
-    scales, an H200's tiles for an ``m`` x ``n`` x ``k`` product (transposed, K in four runs), as a
-    programmatic dependent launch or not (``pdl``, ``common.PDL``)."""
+def compile_for_sm90(m: int = 16, n: int = 4096, k: int = 4096, pdl: bool = True, scales: str = "tensor"):
+    """Build the decode product for sm_90 without a GPU (what the CPU tests read): FP8, ``scales``
+    "tensor" (pointer loads, 6 ring slots) or "block" (tensor descriptors, 4 slots, A's scales
+    column-major as ``quantize`` writes them), 16 x 64 tiles of the transposed product with K in
+    four runs, as a programmatic dependent launch or not (``pdl``, ``common.PDL``)."""
     from qflash.kernels.common import build_tl_for_sm90
 
-    cfg = MatmulConfig(16, 64, QBLOCK, 4, 6, split_k=4, swap_ab=True)
-    args = dict(A="*fp8e4nv", B="*fp8e4nv", C="*bf16", AScale="*fp32", BScale="*fp32", Bias="*bf16", Partial="*fp32",
-                Counters="*i32", M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bn=k, stride_bk=1, stride_cm=n,
-                stride_cn=1, stride_asm=0, stride_ask=0, stride_bsn=0, stride_bsk=0)
-    constants = dict(SCALES=SCALES_KIND["tensor"], IS_INT8=False, HAS_BIAS=False, USE_TMA=False,
+    block = scales == "block"
+    cfg = MatmulConfig(16, 64, QBLOCK, 4, 4 if block else 6, split_k=4, swap_ab=True, use_tma=block)
+    operand = "tensordesc<fp8e4nv[{}, 128]>" if block else "*fp8e4nv"
+    k_blocks = cdiv(k, QBLOCK)
+    args = dict(A=operand.format(cfg.block_m), B=operand.format(cfg.block_n), C="*bf16", AScale="*fp32",
+                BScale="*fp32", Bias="*bf16", Partial="*fp32", Counters="*i32", M=m, N=n, K=k, stride_am=k, stride_ak=1,
+                stride_bn=k, stride_bk=1, stride_cm=n, stride_cn=1, stride_asm=1 if block else 0,
+                stride_ask=m if block else 0, stride_bsn=k_blocks if block else 0, stride_bsk=1 if block else 0)
+    constants = dict(SCALES=SCALES_KIND[scales], IS_INT8=False, HAS_BIAS=False, USE_TMA=block,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                      WARP_SPECIALIZE=False, SPLIT_K=cfg.split_k, PROMOTE_IN_DOT=False, SWAP_AB=True, PDL=pdl)
     return build_tl_for_sm90(_scaled_matmul_kernel, args, constants, num_warps=cfg.num_warps,
