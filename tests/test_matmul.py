@@ -285,7 +285,8 @@ def test_small_m_default_tiles(monkeypatch):
 def test_small_m_block_scales_tiles(monkeypatch):
     """Decode-sized block-scaled products take tensor descriptors and 4 ring slots, or 3 where only
     that keeps every program resident at once: 448 programs of 16 x 128 (70B gate_up) fit 4 an SM
-    with 3 slots (54 KB) and 3 an SM with 4 (72 KB); 32-row ones fit 3 an SM either way."""
+    with 3 slots (54 KB), one round, and 3 an SM with 4 (72 KB), two rounds; 32-row ones take two
+    rounds either way (3 or 2 an SM), and 224 programs (8B gate_up) one round either way."""
     from qflash.kernels import matmul as mm
 
     monkeypatch.setattr(mm, "has_tma", lambda device: True)
@@ -297,7 +298,7 @@ def test_small_m_block_scales_tiles(monkeypatch):
     assert all(cfg(m, 8192, 8192).use_tma and cfg(m, 8192, 8192).num_stages == 4 for m in (1, 16, 32))
     assert (cfg(16, 57344, 8192).block_n, cfg(16, 57344, 8192).num_stages) == (128, 3)
     assert (cfg(32, 57344, 8192).block_n, cfg(32, 57344, 8192).num_stages) == (128, 4)
-    assert (cfg(16, 28672, 4096).block_n, cfg(16, 28672, 4096).num_stages) == (128, 4)  # 224 fit 3 an SM
+    assert (cfg(16, 28672, 4096).block_n, cfg(16, 28672, 4096).num_stages) == (128, 4)
     assert not mm.default_config.__wrapped__(16, 8192, 8192, "tensor", False, torch.device("cuda")).use_tma
 
 
