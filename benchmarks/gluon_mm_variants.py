@@ -19,15 +19,13 @@ import re
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.bench.matmul import LLAMA
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
 
-# (N, K) of the Llama-3 projections: q/k/v fused, o, gate/up fused, down.
-LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
-         "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),

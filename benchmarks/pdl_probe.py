@@ -19,11 +19,9 @@ import torch
 
 from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.bench.matmul import LLAMA
 from qflash.kernels.common import early_launch
 from qflash.kernels.matmul import scaled_matmul
-
-LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
-         "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
 
 
 def ours(a_q, b_q, a_k, b_k, scales="tensor"):
