@@ -126,8 +126,10 @@ def _scaled_matmul_kernel(
                 else:
                     part = part * (a_s[:, None] * b_s)
             acc += part
-    if PDL:  # every load of A and B issued: the next kernel may take the SMs this one leaves (let at
-        gdc_launch_dependents()  # the program's start, back-to-back decode products lost up to 25 %, s36c)
+    # Every load of A and B issued: the next kernel may take the SMs this one leaves. (Let at the
+    # program's start, back-to-back decode products lost up to 25 %, s36c.)
+    if PDL:
+        gdc_launch_dependents()
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
@@ -158,8 +160,9 @@ def _scaled_matmul_kernel(
 @triton.jit
 def _block_scales(AScale, BScale, rows, M, pid_n, kb, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K step ``kb``'s block scales (BLOCK_K == QBLOCK: one scale column a step): A's for ``rows``
-    ([BLOCK_M]) and B's for this column block (a scalar); zeros past K's last step."""
+    """K step ``kb``'s block scales (BLOCK_K == QBLOCK, a scale block's extent in K and in B's N: one
+    scale column a step): A's for ``rows`` ([BLOCK_M]) and B's for this column block (a scalar);
+    zeros past K's last step."""
     inside = kb < tl.cdiv(K, BLOCK_K)
     a_s = tl.load(AScale + rows * stride_asm + kb * stride_ask, mask=(rows < M) & inside, other=0.0)
     b_s = tl.load(BScale + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn + kb * stride_bsk, mask=inside, other=0.0)
