@@ -352,7 +352,7 @@ def test_launch_asks_for_early_launch_where_opted_in(monkeypatch, switch, m, hop
             return lambda *args, **kwargs: seen.update(kwargs)
 
     monkeypatch.setattr(mm, "_launcher", Recorder())
-    monkeypatch.setattr(mm, "has_tma", lambda device: hopper)
+    monkeypatch.setattr(common, "has_tma", lambda device: hopper)
     monkeypatch.setattr(common, "PDL", switch)
     a_q, b_q, one = torch.zeros(m, 256, dtype=torch.int8), torch.zeros(64, 256, dtype=torch.int8), torch.ones(())
     scaled_matmul(a_q, b_q, one, one, None, torch.float32, "tensor", config=MatmulConfig(32, 32, 128, 4, 1))

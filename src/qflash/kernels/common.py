@@ -71,6 +71,12 @@ PDL = False
 PDL_MAX_M = 128  # the matmuls take part up to this many rows of A (a long product gains little from a microsecond)
 
 
+def launches_early_on(device: torch.device) -> bool:
+    """Whether our kernels' launches on ``device`` are programmatic dependent ones: ``PDL`` opts in,
+    and the device has them (compute capability 9.0 or newer: ``griddepcontrol`` is sm_90's)."""
+    return PDL and has_tma(device)
+
+
 @contextlib.contextmanager
 def early_launch(on: bool = True):
     """``PDL`` set to ``on`` within the block (the benchmarks' A/B of it), then back as it was."""

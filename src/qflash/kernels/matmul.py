@@ -311,7 +311,7 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
         counters = split_k_counters(a_q.device, tiles)
     else:
         partial = counters = c  # not read
-    early = common.PDL and m <= common.PDL_MAX_M and has_tma(a_q.device)  # programmatic dependent launch (opt in)
+    early = m <= common.PDL_MAX_M and common.launches_early_on(a_q.device)  # programmatic dependent launch
     _launcher[(tiles, split_k)](
         a_arg, b_arg, c, a_scale, b_scale, bias if bias is not None else c, partial, counters,
         m, n, k,

@@ -501,7 +501,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
         return quantize(x, dtype, granularity, static_scale=static_scale, tile_elems=tile_elems,
                         num_warps=num_warps, one_launch=False)
     per_tensor = static_scale if static_scale is not None else scale  # (read only by GROUP_TENSOR)
-    early = cuda and common.PDL  # programmatic dependent launch (opt in)
+    early = common.launches_early_on(x.device)  # programmatic dependent launch (opt in, Hopper)
     if plan.absmax_programs:
         per_tensor = torch.zeros((), dtype=torch.float32, device=x.device)
         _absmax_launcher[(plan.absmax_programs,)](x, per_tensor, m, n, x.stride(0), x.stride(1),

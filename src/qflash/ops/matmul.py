@@ -14,11 +14,12 @@ Scales (float32):
                  16-byte aligned, as ``quantize(..., "block", (1, 128))`` returns it (other
                  layouts cost a copy of a_scale each call)
 
-Early launch (Hopper, opt in): with ``qflash.kernels.common.PDL = True`` FP8 products of up to 128
-rows, and ``quantize``'s one-pass kernel, are programmatic dependent launches: each may start while
-the kernel ahead of it still runs and waits for it before touching memory. That gains where the
-kernel ahead is one of these (products back to back, a quantize then its product) and can lose
-after other kernels (README, session 35).
+Early launch (Hopper, opt in): with ``qflash.kernels.common.PDL = True`` products of up to 128
+rows (the Gluon FP8 kernel where its grid fills the SMs, and the ``tl`` kernel's), and
+``quantize``'s one-pass kernel, are programmatic dependent launches: each may start while the
+kernel ahead of it still runs and waits for it before touching memory. That gains where the kernel
+ahead is one of these (products back to back, a quantize then its product) and can lose after
+other kernels (README, sessions 35 and 36).
 """
 
 from __future__ import annotations
