@@ -58,14 +58,16 @@ def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
 
 @pytest.mark.parametrize("int8,scales,block_n,stages,split_k", [
     (False, "tensor", 16, 16, 1), (False, "row", 32, 14, 1), (False, "row", 64, 11, 1), (True, "row", 16, 16, 1),
-    (False, "tensor", 16, 10, 2), (True, "row", 32, 10, 3)])
+    (False, "tensor", 16, 10, 2), (True, "row", 32, 10, 3), (False, "block", 16, 10, 1),
+    (False, "block", 32, 10, 2)])
 def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     """The transposed product for decode-sized M: one consumer warpgroup on m64nNk32 wgmma (A's
     rows as N), a loader warp, and C written back transposed by plain stores. With K split, each
     run counts itself in with one acquire-release atomic a tile, and the last reads the runs back
-    from L2 and sets the count back to zero."""
+    from L2 and sets the count back to zero. Block scales (16- and 32-wide tiles, groups of eight
+    K steps) come in with each step's slot."""
     kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, stages=stages,
-                        consumers=1, swap_ab=True, split_k=split_k)
+                        consumers=1, swap_ab=True, split_k=split_k, k_group=8 if scales == "block" else 2)
     ptx = kernel["ptx"]
     kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
     assert f"m64n{block_n}k32.{kind}" in ptx and "setmaxnreg" in ptx
@@ -74,14 +76,19 @@ def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     assert "serialized" not in ptxas_report(ptx)
     assert (len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1) == (split_k > 1)
     assert ("ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx) == (split_k > 1)
+    # block scales: both come with A and B, by 1-D bulk copies (none read from global memory in the
+    # K loop), and multiply each step's partial by fused multiply-adds
+    assert ("cp.async.bulk.tensor.1d.shared" in ptx and "fma.rn.f32" in ptx) == (scales == "block")
 
 
-@pytest.mark.parametrize("block_n,split_k", [(16, 1), (32, 1), (16, 2)])
-def test_swap_ab_two_ctas_an_sm_build(block_n, split_k):
+@pytest.mark.parametrize("scales,block_n,split_k", [("tensor", 16, 1), ("tensor", 32, 1), ("tensor", 16, 2),
+                                                    ("block", 16, 1), ("block", 32, 1)])
+def test_swap_ab_two_ctas_an_sm_build(scales, block_n, split_k):
     """Two CTAs an SM: the build capped at 128 registers a thread (256 threads, two CTAs in the
     SM's 64 K registers) spills nothing, and two rings of 8 slots fit in the SM's shared memory."""
-    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "tensor", block_n=block_n,
-                        stages=gluon.TWO_CTA_STAGES[block_n], consumers=1, swap_ab=True, split_k=split_k, ctas_per_sm=2)
+    stages = (gluon.TWO_CTA_BLOCK_STAGES if scales == "block" else gluon.TWO_CTA_STAGES)[block_n]
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=stages, consumers=1,
+                        swap_ab=True, split_k=split_k, ctas_per_sm=2, k_group=8 if scales == "block" else 2)
     report = ptxas_report(kernel["ptx"])
     assert ".maxnreg 128" in kernel["ptx"] and "0 bytes spill stores" in report and "serialized" not in report
     assert 2 * (kernel["shared"] + 1024) <= 228 * 1024
@@ -731,7 +738,6 @@ def test_preferred_only_where_measured():
     assert [gluon.swap_ctas_per_sm(tiles, 132) for tiles in (96, 132, 133, 160, 264, 265, 896)] == [1, 1, 2, 2, 2, 1, 1]
     assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
 
-
 SWAP_SHAPES = [(1, 1, 16), (5, 1000, 2000), (16, 640, 1152), (33, 384, 4096), (64, 129, 320)]  # decode-sized M
 
 
@@ -767,6 +773,42 @@ def test_gpu_swap_ab_fp8_within_fp32_rounding(m, n, k, scales):
             c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales, swap_ab=True, split_k=split_k)
         assert_written(c)
         assert rel_l2_err(c, ref) < 1e-5 * max(1.0, k ** 0.5), split_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("m,n,k", SWAP_SHAPES + [(16, 4096, 4096), (3, 10240, 1024)])
+def test_gpu_swap_ab_fp8_block_scales(m, n, k, outliers):
+    """Block scales in the transposed product: A's (1 x 128) scales run along the kernel's
+    columns and B's (128 x 128) block holds its 64 rows. Within float32 rounding of the reference
+    on Gaussian inputs, with K in one to three runs, two CTAs an SM, A's scales row-major (the
+    launcher's column-major copy) and B's with a gap between rows (each step's value picked at run
+    time); with outlier channels within float32 rounding of the tl kernel's transposed product,
+    which shares the tensor cores' sum inside a K step."""
+    from qflash.kernels.matmul import default_config, scaled_matmul
+
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    if outliers:
+        a[:, :5] *= 50
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    bias = torch.randn(n, device="cuda")
+    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    tl_swap = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "block",
+                            config=default_config(16, 4096, 4096, "block", False, a.device))
+    b_gap = torch.full((b_s.shape[0], b_s.shape[1] + 1), float("nan"), device="cuda")[:, :b_s.shape[1]]
+    b_gap.copy_(b_s)
+    bound = 1e-5 * max(1.0, k ** 0.5)
+    for a_k, b_k, opts in [(a_s, b_s, {}), (a_s, b_s, dict(split_k=2)), (a_s, b_s, dict(split_k=3, stages=6)),
+                           (a_s, b_s, dict(ctas_per_sm=2)), (a_s.contiguous(), b_gap, dict(k_group=4)),
+                           (a_s, b_s, dict(k_group=2, split_k=2))]:
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, "block", swap_ab=True, **opts)
+        assert_written(c)
+        if outliers:
+            assert rel_l2_err(c, tl_swap) < bound, (opts, rel_l2_err(c, tl_swap))
+        else:
+            assert rel_l2_err(c, ref) < bound, (opts, rel_l2_err(c, ref))
 
 
 @pytest.mark.gpu
@@ -933,13 +975,16 @@ def test_gpu_three_consumers(m, n, k, scales):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
 @pytest.mark.parametrize("m,n,k,block_n", [(1000, 900, 1280, 128), (193, 385, 640, 128), (300, 1000, 896, 64),
-                                           (64, 128, 1024, 128), (64, 128, 128, 128), (257, 2048, 1920, 32)])
+                                           (64, 128, 1024, 128), (64, 128, 128, 128), (257, 2048, 1920, 32),
+                                           (512, 1024, 2048, 128)])
 @pytest.mark.parametrize("k_group", [4, 8])
 def test_gpu_k_steps_in_groups(m, n, k, block_n, scales, k_group):
     """K steps in groups of 4 or 8 (two partials, from the third step on each product into the
     registers of the partial two steps back): the bits of the pairs (the same partials added in
-    the same order) for 1 to 15 K steps (every remainder of four, and groups then pairs then a
-    single step), with ragged M and N, bias, float32 and bfloat16."""
+    the same order) for 1 to 16 K steps (every remainder of four, and groups then pairs then a
+    single step), with ragged M and N, bias, float32 and bfloat16. At K = 2048 in one run, B's
+    block scales lie in aligned fours, where the pairs starting at the third step of a four
+    must still pick their values at run time."""
     a_q, b_q, a_k, b_k, bias, ref = _fp8_case(m, n, k, scales)
     for out_dtype in (torch.float32, torch.bfloat16):
         with poisoned():
@@ -1029,14 +1074,11 @@ def test_gpu_one_consumer_tiles_match(m, n, k, scales):
 
 
 def test_swap_ab_takes_what_it_can():
-    """The transposed product takes tensor and row scales with plain stores: it says so for the
-    rest; its tile is A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for
-    64-wide tiles)."""
+    """The transposed product writes C with plain stores: it says so for bulk stores; its tile is
+    A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for 64-wide tiles)."""
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="swap_ab"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, tma_store=True)
-    with pytest.raises(ValueError, match="swap_ab"):
-        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "block", swap_ab=True)
     with pytest.raises(ValueError, match="consumers must be 1, 2 or 3"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=4)
     assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)

@@ -29,9 +29,11 @@ consumer's partial products keep the tensor cores busy instead).
 Decode-sized products (M <= 32) can run transposed (SWAP_AB):
 C^T = B A^T, the launcher passing B as the kernel's A, so that B's rows fill wgmma's 64-row side
 and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64 rows; the
-epilogue writes each block back to C transposed, by plain stores. One CTA streams B at about
-40 GB/s, so where B's tiles make one to two rounds of the SMs two CTAs share each SM (registers
-capped at 128 a thread, 8 ring slots each) and the second round runs beside the first.
+epilogue writes each block back to C transposed, by plain stores; block scales keep their roles
+(A's 1 x 128 scales, one a row of A, run along the tile's columns, and B's 128 x 128 block holds
+the tile's 64 rows of B). One CTA streams B at about 40 GB/s, so where B's tiles make one to two
+rounds of the SMs two CTAs share each SM (registers capped at 128 a thread, 8 ring slots each)
+and the second round runs beside the first.
 
 C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s weight
 layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32. FP8 (e4m3)
@@ -95,6 +97,14 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
 B_SC_ROWS = gl.constexpr(8)
 
 
+@gluon.constexpr_function
+def _a_sc_rows(vec):
+    """Rows of ``vec`` float32 values that A's block scales take a ring slot (one a 64-row part):
+    128 bytes or more (a bulk copy's shared-memory alignment), of which the copy fills the first.
+    One row of 64 values, or in the transposed product (``vec`` the tile's columns) two of 16."""
+    return max(1, 32 // vec)
+
+
 @gluon.jit
 def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
     """Work item t: its output tile (row block, column block), which of the SPLIT_K runs of K steps
@@ -107,7 +117,7 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr, SCALES: gl.constexpr):
+               TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
@@ -125,6 +135,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     TAIL_PART: gl.constexpr = TAIL_N // B_PARTS
     BN: gl.constexpr = LEAD + TAIL_N
     B_SC: gl.constexpr = b_sc_ring.shape[0] // (B_SC_ROWS * STAGES)  # B's scale blocks a tile (block scales)
+    A_SC_ROWS: gl.constexpr = _a_sc_rows(a_sc_desc.block_type.shape[0])
     STEP_BYTES: gl.constexpr = (A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
                                 + (B_PARTS * b_tail_desc.block_type.nbytes if TAIL_N > 0 else 0)
                                 + ((A_PARTS * a_sc_desc.block_type.nbytes + B_SC * b_sc_desc.block_type.nbytes)
@@ -136,8 +147,8 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     c = 0  # K steps over all items: the ring's position
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
-        if SCALES == SCALES_BLOCK:
-            b_block = _b_scale_block(pid_n, BN, BK)
+        if SCALES == SCALES_BLOCK:  # where the item's scales start: A's first row, B's 128 x 128 block
+            a_first, b_block = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)
         for kk in range(k_lo, k_hi):
             s = c % STAGES
             # A wait on the previous (parity 1) phase of a fresh barrier passes at once.
@@ -145,11 +156,12 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
             mbarrier.expect(ready.index(s), STEP_BYTES)
             if SCALES == SCALES_BLOCK:
                 # The step's block scales by the copy engine too, from flat views: A's (column-major)
-                # 64 rows a part, and B's in the 16-byte aligned four values that hold the block's
-                # (a copy's first element must be 16-byte aligned: else an illegal instruction).
+                # 64 rows a part (in the transposed product the tile's BN columns), and B's in the
+                # 16-byte aligned four values that hold the block's (a copy's first element must be
+                # 16-byte aligned: else an illegal instruction).
                 for part in gl.static_range(A_PARTS):
-                    tma.async_copy_global_to_shared(a_sc_desc, [kk * stride_ask + (pid_m * A_PARTS + part) * SUB],
-                                                    ready.index(s), a_sc_ring.index(A_PARTS * s + part))
+                    tma.async_copy_global_to_shared(a_sc_desc, [kk * stride_ask + a_first + part * SUB],
+                                                    ready.index(s), a_sc_ring.index(A_SC_ROWS * (A_PARTS * s + part)))
                 for blk in gl.static_range(B_SC):
                     b_at = (b_block + blk) * stride_bsn + kk * stride_bsk
                     tma.async_copy_global_to_shared(b_sc_desc, [b_at - b_at % 4], ready.index(s),
@@ -250,22 +262,29 @@ def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N,
 
 
 @gluon.jit
-def _b_scale_block(pid_n, BN: gl.constexpr, BK: gl.constexpr):
-    """The 128 x 128 block of B's scales that holds column block ``pid_n``'s first 128 columns
-    (a 64- or 32-wide tile shares its block with the tiles beside it)."""
-    return pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
+def _scale_origins(pid_m, pid_n, ROWS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SWAP_AB: gl.constexpr):
+    """Where the block scales of tile (pid_m, pid_n), ROWS x BN, start: the first of A's (1 x 128)
+    rows and the 128 x 128 block of B's that holds the tile's first 128 columns (a 64- or 32-wide
+    tile shares its block with the tiles beside it). In the transposed product the kernel's A is
+    the user's B and its B the user's A, while the scales keep the user's roles: A's rows are the
+    tile's columns, and B's block holds the tile's 64 rows."""
+    if SWAP_AB:
+        return pid_n * BN, pid_m * ROWS // BK
+    return pid_m * ROWS, pid_n * (BN // BK) if BN >= BK else pid_n // (BK // BN)
 
 
 @gluon.jit
 def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, b_sel_hi, A_PARTS: gl.constexpr, layout: gl.constexpr):
     """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
-    consumer's 64 rows, in ``layout`` (one a row of the consumer's partials), and B's for the
+    consumer's 64 rows (the transposed product: the tile's columns), in ``layout`` (one a row, or
+    column, of the consumer's partials), and B's for the
     tile's first (and a 256-wide tile's second) 128 columns, value ``b_sel`` (``b_sel_hi``) of the
     aligned four that the loader copied (its place in B's scales modulo 4)."""
-    B_SC: gl.constexpr = b_sc_ring.shape[0] // B_SC_ROWS // (a_sc_ring.shape[0] // A_PARTS)  # B's blocks a slot
+    A_SC_ROWS: gl.constexpr = _a_sc_rows(a_sc_ring.shape[1])
+    B_SC: gl.constexpr = b_sc_ring.shape[0] // B_SC_ROWS // (a_sc_ring.shape[0] // (A_PARTS * A_SC_ROWS))  # a slot
     four: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread all four
     lane = gl.arange(0, 4, layout=four)
-    a_sc = a_sc_ring.index(A_PARTS * s + a_part).load(layout)
+    a_sc = a_sc_ring.index(A_SC_ROWS * (A_PARTS * s + a_part)).load(layout)
     b_sc = gl.sum(gl.where(lane == b_sel, b_sc_ring.index(B_SC_ROWS * B_SC * s).load(four), 0.0), axis=0)
     b_sc_hi = b_sc
     if B_SC == 2:
@@ -275,21 +294,23 @@ def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, b_sel_hi, A_PARTS: gl.c
 
 
 @gluon.jit
-def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr):
+def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, SWAP_AB: gl.constexpr = False):
     """The float32 total plus one K step's partial; with block scales the partial is multiplied
-    by its A rows' and B block's scales first, in one fused multiply-add an element with FUSED (a
-    256-wide tile's halves keep the separate multiply and add: fused, ptxas spills them)."""
+    by its A rows' (SWAP_AB: its columns') and B block's scales first, in one fused multiply-add an
+    element with FUSED (a 256-wide tile's halves keep the separate multiply and add: fused, ptxas
+    spills them)."""
     if SCALES == SCALES_BLOCK:
+        scale = gl.expand_dims(a_sc * b_sc, 0 if SWAP_AB else 1)
         if FUSED:
-            return gl.fma(part, gl.expand_dims(a_sc * b_sc, 1), acc)
-        return acc + part * gl.expand_dims(a_sc * b_sc, 1)
+            return gl.fma(part, scale, acc)
+        return acc + part * scale
     return acc + part
 
 
 @gluon.jit
 def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part, b_at,
              stride_bsk, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
-             G: gl.constexpr, B_SC_ALIGNED: gl.constexpr):
+             G: gl.constexpr, B_SC_ALIGNED: gl.constexpr, SWAP_AB: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -300,7 +321,8 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
     Block scales come from each step's slot, read when its product is issued; ``b_at``: where the
     first step's B scale is in B's scales (with B_SC_ALIGNED, a multiple of 4 and the next steps'
     the next values: the value a step takes of its four is known when the kernel is built)."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, fresh.type.layout)
+    # A's block scales: one a row of the partials, or (SWAP_AB, the user's A rows) one a column
+    a_sc_layout: gl.constexpr = gl.SliceLayout(0 if SWAP_AB else 1, fresh.type.layout)
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     prev = warpgroup_mma(a_ring.index(A_PARTS * s + a_part), b_ring.index(B_PARTS * s + b_part).permute((1, 0)),
@@ -308,7 +330,7 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
     prev_a, prev_b = 1.0, 1.0  # not used: no scales in the K loop
     if SCALES == SCALES_BLOCK:
         prev_a, prev_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, 0 if B_SC_ALIGNED else b_at % 4, 0,
-                                         A_PARTS, row_layout)
+                                         A_PARTS, a_sc_layout)
     prev_s = s
     spare = fresh
     for j in gl.static_range(1, G):
@@ -325,17 +347,17 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
         cur_a, cur_b = prev_a, prev_b
         if SCALES == SCALES_BLOCK:
             b_sel = j % 4 if B_SC_ALIGNED else (b_at + j * stride_bsk) % 4
-            cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, row_layout)
+            cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, a_sc_layout)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
         mbarrier.arrive(empty.index(prev_s), count=1)
-        acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
+        acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
     mbarrier.arrive(empty.index(prev_s), count=1)
-    acc = _promote(acc, prev, prev_a, prev_b, SCALES, True)
+    acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
     return acc, c + G
 
 
@@ -422,10 +444,11 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                                                       instr_shape=[16, TAIL, 32])
                 acc_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
                 fresh_t = gl.zeros((SUB, TAIL), dtype=gl.float32, layout=tail_layout)
-            # Block scales: each K step's partial times its scales (A: one a row, B: one a 128 x 128
-            # block) before it joins the total, read from the step's ring slot (``_slot_scales``).
-            row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-            b_base = _b_scale_block(pid_n, BN, BK) * stride_bsn  # where the tile's B scales start
+            # Block scales: each K step's partial times its scales (A: one a row, or with SWAP_AB a
+            # column; B: one a 128 x 128 block) before it joins the total, read from the step's ring
+            # slot (``_slot_scales``).
+            a_sc_layout: gl.constexpr = gl.SliceLayout(0 if SWAP_AB else 1, acc_layout)
+            b_base = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)[1] * stride_bsn  # the B scales
             k_single = k_lo  # the K steps from here on go one at a time
             if not WIDE and TAIL_N == 0 and CONSUMERS < 3:
                 # A 128-wide tile of one or two consumers has registers for a second partial: its K
@@ -435,14 +458,14 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 for kk in range(k_lo, k_single, K_GROUP):
                     acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                       a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS, STAGES,
-                                      SCALES, K_GROUP, B_SC_ALIGNED)
+                                      SCALES, K_GROUP, B_SC_ALIGNED, SWAP_AB)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
                         acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                           a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS,
-                                          STAGES, SCALES, 2, False)
+                                          STAGES, SCALES, 2, False, SWAP_AB)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -456,9 +479,9 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 if SCALES == SCALES_BLOCK:
                     b_at = b_base + kk * stride_bsk
                     a_sc, b_sc, b_sc_hi = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_at % 4,
-                                                       (b_at + stride_bsn) % 4, A_PARTS, row_layout)
+                                                       (b_at + stride_bsn) % 4, A_PARTS, a_sc_layout)
                 part = warpgroup_mma_wait(num_outstanding=1 if TAIL_N > 0 else 0, deps=(part,))
-                acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE)
+                acc = _promote(acc, part, a_sc, b_sc, SCALES, not WIDE, SWAP_AB)
                 if TAIL_N > 0:
                     part_t = warpgroup_mma_wait(num_outstanding=0, deps=(part_t,))
                     acc_t = acc_t + part_t
@@ -519,8 +542,10 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                            c_desc.layout)
     else:
         c_smem = a_ring  # not used: the blocks of C go out by plain stores
-    if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part, B's for its one or two blocks
-        a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES, SUB], a_sc_desc.layout)
+    if SCALES == SCALES_BLOCK:  # each slot's block scales: A's for each 64-row part (SWAP_AB: the tile's
+        # columns, a_sc_desc's box), B's for its one or two blocks
+        A_SC: gl.constexpr = a_sc_desc.block_type.shape[0]
+        a_sc_ring = gl.allocate_shared_memory(gl.float32, [A_PARTS * STAGES * _a_sc_rows(A_SC), A_SC], a_sc_desc.layout)
         B_SC: gl.constexpr = 2 if LEAD_PART + TAIL_N == 256 else 1
         b_sc_ring = gl.allocate_shared_memory(gl.float32, [B_SC * STAGES * B_SC_ROWS, 4], b_sc_desc.layout)
     else:
@@ -542,19 +567,20 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 4, 1], [160, 160, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 4, 1],
+            [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [4, 1], [240, 24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES))], [1], [24])
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [1], [24])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -854,10 +880,13 @@ def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
     return ((1 if split_n else consumers) * SUB_M + block_n) * BLOCK_K
 
 
-def _scale_bytes(block_n: int, consumers: int) -> int:
-    """A ring slot's block scales (float32): a 64-row part of A's a consumer, and B's for the tile's
-    one (two where 256 wide) blocks, four values each in 128 bytes (``_mm_loader``)."""
-    return consumers * SUB_M * 4 + (2 if block_n == 256 else 1) * B_SC_ROWS * 4 * 4
+def _scale_bytes(block_n: int, consumers: int, swap_ab: bool = False) -> int:
+    """A ring slot's block scales (float32): a 64-row part of A's a consumer (the transposed
+    product: the tile's block_n columns), and B's for the tile's one (two where 256 wide) blocks,
+    four values each in 128 bytes (``_mm_loader``)."""
+    a_part = block_n if swap_ab else SUB_M
+    a_bytes = (1 if swap_ab else consumers) * _a_sc_rows(a_part) * a_part * 4
+    return a_bytes + (2 if block_n == 256 else 1) * B_SC_ROWS * 4 * 4
 
 
 def _tail_stages(block_n: int, consumers: int) -> int:
@@ -941,7 +970,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     split_k = cdiv(k_steps, cdiv(k_steps, split_k))  # every run of K steps non-empty
     slot_bytes = _slot_bytes(block_n, consumers, split_n)
     if scales == "block":
-        slot_bytes += _scale_bytes(block_n, consumers)
+        slot_bytes += _scale_bytes(block_n, consumers, swap_ab)
     ring_bytes = stages * slot_bytes
     if ring_bytes > SMEM_BYTES // ctas_per_sm:
         raise ValueError(f"stages={stages} of {block_n}-wide tiles do not fit in shared memory")
@@ -1076,11 +1105,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
     if k_group not in (None, 2, 4, 8):
         raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
-    if swap_ab and (scales == "block" or tma_store):
-        raise ValueError("the transposed product (swap_ab) takes tensor or row scales and plain stores")
+    if swap_ab and tma_store:
+        raise ValueError("the transposed product (swap_ab) writes C by plain stores: tma_store must be False")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
-        a_q, b_q, a_scale, b_scale, m, n = b_q, a_q, b_scale, a_scale, n, m
+        a_q, b_q, m, n = b_q, a_q, n, m
+        if scales != "block":  # block scales keep the user's roles (``_scale_origins``)
+            a_scale, b_scale = b_scale, a_scale
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
                  split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
@@ -1104,15 +1135,19 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     constexprs = plan.constexprs
     if scales == "block":
         a_scale, b_scale = _scales_for_copies(a_scale), _aligned(b_scale)
-        a_sc_desc, b_sc_desc = _flat_scale_desc(a_scale, SUB_M), _flat_scale_desc(b_scale, 4)
-        # B's scales along K in rows of a multiple of 4, and each run of K steps starting at a
-        # multiple of 4: a group's steps take values 0, 1, 2, 3, ... of their fours
+        # A's a K step at a time, 64 rows of the tile (the transposed product: its columns, the user's A rows)
+        a_sc_desc = _flat_scale_desc(a_scale, plan.block_n if swap_ab else SUB_M)
+        b_sc_desc = _flat_scale_desc(b_scale, 4)
+        # B's scales along K in rows of a multiple of 4, and each run of K steps and each group
+        # starting at a multiple of 4: a group's steps take values 0, 1, 2, 3, ... of their fours
         k_run = cdiv(cdiv(k, BLOCK_K), plan.split_k)
         b_sc_aligned = (b_scale.stride(1) == 1 and b_scale.stride(0) % 4 == 0
                         and (plan.split_k == 1 or k_run % 4 == 0))
         if not b_sc_aligned and k_group is None and constexprs["K_GROUP"] > 4:
             # picked at run time, each step's B scale costs registers: groups of eight would spill
             constexprs = {**constexprs, "K_GROUP": 4}
+        # (groups of two, the caller's choice, start at every other step: picked at run time too)
+        b_sc_aligned = b_sc_aligned and constexprs["K_GROUP"] % 4 == 0
     else:
         b_sc_aligned = False
     _launcher[plan.grid](
@@ -1157,7 +1192,8 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
              "c_desc": (desc(SUB_M, _GL_OUT[target], out, c_block_cols(block_n, split_n)) if tma_store
                         else desc(SUB_M)),
              "AScale": "*fp32",
-             "a_sc_desc": (f"tensordesc<fp32[{SUB_M}],{flat!r}>" if scales == "block" else desc(SUB_M)),
+             "a_sc_desc": (f"tensordesc<fp32[{block_n if swap_ab else SUB_M}],{flat!r}>" if scales == "block"
+                           else desc(SUB_M)),
              "b_sc_desc": (f"tensordesc<fp32[4],{flat!r}>" if scales == "block" else desc(SUB_M)),
              "BScale": "*fp32", "Bias": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
              "stride_asm": "i32", "stride_ask": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "split_rows": "i32"}
