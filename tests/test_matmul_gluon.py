@@ -737,6 +737,12 @@ def test_preferred_only_where_measured():
     assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 2, 2, 1, 1]
     assert [gluon.swap_ctas_per_sm(tiles, 132) for tiles in (96, 132, 133, 160, 264, 265, 896)] == [1, 1, 2, 2, 2, 1, 1]
     assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
+    # Block scales: also where the tiles make one or two rounds (M < 8: the tl kernel's product is
+    # slower with them, s37b); not four rounds at 85 % (8B gate_up), nor out of range
+    assert all(gluon.swap_preferred(m, n, k, int8=False, block_scales=True) for m, n, k in swap)
+    assert [gluon.swap_preferred(m, n, k, int8=False, block_scales=True) for m, n, k in tl] == [
+        True, False, True, True, False, False, False]
+
 
 SWAP_SHAPES = [(1, 1, 16), (5, 1000, 2000), (16, 640, 1152), (33, 384, 4096), (64, 129, 320)]  # decode-sized M
 
@@ -1071,6 +1077,27 @@ def test_gpu_one_consumer_tiles_match(m, n, k, scales):
         got = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, scales,
                            block_n=64, stages=8, consumers=1, split_k=3)
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 6144, 4096), (1, 6144, 4096), (32, 4096, 14336), (16, 28672, 4096)])
+def test_gpu_public_block_scales_at_decode_sizes(m, n, k, monkeypatch):
+    """fp8_matmul with block scales at decode sizes is the transposed product's result, bit for
+    bit, where ``swap_preferred`` takes it (8B qkv at M = 16 and at M = 1, 8B down at M = 32 in two
+    runs of K), else the tl kernel's (8B gate_up at M = 16); within float32 rounding of the
+    reference."""
+    a_q, b_q, a_k, b_k, _, ref = _fp8_case(m, n, k, "block")
+    public = qflash.fp8_matmul(a_q, b_q, a_k, b_k, out_dtype=torch.float32)
+    swap = gluon.swap_preferred(m, n, k, False, torch.cuda.get_device_properties(0).multi_processor_count,
+                                block_scales=True)
+    assert swap == (n != 28672)
+    if swap:
+        want = gluon.launch(a_q, b_q, a_k, b_k, None, torch.float32, "block", swap_ab=True)
+    else:
+        monkeypatch.setenv("QFLASH_GLUON", "0")
+        want = qflash.fp8_matmul(a_q, b_q, a_k, b_k, out_dtype=torch.float32)
+    assert torch.equal(public, want)
+    assert rel_l2_err(public, ref) < 1e-5 * k ** 0.5
 
 
 def test_swap_ab_takes_what_it_can():

@@ -18,9 +18,9 @@ rows, and K is split into runs so that every SM streams part of B. Each run stor
 and writes C (no second kernel; the same result whichever run arrives last).
 
 On Hopper, FP8 products from M = 33 (tensor, row or block scales) go to the warp-specialized
-Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``), and those of M <= 32 with
-tensor or row scales to its transposed product where B's tiles fill the SMs
-(``matmul_gluon.swap_preferred``); ``QFLASH_GLUON=0`` keeps them here. Scales and bias live in
+Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``), and those of M <= 32 to its
+transposed product where B's tiles fill the SMs (``matmul_gluon.swap_preferred``; with block
+scales also where they make one or two rounds); ``QFLASH_GLUON=0`` keeps them here. Scales and bias live in
 ``matmul_epilogue.py``, which both kernels share (with the Gluon kernel's split-K sum and the
 split-K arrival counts).
 """
@@ -288,7 +288,7 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b
 
         if matmul_gluon.preferred(m, n, k, is_int8) and matmul_gluon.why_not(a_q, b_q, scales) is None:
             return matmul_gluon.launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
-        if (scales != "block" and matmul_gluon.swap_preferred(m, n, k, is_int8, sm_count(a_q.device))
+        if (matmul_gluon.swap_preferred(m, n, k, is_int8, sm_count(a_q.device), block_scales=scales == "block")
                 and matmul_gluon.why_not(a_q, b_q, scales) is None):
             return matmul_gluon.launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales, swap_ab=True)
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)

@@ -822,10 +822,18 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     return not int8 and m > 32 and n >= 4096 and k >= 4096
 
 
-def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
-    """Whether ``scaled_matmul`` takes the transposed product (``swap_ab``, tensor or row scales)
-    for a decode-sized FP8 product: M <= 32 with N and K from 4096 where ``_swap_runs`` finds
-    work for it. Against the tl kernel's transposed product in the same run, x cuBLAS per tensor:
+def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> bool:
+    """Whether ``scaled_matmul`` takes the transposed product (``swap_ab``) for a decode-sized FP8
+    product: M <= 32 with N and K from 4096 where ``_swap_runs`` finds work for it, and with block
+    scales also where B's 64-row tiles make one or two rounds of the SMs (in one run of K where
+    ``_swap_runs`` finds none: M < 8). With block scales, x our per-tensor product, against the tl
+    kernel's transposed product (``matmul_fp8_decode_block_gluon_h200_2026-12-02_s37b.json``):
+    M = 16 0.97-1.01 against 0.83-0.95 where this rule takes it, 8B gate_up (448 tiles) left to the
+    tl kernel, 0.97 against 0.99; M = 32 0.96-1.00 against 0.72-0.95 (8B gate_up, the tl kernel's,
+    0.93 against 0.94); M = 1 8B qkv 0.93 against 0.83, 70B o 0.97 against 0.95, 70B down 0.99 against 0.92,
+    8B o 0.82 against 0.80, 8B down 0.91 against 0.93, 70B qkv 0.98 against 1.00.
+    With tensor or row scales, against the tl kernel's transposed product in the same run, x
+    cuBLAS per tensor:
     - no split (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json, M = 8 /
       16 / 32): 8B qkv (96 tiles) 0.87 / 0.95 / 0.95 against 0.84 / 0.81 / 0.73, 70B gate_up
       (896) 1.02 / 1.01 / 1.00 against 0.92 / 0.93 / 0.97, 70B o and down (128) 0.96-1.07
@@ -839,7 +847,8 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132) -> bool:
     against 0.98, s23f) and at M = 1 where one round runs (8B o 0.83 in two runs against 1.02)."""
     if int8 or m > 32 or n < 4096 or k < 4096:
         return False
-    return _swap_runs(m, cdiv(n, SUB_M), k, sms) > 0
+    tiles = cdiv(n, SUB_M)
+    return _swap_runs(m, tiles, k, sms) > 0 or (block_scales and tiles <= 2 * sms)
 
 
 def why_not(a_q: torch.Tensor, b_q: torch.Tensor, scales: str) -> Optional[str]:
