@@ -829,9 +829,10 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_sca
     ``_swap_runs`` finds none: M < 8). With block scales, x our per-tensor product, against the tl
     kernel's transposed product (``matmul_fp8_decode_block_gluon_h200_2026-12-02_s37b.json``):
     M = 16 0.97-1.01 against 0.83-0.95 where this rule takes it, 8B gate_up (448 tiles) left to the
-    tl kernel, 0.97 against 0.99; M = 32 0.96-1.00 against 0.72-0.95 (8B gate_up, the tl kernel's,
+    tl kernel, 0.97 against 0.99; M = 32 0.96-0.99 against 0.72-0.95 (8B gate_up, the tl kernel's,
     0.93 against 0.94); M = 1 8B qkv 0.93 against 0.83, 70B o 0.97 against 0.95, 70B down 0.99 against 0.92,
-    8B o 0.82 against 0.80, 8B down 0.91 against 0.93, 70B qkv 0.98 against 1.00.
+    8B o 0.82 against 0.80, 8B down 0.91 against 0.92, 70B qkv 0.98 against 1.00 (8B down in two
+    runs of K 0.95, not taken).
     With tensor or row scales, against the tl kernel's transposed product in the same run, x
     cuBLAS per tensor:
     - no split (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json, M = 8 /
