@@ -277,9 +277,9 @@ def _scale_origins(pid_m, pid_n, ROWS: gl.constexpr, BN: gl.constexpr, BK: gl.co
 def _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, b_sel_hi, A_PARTS: gl.constexpr, layout: gl.constexpr):
     """Block scales of the K step in ring slot ``s``, as the loader left them there: A's for the
     consumer's 64 rows (the transposed product: the tile's columns), in ``layout`` (one a row, or
-    column, of the consumer's partials), and B's for the
-    tile's first (and a 256-wide tile's second) 128 columns, value ``b_sel`` (``b_sel_hi``) of the
-    aligned four that the loader copied (its place in B's scales modulo 4)."""
+    column, of the consumer's partials), and B's for the tile's first (and a 256-wide tile's
+    second) 128 columns, value ``b_sel`` (``b_sel_hi``) of the aligned four that the loader copied
+    (its place in B's scales modulo 4)."""
     A_SC_ROWS: gl.constexpr = _a_sc_rows(a_sc_ring.shape[1])
     B_SC: gl.constexpr = b_sc_ring.shape[0] // B_SC_ROWS // (a_sc_ring.shape[0] // (A_PARTS * A_SC_ROWS))  # a slot
     four: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread all four
@@ -830,9 +830,9 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_sca
     kernel's transposed product (``matmul_fp8_decode_block_gluon_h200_2026-12-02_s37b.json``):
     M = 16 0.97-1.01 against 0.83-0.95 where this rule takes it, 8B gate_up (448 tiles) left to the
     tl kernel, 0.97 against 0.99; M = 32 0.96-0.99 against 0.72-0.95 (8B gate_up, the tl kernel's,
-    0.93 against 0.94); M = 1 8B qkv 0.93 against 0.83, 70B o 0.97 against 0.95, 70B down 0.99 against 0.92,
-    8B o 0.82 against 0.80, 8B down 0.91 against 0.92, 70B qkv 0.98 against 1.00 (8B down in two
-    runs of K 0.95, not taken).
+    0.93 against 0.94); M = 1 8B qkv 0.93 against 0.83, 70B o 0.97 against 0.95, 70B down 0.99
+    against 0.92, 8B o 0.82 against 0.80, 8B down 0.91 against 0.92, 70B qkv 0.98 against 1.00
+    (8B down in two runs of K 0.95, not taken).
     With tensor or row scales, against the tl kernel's transposed product in the same run, x
     cuBLAS per tensor:
     - no split (benchmarks/results/matmul_fp8_decode_dispatch_h200_2026-11-30_s23d.json, M = 8 /
