@@ -239,6 +239,18 @@ def _fp8_case(m, n, k, scales):
     return a_q, b_q, a_k, b_k, bias, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
 
 
+def _block_case(m, n, k, outliers):
+    """FP8 operands on the GPU with 1 x 128 / 128 x 128 block scales, A with five outlier channels
+    (50x) or not, a bias and the float64 reference: (a_q, b_q, a_s, b_s, bias, ref)."""
+    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    if outliers:
+        a[:, :5] *= 50
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    bias = torch.randn(n, device="cuda")
+    return a_q, b_q, a_s, b_s, bias, fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+
+
 def _int8_kernel_scales(a_s, b_s, scales, m, n):
     """(kind, a_k, b_k) for the INT8 bit-exact tests. The reference reads one value each as per
     tensor scales ((a_s * b_s) first): so must the kernel; "mixed" goes as (M, 1) and (N, 1)
@@ -430,13 +442,7 @@ def test_gpu_fp8_block_scales(m, n, k, outliers):
     to float32 rounding, and the reference to DeepGEMM's bar (1 - cosine similarity < 1e-3)."""
     from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 
-    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-    if outliers:
-        a[:, :5] *= 50
-    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-    bias = torch.randn(n, device="cuda")
-    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    a_q, b_q, a_s, b_s, bias, ref = _block_case(m, n, k, outliers)
     portable = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "block",
                              config=MatmulConfig(128, 128, 128, 8, 3, use_tma=False))
     for opts in [{}, dict(block_n=128, stages=5, tma_store=True), dict(block_n=256, stages=3, tma_store=True),
@@ -793,15 +799,9 @@ def test_gpu_swap_ab_fp8_block_scales(m, n, k, outliers):
     which shares the tensor cores' sum inside a K step."""
     from qflash.kernels.matmul import default_config, scaled_matmul
 
-    a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-    if outliers:
-        a[:, :5] *= 50
-    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-    bias = torch.randn(n, device="cuda")
-    ref = fp8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.float64)
+    a_q, b_q, a_s, b_s, bias, ref = _block_case(m, n, k, outliers)
     tl_swap = scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.float32, "block",
-                            config=default_config(16, 4096, 4096, "block", False, a.device))
+                            config=default_config(16, 4096, 4096, "block", False, a_q.device))
     b_gap = torch.full((b_s.shape[0], b_s.shape[1] + 1), float("nan"), device="cuda")[:, :b_s.shape[1]]
     b_gap.copy_(b_s)
     bound = 1e-5 * max(1.0, k ** 0.5)
