@@ -5,24 +5,20 @@ the rows, as DeepGEMM asks for), each timed twice from CUDA graphs beside our pe
     OUT=out python3 benchmarks/block_scale_layout.py    (writes $OUT/block_a_scales_layout_m8192.json)"""
 
 import os
-import sys
 
 import torch
 
 from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.bench.matmul import llama_shapes
 from qflash.kernels import matmul_gluon as g
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gluon_mm_variants import LLAMA  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
 
 def main():
     rows = []
-    shapes = [("8192^3", 8192, 8192, 8192)] + [(name, 8192, n, k) for name, (n, k) in LLAMA.items()]
-    for name, m, n, k in shapes:
+    for name, m, n, k in llama_shapes([8192], cube=True):
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         a_q, a_t = quantize(a, F8, "tensor")
         b_q, b_t = quantize(b, F8, "tensor")

@@ -10,9 +10,10 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from gluon_mm_variants import LLAMA, cublas, operands  # noqa: E402
+from gluon_mm_variants import cublas, operands  # noqa: E402
 
 from qflash.bench.harness import environment, graph_ms, save_json  # noqa: E402
+from qflash.bench.matmul import llama_shapes  # noqa: E402
 from qflash.kernels import matmul_gluon as new  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("old_mm", ".old/matmul_gluon_head.py")
@@ -24,9 +25,7 @@ def main():
     ms = [int(x) for x in sys.argv[1].split(",")]
     columns = len(sys.argv) > 3 and sys.argv[3] == "1"  # A's scales made column-major (and aligned) once, outside
     rows = []
-    shapes = ([("8192^3", 8192, 8192, 8192)] if 8192 in ms else []) + [
-        (name, m, n, k) for m in ms for name, (n, k) in LLAMA.items()]
-    for name, m, n, k in shapes:
+    for name, m, n, k in llama_shapes(ms, cube=8192 in ms):
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         ta, tb, tak, tbk, _, _ = operands(a, b, "tensor")
         ba, bb, bak, bbk, ref, _ = operands(a, b, "block")

@@ -16,7 +16,7 @@ import torch
 
 from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import LLAMA
+from qflash.bench.matmul import llama_shapes
 from qflash.kernels import matmul_gluon
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash.testing import rel_l2_err
@@ -28,39 +28,38 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    for m in map(int, args.m.split(",")):
-        for name, (n, k) in LLAMA.items():
-            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            t_a, t_ak = quantize(a, torch.float8_e4m3fn, "tensor")
-            t_b, t_bk = quantize(b, torch.float8_e4m3fn, "tensor")
-            x_q, x_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-            w_q, w_k = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-            row = dict(shape=name, m=m, n=n, k=k)
-            row["cublas_tensor_ms"] = graph_ms(lambda: torch._scaled_mm(t_a, t_b.T, scale_a=t_ak, scale_b=t_bk,
-                                                                        out_dtype=torch.bfloat16))
-            row["ours_tensor_ms"] = graph_ms(lambda: scaled_matmul(t_a, t_b, t_ak, t_bk, None, torch.bfloat16,
-                                                                   "tensor"))
-            tl_config = default_config(m, n, k, "block", False, a.device)
-            variants = {
-                "block": lambda: scaled_matmul(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block"),
-                "tl": lambda: scaled_matmul(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block", config=tl_config),
-                "gluon": lambda: matmul_gluon.launch(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block",
-                                                     swap_ab=True),
-            }
-            for runs in (1, 2, 4):
-                variants[f"gluon_k{runs}"] = (lambda runs=runs: matmul_gluon.launch(
-                    x_q, w_q, x_k, w_k, None, torch.bfloat16, "block", swap_ab=True, split_k=runs))
-            want = variants["tl"]().float()
-            for label, fn in variants.items():
-                row[f"{label}_err_vs_tl"] = rel_l2_err(fn().float(), want)
-                row[f"{label}_ms"] = graph_ms(fn)
-                row[f"{label}_vs_ours_tensor"] = row["ours_tensor_ms"] / row[f"{label}_ms"]
-            rows.append(row)
-            print(f"M={m:3d} {name:11s} per tensor: cuBLAS {row['cublas_tensor_ms'] * 1e3:7.2f} us, ours "
-                  f"{row['ours_tensor_ms'] * 1e3:7.2f} | block x ours per tensor: "
-                  + ", ".join(f"{label} {row[f'{label}_vs_ours_tensor']:.3f}" for label in variants)
-                  + f" | max err vs tl {max(row[f'{label}_err_vs_tl'] for label in variants):.1e}", flush=True)
+    for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        t_a, t_ak = quantize(a, torch.float8_e4m3fn, "tensor")
+        t_b, t_bk = quantize(b, torch.float8_e4m3fn, "tensor")
+        x_q, x_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+        w_q, w_k = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        row = dict(shape=name, m=m, n=n, k=k)
+        row["cublas_tensor_ms"] = graph_ms(lambda: torch._scaled_mm(t_a, t_b.T, scale_a=t_ak, scale_b=t_bk,
+                                                                    out_dtype=torch.bfloat16))
+        row["ours_tensor_ms"] = graph_ms(lambda: scaled_matmul(t_a, t_b, t_ak, t_bk, None, torch.bfloat16,
+                                                               "tensor"))
+        tl_config = default_config(m, n, k, "block", False, a.device)
+        variants = {
+            "block": lambda: scaled_matmul(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block"),
+            "tl": lambda: scaled_matmul(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block", config=tl_config),
+            "gluon": lambda: matmul_gluon.launch(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block",
+                                                 swap_ab=True),
+        }
+        for runs in (1, 2, 4):
+            variants[f"gluon_k{runs}"] = (lambda runs=runs: matmul_gluon.launch(
+                x_q, w_q, x_k, w_k, None, torch.bfloat16, "block", swap_ab=True, split_k=runs))
+        want = variants["tl"]().float()
+        for label, fn in variants.items():
+            row[f"{label}_err_vs_tl"] = rel_l2_err(fn().float(), want)
+            row[f"{label}_ms"] = graph_ms(fn)
+            row[f"{label}_vs_ours_tensor"] = row["ours_tensor_ms"] / row[f"{label}_ms"]
+        rows.append(row)
+        print(f"M={m:3d} {name:11s} per tensor: cuBLAS {row['cublas_tensor_ms'] * 1e3:7.2f} us, ours "
+              f"{row['ours_tensor_ms'] * 1e3:7.2f} | block x ours per tensor: "
+              + ", ".join(f"{label} {row[f'{label}_vs_ours_tensor']:.3f}" for label in variants)
+              + f" | max err vs tl {max(row[f'{label}_err_vs_tl'] for label in variants):.1e}", flush=True)
     if args.out:
         save_json(args.out, dict(env=environment(), rows=rows))
 

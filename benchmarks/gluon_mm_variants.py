@@ -19,7 +19,7 @@ import re
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import LLAMA
+from qflash.bench.matmul import llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
@@ -78,14 +78,6 @@ def variant(text):
     if ctas:
         out["ctas_per_sm"] = int(ctas)
     return out
-
-
-def shapes(ms, cube=True):
-    if cube:
-        yield "8192^3", 8192, 8192, 8192
-    for m in ms:
-        for name, (n, k) in LLAMA.items():
-            yield name, m, n, k
 
 
 def resolve(opts, m, n):
@@ -155,7 +147,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     only = None if args.only is None else set(args.only.split(","))
-    for name, m, n, k in shapes(map(int, args.m.split(",")), not args.no_cube):
+    for name, m, n, k in llama_shapes(map(int, args.m.split(",")), cube=not args.no_cube):
         if only is not None and name not in only:
             continue
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")

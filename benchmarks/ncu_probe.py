@@ -21,9 +21,7 @@ import sys
 import torch
 
 from qflash import fp8_matmul, quantize
-
-LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "70B qkv": (10240, 8192), "70B o": (8192, 8192),
-         "70B down": (8192, 28672)}
+from qflash.bench.matmul import LLAMA
 CASES = [(128, "8B qkv"), (128, "70B qkv"), (128, "8B o"), (8192, "70B qkv"), (16, "8B o")]
 # --block: block scales at M = 8192 where K is long (70B down) and where it is not (70B o), nothing else
 BLOCK_CASES = [(8192, "70B down"), (8192, "70B o")]

@@ -19,7 +19,7 @@ import torch
 
 from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import LLAMA
+from qflash.bench.matmul import llama_shapes
 from qflash.kernels.common import early_launch
 from qflash.kernels.matmul import scaled_matmul
 
@@ -64,49 +64,48 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    for m in map(int, args.m.split(",")):
-        for name, (n, k) in LLAMA.items():
-            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            a_q, a_k = quantize(a, torch.float8_e4m3fn, "tensor")
-            b_q, b_k = quantize(b, torch.float8_e4m3fn, "tensor")
-            b_r, b_rk = quantize(b, torch.float8_e4m3fn, "row")
-            b_b, b_bk = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
-            ref = cublas(a_q, b_q, a_k, b_k).float()
-            row = dict(shape=name, m=m, n=n, k=k)
-            for label, fn, on in (("pdl", ours, True), ("no_pdl", ours, False), ("cublas", cublas, True)):
-                with early_launch(on):
-                    out = fn(a_q, b_q, a_k, b_k).float()
-                    row[f"{label}_rel_err_vs_cublas"] = ((out - ref).norm() / ref.norm()).item()
-                    row[f"{label}_ms"] = graph_ms(lambda: fn(a_q, b_q, a_k, b_k))
-                    if name in args.overlap_shapes.split(","):
-                        row[f"{label}_overlap"] = gaps_us(lambda: fn(a_q, b_q, a_k, b_k))
+    for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        a_q, a_k = quantize(a, torch.float8_e4m3fn, "tensor")
+        b_q, b_k = quantize(b, torch.float8_e4m3fn, "tensor")
+        b_r, b_rk = quantize(b, torch.float8_e4m3fn, "row")
+        b_b, b_bk = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ref = cublas(a_q, b_q, a_k, b_k).float()
+        row = dict(shape=name, m=m, n=n, k=k)
+        for label, fn, on in (("pdl", ours, True), ("no_pdl", ours, False), ("cublas", cublas, True)):
+            with early_launch(on):
+                out = fn(a_q, b_q, a_k, b_k).float()
+                row[f"{label}_rel_err_vs_cublas"] = ((out - ref).norm() / ref.norm()).item()
+                row[f"{label}_ms"] = graph_ms(lambda: fn(a_q, b_q, a_k, b_k))
+                if name in args.overlap_shapes.split(","):
+                    row[f"{label}_overlap"] = gaps_us(lambda: fn(a_q, b_q, a_k, b_k))
 
-                    def chain():  # the layer's pair, per row
-                        x_q, x_k = quantize(a, torch.float8_e4m3fn, "row")
-                        return fn(x_q, b_r, x_k.reshape(-1, 1), b_rk.reshape(-1, 1), "row")
-                    row[f"{label}_chain_ms"] = graph_ms(chain)
-                    if fn is ours:
-                        def block_chain():  # and with block scales
-                            x_q, x_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-                            return ours(x_q, b_b, x_k, b_bk, "block")
-                        row[f"{label}_block_chain_ms"] = graph_ms(block_chain)
-            for label in ("pdl", "no_pdl"):
-                row[f"{label}_vs_cublas"] = row["cublas_ms"] / row[f"{label}_ms"]
-                row[f"{label}_chain_vs_cublas"] = row["cublas_chain_ms"] / row[f"{label}_chain_ms"]
-            row["block_chain_pdl_over_no_pdl"] = row["no_pdl_block_chain_ms"] / row["pdl_block_chain_ms"]
-            rows.append(row)
-            print(f"{name:12s} M={m:5d} pdl {row['pdl_ms'] * 1e3:7.2f} us ({row['pdl_vs_cublas']:.3f}x) "
-                  f"no_pdl {row['no_pdl_ms'] * 1e3:7.2f} ({row['no_pdl_vs_cublas']:.3f}x) cuBLAS "
-                  f"{row['cublas_ms'] * 1e3:7.2f} | row chain pdl {row['pdl_chain_ms'] * 1e3:7.2f} no_pdl "
-                  f"{row['no_pdl_chain_ms'] * 1e3:7.2f} cuBLAS {row['cublas_chain_ms'] * 1e3:7.2f} | block chain "
-                  f"pdl {row['pdl_block_chain_ms'] * 1e3:7.2f} no_pdl {row['no_pdl_block_chain_ms'] * 1e3:7.2f} | "
-                  f"err {row['pdl_rel_err_vs_cublas']:.1e}", flush=True)
-            for label in ("pdl", "no_pdl", "cublas"):
-                if f"{label}_overlap" in row:
-                    o = row[f"{label}_overlap"]
-                    print(f"    {label:7s} kernels {o['kernels']} gaps {o['gaps']} durations {o['durations']}",
-                          flush=True)
+                def chain():  # the layer's pair, per row
+                    x_q, x_k = quantize(a, torch.float8_e4m3fn, "row")
+                    return fn(x_q, b_r, x_k.reshape(-1, 1), b_rk.reshape(-1, 1), "row")
+                row[f"{label}_chain_ms"] = graph_ms(chain)
+                if fn is ours:
+                    def block_chain():  # and with block scales
+                        x_q, x_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+                        return ours(x_q, b_b, x_k, b_bk, "block")
+                    row[f"{label}_block_chain_ms"] = graph_ms(block_chain)
+        for label in ("pdl", "no_pdl"):
+            row[f"{label}_vs_cublas"] = row["cublas_ms"] / row[f"{label}_ms"]
+            row[f"{label}_chain_vs_cublas"] = row["cublas_chain_ms"] / row[f"{label}_chain_ms"]
+        row["block_chain_pdl_over_no_pdl"] = row["no_pdl_block_chain_ms"] / row["pdl_block_chain_ms"]
+        rows.append(row)
+        print(f"{name:12s} M={m:5d} pdl {row['pdl_ms'] * 1e3:7.2f} us ({row['pdl_vs_cublas']:.3f}x) "
+              f"no_pdl {row['no_pdl_ms'] * 1e3:7.2f} ({row['no_pdl_vs_cublas']:.3f}x) cuBLAS "
+              f"{row['cublas_ms'] * 1e3:7.2f} | row chain pdl {row['pdl_chain_ms'] * 1e3:7.2f} no_pdl "
+              f"{row['no_pdl_chain_ms'] * 1e3:7.2f} cuBLAS {row['cublas_chain_ms'] * 1e3:7.2f} | block chain "
+              f"pdl {row['pdl_block_chain_ms'] * 1e3:7.2f} no_pdl {row['no_pdl_block_chain_ms'] * 1e3:7.2f} | "
+              f"err {row['pdl_rel_err_vs_cublas']:.1e}", flush=True)
+        for label in ("pdl", "no_pdl", "cublas"):
+            if f"{label}_overlap" in row:
+                o = row[f"{label}_overlap"]
+                print(f"    {label:7s} kernels {o['kernels']} gaps {o['gaps']} durations {o['durations']}",
+                      flush=True)
     if args.out:
         save_json(args.out, dict(env=environment(), rows=rows))
 

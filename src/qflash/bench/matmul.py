@@ -11,7 +11,7 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -27,13 +27,22 @@ from qflash.bench.harness import (
     time_ms,
 )
 
-# (N, K) of Llama-3 projections: 8B qkv / o / gate+up / down, then 70B o / down.
-LLM_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
-# ... and by name, the eight of both models (q/k/v fused, o, gate/up fused, down), which the scripts
-# under benchmarks/ time
+# (N, K) of the Llama-3 projections by name, the eight of both models (q/k/v fused, o, gate/up
+# fused, down), which the scripts under benchmarks/ time
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
+# ... of which `qflash bench matmul` times six: 8B qkv / o / gate+up / down, then 70B o / down
+LLM_NK = [LLAMA[name] for name in ("8B qkv", "8B o", "8B gate_up", "8B down", "70B o", "70B down")]
 LLM_M = [16, 128, 1024, 8192]
+
+
+def llama_shapes(ms: Iterable[int], cube: bool = False) -> Iterator[Tuple[str, int, int, int]]:
+    """(name, M, N, K) of each LLAMA shape at each M in ``ms``, after 8192^3 with ``cube``."""
+    if cube:
+        yield "8192^3", 8192, 8192, 8192
+    for m in ms:
+        for name, (n, k) in LLAMA.items():
+            yield name, m, n, k
 
 
 def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch.Tensor]]:
