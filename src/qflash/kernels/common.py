@@ -88,6 +88,10 @@ def early_launch(on: bool = True):
         PDL = saved
 
 
+SM_SHARED_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory, of which each resident CTA ...
+CTA_RESERVED_BYTES = 1024  # ... takes this much beside its own (so one CTA has 227 KB at most)
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached): the grid of a persistent kernel."""
     return _sm_count(_index(device))

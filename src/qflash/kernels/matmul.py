@@ -39,13 +39,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qflash.kernels import common
-from qflash.kernels.common import CachedLauncher, cdiv, gluon_enabled, has_tma, sm_count, tma_compatible
+from qflash.kernels.common import (CTA_RESERVED_BYTES, SM_SHARED_BYTES, CachedLauncher, cdiv, gluon_enabled, has_tma,
+                                   sm_count, tma_compatible)
 from qflash.kernels.matmul_epilogue import SCALES_BLOCK, SCALES_KIND, scale_strides, scaled_epilogue, split_k_counters
 from qflash.testing import new_output
 
 QBLOCK = 128  # the K (and B's N) extent of one FP8 block scale
-SM_SHARED_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory, of which each resident CTA ...
-CTA_RESERVED_BYTES = 1024  # ... takes this much beside its own (the programs an SM holds, ``default_config``)
 
 @triton.jit
 def _scaled_matmul_kernel(

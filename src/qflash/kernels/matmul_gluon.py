@@ -68,8 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from qflash.kernels import common
-from qflash.kernels.common import (SIGNATURE_NAMES, CachedLauncher, aligned_columns, build_for_sm90, cdiv, is_hopper,
-                                   nvmma_layout, sm_count)
+from qflash.kernels.common import (CTA_RESERVED_BYTES, SIGNATURE_NAMES, SM_SHARED_BYTES, CachedLauncher,
+                                   aligned_columns, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count)
 from qflash.kernels.gluon_common import let_next_grid_launch, ring_barriers, unchecked_descriptor, wait_for_prior_grids
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides, split_k_counters)
@@ -881,7 +881,7 @@ def scaled_matmul_gluon(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
     return launch(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
 
 
-SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a CTA, less the ring's barriers
+SMEM_BYTES = SM_SHARED_BYTES - CTA_RESERVED_BYTES - 1024  # the most a CTA has (227 KB), less the ring's barriers
 
 
 def _slot_bytes(block_n: int, consumers: int = 2, split_n: bool = False) -> int:
