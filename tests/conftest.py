@@ -71,3 +71,26 @@ def sm90_build(module: str, *args, **kwargs) -> dict:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)
+
+
+def check_chain_eager_and_replayed(chain, check, refresh, times: int = 3) -> None:
+    """Kernels launched back to back, each reading what the one before wrote (the early-launch
+    tests): ``check(*chain())`` ``times`` times eagerly, then ``chain`` captured in a CUDA graph
+    and, ``times`` times, ``refresh()`` of the inputs in place, the first output poisoned (NaN),
+    a replay and ``check`` of its outputs. All of it on the graph's capture stream, so that what
+    the first calls make (the split-K arrival counts) is made there before the capture, not by a
+    kernel inside the graph between two of the chained launches."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            check(*chain())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = chain()
+    for _ in range(times):
+        refresh()
+        outs[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*outs)

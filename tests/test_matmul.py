@@ -12,7 +12,7 @@ from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err, rounding_floor, sqnr_db
 
-from conftest import DEVICE
+from conftest import DEVICE, check_chain_eager_and_replayed
 
 SHAPES = [(1, 1, 1), (70, 90, 300), (33, 129, 64), (128, 16, 257)]  # (M, N, K), ragged on purpose
 
@@ -399,20 +399,10 @@ def test_gpu_chained_launches_wait_for_the_kernel_ahead(monkeypatch):
         with common.early_launch(False):
             assert torch.equal(c3, scaled_matmul(want_q, b3, want_s, b3_s, None, torch.float32, "block"))
 
-    stream = torch.cuda.Stream()  # the graph's: its split-K counts made here, not by a kernel in the graph
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            check(*chain())
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = chain()
-    for _ in range(3):
+    def refresh():
         fresh_q, fresh_s = qflash.quantize(torch.randn(m, k, device="cuda"), torch.int8, "tensor")
         a_q.copy_(fresh_q)
         a_s.copy_(fresh_s)
-        outs[0].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check(*outs)
+
+    check_chain_eager_and_replayed(chain, check, refresh)
 

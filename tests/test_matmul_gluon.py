@@ -12,7 +12,7 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.reference.quantize import quantize_ref
 from qflash.testing import assert_written, poisoned, rel_l2_err
 
-from conftest import DEVICE, ptxas_report, sm90_build
+from conftest import DEVICE, check_chain_eager_and_replayed, ptxas_report, sm90_build
 
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 from qflash.kernels import common  # noqa: E402
@@ -376,19 +376,12 @@ def test_gpu_chained_launches_wait_for_the_kernel_ahead(monkeypatch):
         assert torch.equal(c3, gluon.launch(want_q, b3, want_s.reshape(-1, 1), b3_s.reshape(-1, 1), None,
                                             torch.float32, "row", pdl=False))
 
-    for _ in range(3):
-        check(*chain())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for _ in range(3):
+    def refresh():
         fresh_q, _, fresh_s, _ = _quantized(m, n, k, torch.int8, "tensor", "cuda")
         a_q.copy_(fresh_q)
         a_s.copy_(fresh_s)
-        outs[0].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check(*outs)
+
+    check_chain_eager_and_replayed(chain, check, refresh)
 
 
 @pytest.mark.gpu
