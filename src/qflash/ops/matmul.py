@@ -19,7 +19,7 @@ rows (the Gluon FP8 kernel where its grid fills the SMs, and the ``tl`` kernel's
 ``quantize``'s one-pass kernel, are programmatic dependent launches: each may start while the
 kernel ahead of it still runs and waits for it before touching memory. That gains where the kernel
 ahead is one of these (products back to back, a quantize then its product) and can lose after
-other kernels (README, sessions 35 and 36).
+other kernels (benchmarks/NOTES.md, the thirty-fifth and thirty-sixth rounds).
 """
 
 from __future__ import annotations
