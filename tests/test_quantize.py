@@ -167,6 +167,16 @@ def test_per_tensor_one_launch_build(x_dtype, qdtype):
         assert "cvt.rn.satfinite.e" in kernel["ptx"] and kernel["ptx"].count("selp") < 32
 
 
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_static_scale_build(qdtype):
+    """The static per-tensor pass built offline for sm_90: one pass (no atomics), nothing spilled,
+    and the check of the scale compiled in (the NaN it gives a scale that is not positive and
+    finite: the interpreter runs the check as Python, this is the compiler's)."""
+    ptx = sm90_build("qflash.kernels.quantize", torch.bfloat16, qdtype, (128, 4096), "static", pdl=False)["ptx"]
+    assert "atom." not in ptx and "0f7FC00000" in ptx
+    assert "0 bytes spill stores" in ptxas_report(ptx)
+
+
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_saturation_zero_groups_and_nonfinite(qdtype):
     qmax = QMAX[qdtype]
@@ -213,6 +223,25 @@ def test_static_scale_matches_reference_bitwise(qdtype, static):
     if qdtype == torch.int8:
         assert int(x_q.min()) == -127 and int(x_q.max()) == 127
     assert torch.equal(s, before)  # the caller's scale is not touched
+
+
+BAD_STATIC_SCALES = [0.0, -0.0, -0.01, math.inf, -math.inf, math.nan]
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_static_scale_not_positive_and_finite_shows(qdtype):
+    """Without debug checks (a host sync), a scale that is not positive and finite must not give
+    plausible values (a negative one used to flip every sign): every value is 0 (int8) or NaN
+    (float8), as for a non-finite group, and the given scale comes back."""
+    x = _static_case(DEVICE)
+    for bad in BAD_STATIC_SCALES:
+        s = torch.tensor(bad, device=DEVICE)
+        with poisoned():
+            x_q, scale = qflash.quantize(x, qdtype, "tensor", scale=s)
+        ref_q, _ = quantize_ref(x, qdtype, "tensor", scale=s)
+        assert same_bits(x_q, ref_q), bad
+        assert (x_q == 0).all() if qdtype == torch.int8 else x_q.float().isnan().all(), bad
+        assert torch.equal(scale.view(torch.int32), s.view(torch.int32)), bad  # NaN too
 
 
 def test_static_scale_bad_inputs():
@@ -312,11 +341,12 @@ def test_gpu_static_scale_matches_reference_bitwise(qdtype):
     """The one-pass static path through the GPU's conversions, with saturation on both sides."""
     x = _static_case("cuda")
     big = (torch.randn(4097, 1500, device="cuda") * 5).bfloat16()
-    for inp, s in ((x, 0.01), (x.bfloat16(), 0.02), (big, 0.03), (big[:, ::2], 0.5)):
+    cases = [(x, 0.01), (x.bfloat16(), 0.02), (big, 0.03), (big[:, ::2], 0.5)]
+    for inp, s in cases + [(big, bad) for bad in BAD_STATIC_SCALES]:  # the bad ones: all 0 or NaN
         s = torch.tensor(s, device="cuda")
         x_q, scale = qflash.quantize(inp, qdtype, "tensor", scale=s)
         ref_q, ref_scale = quantize_ref(inp, qdtype, "tensor", scale=s)
-        assert torch.equal(scale, ref_scale)
+        assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))  # NaN too
         bad = (x_q.view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()
         assert len(bad) == 0, (len(bad), inp[tuple(bad[:4].T)], x_q[tuple(bad[:4].T)], ref_q[tuple(bad[:4].T)])
 

@@ -66,6 +66,7 @@ GROUP_ROW_SWEEP = tl.constexpr(2)  # rows longer than a tile
 GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns (strided: always swept)
 SIGN_BIT = tl.constexpr(-(2**31))  # float32's sign bit, as an int32
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: float32's spacing is 1 from 2^23 to 2^24
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite float32
 _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
@@ -250,7 +251,10 @@ def _quantize_kernel(
     else:  # one scale for the tensor
         if STATIC_SCALE:  # the caller's (Amax points at it): one pass, no absmax
             scale = tl.load(Amax)
-            inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+            # A scale that is not positive and finite (checked here: checking it on the host
+            # would sync) gives NaN values, as a non-finite group does: 0 (int8) or NaN (float8).
+            valid = (scale > 0.0) & (scale <= FLOAT32_MAX)  # False for NaN too
+            inv = tl.where(valid, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale), float("nan"))
         else:  # from the absmax of the whole tensor (found beforehand)
             scale, inv = _scale_of(tl.load(Amax), QMAX)
         if (pid_m == 0) & (pid_n == 0):
@@ -551,13 +555,15 @@ def compile_for_sm90(x_dtype: torch.dtype = torch.bfloat16, dtype: torch.dtype =
     """Build for sm_90 without a GPU (what the CPU tests read), specialized as the H200's launch
     (132 SMs) on a contiguous (M, N) ``x_dtype`` tensor would be: ``_tensor_kernel`` for a dynamic
     per-tensor scale, or for ``granularity`` "row" the one-pass ``_quantize_kernel`` (``pdl``: as a
-    programmatic dependent launch, ``common.PDL``)."""
+    programmatic dependent launch, ``common.PDL``), and for "static" that kernel with a static
+    per-tensor scale."""
     from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     m, n = shape
-    if granularity == "row":
-        plan = _plan(m, n, "row", None, False, TILE_ELEMS, None, 132, torch.empty((), dtype=x_dtype).element_size(),
-                     False, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
+    if granularity in ("row", "static"):
+        static = granularity == "static"
+        plan = _plan(m, n, "tensor" if static else "row", None, static, TILE_ELEMS, None, 132,
+                     torch.empty((), dtype=x_dtype).element_size(), False, TENSOR_HOLD_BYTES, TENSOR_BLOCK)
         args = dict(X=f"*{SIGNATURE_NAMES[x_dtype]}", Xq=f"*{SIGNATURE_NAMES[dtype]}", Scale="*fp32", Amax="*fp32",
                     M=m, N=n, stride_xm=n, stride_xn=1, stride_qm=n, stride_qn=1, stride_sm=1, stride_sn=1)
         constants = {**plan.constexprs, "QMAX": QMAX[dtype], "OUT": _TL_DTYPES[dtype], "EMULATE_CASTS": False,

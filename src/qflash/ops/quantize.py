@@ -64,7 +64,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
         scale: a static per-tensor scale (one-element float tensor on x's device), only with
             granularity "tensor": no absmax is taken, ``x_q = saturate(round(x / scale))``.
             It must be positive and finite; ``qflash.set_debug(True)`` checks the value (a
-            host sync), otherwise a bad one gives NaN (float8) or 0 (int8) values.
+            host sync), otherwise a bad one (0, negative, inf, NaN) makes every value NaN
+            (float8) or 0 (int8).
 
     Returns:
         (x_q, scale): x_q (M, N) in ``dtype``; scale float32 shaped as listed above,

@@ -18,7 +18,9 @@ tensor () ; row (M, 1) ; column (1, N) ; block (ceil(M/bm), ceil(N/bn)).
 
 Static per-tensor scale (``scale`` given, e.g. from calibration): no absmax is taken;
 ``x_q = saturate(round(x * (1 / scale)))`` with the same rounding and saturation, and the
-given scale is returned. NaN inputs give 0 (int8) or NaN (float8), +-inf saturates.
+given scale is returned. NaN inputs give 0 (int8) or NaN (float8), +-inf saturates. A scale
+that is not positive and finite (0, negative, inf, NaN) makes every value 0 (int8) or NaN
+(float8), as a non-finite group does.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
     qmax = QMAX[dtype]
     if scale is not None:  # static, per tensor: one IEEE reciprocal, then the same rounding
         scale = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
-        return _round_saturate(x * (torch.ones_like(scale) / scale), dtype, qmax), scale.clone()
+        valid = (scale > 0) & torch.isfinite(scale)
+        inv = torch.where(valid, torch.ones_like(scale) / scale, torch.full_like(scale, math.nan))
+        return _round_saturate(x * inv, dtype, qmax), scale.clone()
     amax = _group_absmax(x, granularity, block_size)
     # Tensor / tensor divisions: IEEE on every device (PyTorch's CUDA division by a Python
     # number multiplies by its reciprocal instead, which can differ in the last bit).
