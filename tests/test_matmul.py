@@ -152,10 +152,28 @@ def test_bad_inputs():
         (lambda: qflash.fp8_matmul(f8.repeat(1, 5), torch.ones(256, 160, device=DEVICE).to(torch.float8_e4m3fn),
                                    torch.ones(8, 3, device=DEVICE), torch.ones(2, 2, device=DEVICE)),
          ValueError, "a_scale must be"),
+        # A's scales are block scales (K in two blocks): the error names B's, which are not
+        (lambda: qflash.fp8_matmul(f8.repeat(1, 5), torch.ones(256, 160, device=DEVICE).to(torch.float8_e4m3fn),
+                                   torch.ones(8, 2, device=DEVICE), torch.ones(2, 1, device=DEVICE)),
+         ValueError, r"b_scale must be \(ceil\(N/128\), ceil\(K/128\)\) = \(2, 2\), got \(2, 1\)"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
             fn()
+
+
+@pytest.mark.parametrize("n,k", [(1, 256), (1, 384), (129, 128), (2, 128)])
+def test_fp8_block_scales_of_one_block_row_or_column(n, k):
+    """Block scales whose shape could read as per-row ones: B of one row (its scales (1, K / 128),
+    once refused as per-row ones of the wrong shape), one 128-wide K block (the per-row reading is
+    the same product), and (ceil(N / 128), 1) scales of B (blocks, as N differs)."""
+    a, b, _ = _operands(3, n, k)
+    a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, "block", (1, 128))
+    b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+    with poisoned():
+        c = qflash.fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=torch.float32)
+    assert_written(c)
+    assert rel_l2_err(c, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5
 
 
 @pytest.mark.gpu

@@ -40,6 +40,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _shape(scale) -> Optional[tuple]:
+    return tuple(scale.shape) if isinstance(scale, torch.Tensor) else None
+
+
 def _check_operands(a_q, b_q, dtypes, bias, out_dtype):
     require_tensor("a_q", a_q, 2, "(M, K)")
     require_tensor("b_q", b_q, 2, "(N, K), nn.Linear's weight layout")
@@ -107,13 +111,18 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
     n = b_q.shape[0]
     from qflash.kernels.matmul import QBLOCK, scaled_matmul
 
-    block_a = (m, _cdiv(k, QBLOCK))
-    block_b = (_cdiv(n, QBLOCK), _cdiv(k, QBLOCK))
-    if isinstance(b_scale, torch.Tensor) and b_scale.dim() == 2 and tuple(b_scale.shape) == block_b \
-            and b_scale.numel() > 1 and b_scale.shape[0] != n:
-        if not isinstance(a_scale, torch.Tensor) or tuple(a_scale.shape) != block_a:
+    k_blocks = _cdiv(k, QBLOCK)
+    block_a, block_b = (m, k_blocks), (_cdiv(n, QBLOCK), k_blocks)
+    # Where one block spans K, (M, 1) and (N, 1) scales are per row (the same product), and B's
+    # (ceil(N / 128), 1) are blocks where that is not N
+    b_block = _shape(b_scale) == block_b and b_scale.numel() > 1 and (k_blocks > 1 or block_b[0] != n)
+    if b_block or (_shape(a_scale) == block_a and k_blocks > 1):
+        if not b_block:
+            raise ValueError(f"with block-scaled a_scale (M, ceil(K/128)) = {block_a}, b_scale must be "
+                             f"(ceil(N/128), ceil(K/128)) = {block_b}, got {_shape(b_scale)}")
+        if _shape(a_scale) != block_a:
             raise ValueError(f"with block-scaled b_scale {block_b}, a_scale must be (M, ceil(K/128)) = {block_a}, "
-                             f"got {tuple(getattr(a_scale, 'shape', ()))}")
+                             f"got {_shape(a_scale)}")
         if a_scale.device != a_q.device or b_scale.device != a_q.device:
             raise ValueError("a_scale and b_scale must be on a_q's device")
         return scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
