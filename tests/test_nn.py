@@ -63,6 +63,35 @@ def test_quantize_model_and_state_dict_round_trip(mode):
     assert "mode=" + mode in repr(model)
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantize_model_of_one_linear_returns_the_layer(mode):
+    """A model that is itself an nn.Linear cannot be changed in place: the quantized layer comes
+    back (it used to fail on setattr(model, "", ...))."""
+    lin = nn.Linear(256, 64).to(DEVICE)
+    x = torch.randn(5, 256, device=DEVICE)
+    q = quantize_model(lin, mode)
+    assert isinstance(q, QuantizedLinear) and isinstance(lin, nn.Linear)
+    with torch.no_grad():
+        assert torch.equal(q(x), QuantizedLinear.from_linear(lin, mode)(x))
+        assert sqnr_db(q(x), lin(x)) > 20
+    assert quantize_model(lin, mode, skip=[""]) is lin
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_out_dtype(mode):
+    """The output in out_dtype where given (it was accepted and ignored), else the input's dtype."""
+    lin = nn.Linear(256, 64).to(DEVICE)
+    x = torch.randn(2, 3, 256, device=DEVICE, dtype=torch.float16)
+    wide = QuantizedLinear.from_linear(lin, mode, out_dtype=torch.float32)
+    with torch.no_grad():
+        y32, y16 = wide(x), QuantizedLinear.from_linear(lin, mode)(x)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.float16 and y32.shape == (2, 3, 64)
+    assert torch.equal(y32.half(), y16)  # the same sums, rounded once to float16 either way
+    assert "out_dtype=torch.float32" in repr(wide)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        QuantizedLinear(256, 64, mode=mode, out_dtype=torch.int8)
+
+
 def test_clear_errors():
     class LoRALinear(nn.Linear):
         def forward(self, x):

@@ -42,7 +42,8 @@ class QuantizedLinear(nn.Module):
 
     Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
     ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` (or None).
-    Input (..., in_features) in float16 / bfloat16 / float32; output in the input's dtype.
+    Input (..., in_features) in float16 / bfloat16 / float32; output in ``out_dtype`` (float16,
+    bfloat16 or float32), by default the input's dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "int8",
@@ -50,7 +51,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        if out_dtype is not None and out_dtype not in INPUT_DTYPES:
+            raise TypeError(f"out_dtype must be None (the input's), float16, bfloat16 or float32, got {out_dtype}")
+        self.in_features, self.out_features, self.mode, self.out_dtype = in_features, out_features, mode, out_dtype
         qdtype, _, block = _weight_recipe(mode)
         scale_shape = (out_features, 1) if block is None else (-(-out_features // 128), -(-in_features // 128))
         self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
@@ -58,12 +61,14 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str = "int8") -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, mode: str = "int8",
+                    out_dtype: Optional[torch.dtype] = None) -> "QuantizedLinear":
         """Quantize an ``nn.Linear``'s weight (offline) into a new layer on the same device."""
         import qflash
 
         w = linear.weight.detach()
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=w.device)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=w.device,
+                    out_dtype=out_dtype)
         qdtype, granularity, block = _weight_recipe(mode)
         w_q, scale = qflash.quantize(w if w.dtype != torch.float64 else w.float(), qdtype, granularity, block)
         layer.weight_q.copy_(w_q)
@@ -92,16 +97,19 @@ class QuantizedLinear(nn.Module):
         qdtype, granularity, block = _activation_recipe(self.mode)
         x_q, x_scale = quantize_launch(x2, qdtype, granularity, block)
         scales = "row" if self.mode == "int8" else "block"
-        y = scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, x.dtype, scales)
+        y = scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, self.out_dtype or x.dtype, scales)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
+        out = f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, mode={self.mode}"
+               f"bias={self.bias is not None}, mode={self.mode}{out}"
 
 
 def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] = ()) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``QuantizedLinear``; returns ``model``.
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``QuantizedLinear``; returns ``model``,
+    or a new ``QuantizedLinear`` where ``model`` is itself an ``nn.Linear`` (it cannot be replaced
+    in place: use what is returned).
 
     ``skip`` lists module names (as in ``named_modules``) to leave alone, e.g. ``["lm_head"]``.
     A subclass of ``nn.Linear`` with a forward of its own (LoRA wrappers and the like)
@@ -120,6 +128,8 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
         if not module.weight.is_floating_point():
             raise TypeError(f"quantize_model: layer {name!r} has a {module.weight.dtype} weight; expected floats")
         targets.append(name)
+    if targets == [""]:  # the model is one nn.Linear
+        return QuantizedLinear.from_linear(model, mode)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
