@@ -308,6 +308,8 @@ def test_bad_inputs():
         (lambda: qflash.quantize(x, granularity="row", block_size=(1, 128)), ValueError, "block_size is required"),
         (lambda: qflash.quantize(x, granularity="block", block_size=(3, 128)), ValueError, "powers of two"),
         (lambda: qflash.dequantize(*qflash.quantize(x), granularity="column"), ValueError, "does not fit"),
+        (lambda: qflash.dequantize(*qflash.quantize(x), granularity="block"), ValueError, "block_size is required"),
+        (lambda: qflash.dequantize(*qflash.quantize(x), "row", (1, 128)), ValueError, "block_size is required"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

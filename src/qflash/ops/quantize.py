@@ -111,6 +111,8 @@ def dequantize(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
     require_tensor("x_q", x_q, 2, "(M, N)")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if (granularity == "block") != (block_size is not None):
+        raise ValueError("block_size is required with granularity='block' and only then")
     bs = _check_block(block_size) if granularity == "block" else None
     m, n = x_q.shape
     expected = {"tensor": [(), (1,), (1, 1)], "row": [(m, 1)], "column": [(1, n)],
