@@ -14,9 +14,8 @@ import argparse
 
 import torch
 
-from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import llama_shapes
+from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash.testing import rel_l2_err
@@ -31,15 +30,11 @@ def main():
     for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        t_a, t_ak = quantize(a, torch.float8_e4m3fn, "tensor")
-        t_b, t_bk = quantize(b, torch.float8_e4m3fn, "tensor")
-        x_q, x_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-        w_q, w_k = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ops = fp8_operands(a, b, ("tensor", "block"))
+        x_q, w_q, x_k, w_k = ops["block"]
         row = dict(shape=name, m=m, n=n, k=k)
-        row["cublas_tensor_ms"] = graph_ms(lambda: torch._scaled_mm(t_a, t_b.T, scale_a=t_ak, scale_b=t_bk,
-                                                                    out_dtype=torch.bfloat16))
-        row["ours_tensor_ms"] = graph_ms(lambda: scaled_matmul(t_a, t_b, t_ak, t_bk, None, torch.bfloat16,
-                                                               "tensor"))
+        row["cublas_tensor_ms"] = graph_ms(cublas_fp8(*ops["tensor"]))
+        row["ours_tensor_ms"] = graph_ms(lambda: scaled_matmul(*ops["tensor"], None, torch.bfloat16, "tensor"))
         tl_config = default_config(m, n, k, "block", False, a.device)
         variants = {
             "block": lambda: scaled_matmul(x_q, w_q, x_k, w_k, None, torch.bfloat16, "block"),

@@ -19,7 +19,7 @@ import re
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import llama_shapes
+from qflash.bench.matmul import cublas_fp8, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
@@ -113,11 +113,6 @@ def kernel_names(fn):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def cublas(a_q, b_q, a_k, b_k, scales):
-    return torch._scaled_mm(a_q, b_q.T, scale_a=a_k, scale_b=b_k.reshape(1, -1) if scales == "row" else b_k,
-                            out_dtype=torch.bfloat16)
-
-
 def operands(a, b, scales):
     """(a_q, b_q, a_k, b_k, ref, cuBLAS's operands): block scales are 1 x 128 / 128 x 128, and cuBLAS
     (which takes no block scales) runs the same product per tensor."""
@@ -154,8 +149,9 @@ def main():
         flop = 2 * m * n * k
         for scales in args.scales.split(","):
             a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
-            cublas_ms = graph_ms(lambda: cublas(*peer))
-            cublas_kernels = kernel_names(lambda: cublas(*peer)) if args.cublas_kernels else None
+            cublas = cublas_fp8(*peer[:4])  # (per tensor or per row by the scales' sizes)
+            cublas_ms = graph_ms(cublas)
+            cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
             if cublas_kernels:
                 print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
             base = base16 = None

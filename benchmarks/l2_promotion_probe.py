@@ -15,9 +15,8 @@ import sys
 import torch
 import triton
 
-from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import llama_shapes
+from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels.matmul import scaled_matmul
 
 CU = ctypes.CDLL("libcuda.so.1")
@@ -74,15 +73,11 @@ def main():
     for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ops = {"tensor": (*quantize(a, torch.float8_e4m3fn, "tensor"), *quantize(b, torch.float8_e4m3fn, "tensor"))}
-        if "block" in args.scales and m <= 128:
-            ops["block"] = (*quantize(a, torch.float8_e4m3fn, "block", (1, 128)),
-                            *quantize(b, torch.float8_e4m3fn, "block", (128, 128)))
-        a_q, a_k, b_q, b_k = ops["tensor"]
-        cub = lambda: torch._scaled_mm(a_q, b_q.T, scale_a=a_k, scale_b=b_k, out_dtype=torch.bfloat16)
-        for scales, (xq, xk, wq, wk) in ops.items():
+        ops = fp8_operands(a, b, ("tensor", "block") if "block" in args.scales and m <= 128 else ("tensor",))
+        cub = cublas_fp8(*ops["tensor"])
+        for scales, operands in ops.items():
             row = dict(shape=name, m=m, n=n, k=k, scales=scales)
-            fn = lambda: scaled_matmul(xq, wq, xk, wk, None, torch.bfloat16, scales)
+            fn = lambda: scaled_matmul(*operands, None, torch.bfloat16, scales)
             outs = {}
             for rep in range(2):
                 for promo in (promos if rep == 0 else promos[::-1]):

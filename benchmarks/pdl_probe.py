@@ -19,7 +19,7 @@ import torch
 
 from qflash import quantize
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import llama_shapes
+from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels.common import early_launch
 from qflash.kernels.matmul import scaled_matmul
 
@@ -28,9 +28,8 @@ def ours(a_q, b_q, a_k, b_k, scales="tensor"):
     return scaled_matmul(a_q, b_q, a_k, b_k, None, torch.bfloat16, scales)
 
 
-def cublas(a_q, b_q, a_k, b_k, scales="tensor"):
-    return torch._scaled_mm(a_q, b_q.T, scale_a=a_k, scale_b=b_k.reshape(1, -1) if scales == "row" else b_k,
-                            out_dtype=torch.bfloat16)
+def cublas(a_q, b_q, a_k, b_k, scales="tensor"):  # (per tensor or per row by the scales' sizes)
+    return cublas_fp8(a_q, b_q, a_k, b_k)()
 
 
 def gaps_us(fn, calls=10):
@@ -67,10 +66,10 @@ def main():
     for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        a_q, a_k = quantize(a, torch.float8_e4m3fn, "tensor")
-        b_q, b_k = quantize(b, torch.float8_e4m3fn, "tensor")
-        b_r, b_rk = quantize(b, torch.float8_e4m3fn, "row")
-        b_b, b_bk = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
+        ops = fp8_operands(a, b)
+        a_q, b_q, a_k, b_k = ops["tensor"]
+        _, b_r, _, b_rk = ops["row"]  # B's, for the chains, which quantize the activations themselves
+        _, b_b, _, b_bk = ops["block"]
         ref = cublas(a_q, b_q, a_k, b_k).float()
         row = dict(shape=name, m=m, n=n, k=k)
         for label, fn, on in (("pdl", ours, True), ("no_pdl", ours, False), ("cublas", cublas, True)):

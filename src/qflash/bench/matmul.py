@@ -56,7 +56,8 @@ def _providers(a: torch.Tensor, b: torch.Tensor) -> Dict[str, Callable[[], torch
         "int8 (row x col)": (lambda: qflash.quantize(a, torch.int8, "row"), qflash.quantize(b, torch.int8, "row")),
         "fp8 (tensor)": (lambda: qflash.quantize(a, f8, "tensor"), qflash.quantize(b, f8, "tensor")),
         "fp8 (row x col)": (lambda: qflash.quantize(a, f8, "row"), qflash.quantize(b, f8, "row")),
-        "fp8 (block)": (lambda: qflash.quantize(a, f8, "block", (1, 128)), qflash.quantize(b, f8, "block", (128, 128))),
+        "fp8 (block)": (lambda: qflash.quantize(a, f8, "block", FP8_BLOCKS["block"][0]),
+                        qflash.quantize(b, f8, "block", FP8_BLOCKS["block"][1])),
     }
     out: Dict[str, Callable] = {"bf16 matmul": lambda: a @ b.T}
     for method, (quant_a, (b_q, b_s)) in q.items():
@@ -103,6 +104,25 @@ def cublas_fp8(a_q, b_q, a_s, b_s, out_dtype=torch.bfloat16, fast_accum: bool = 
     return partial(torch._scaled_mm, a_q, b_q.T, scale_a=a_s.reshape(-1, 1) if a_s.numel() > 1 else a_s,
                    scale_b=b_s.reshape(1, -1) if b_s.numel() > 1 else b_s, out_dtype=out_dtype,
                    use_fast_accum=fast_accum)
+
+
+FP8_BLOCKS = {"block": ((1, 128), (128, 128))}  # A's and B's block sizes (DeepSeek-V3's recipe)
+
+
+def fp8_operands(a: torch.Tensor, b: torch.Tensor,
+                 kinds: Iterable[str] = ("tensor", "row", "block")) -> Dict[str, Tuple[torch.Tensor, ...]]:
+    """A (M, K) and B (N, K) quantized to e4m3 for each kind of scaling ("tensor", "row" or
+    "block": 1 x 128 for A, 128 x 128 for B), each as (a_q, b_q, a_scale, b_scale): the order in
+    which ``scaled_matmul``, ``fp8_matmul`` and ``cublas_fp8`` take them."""
+    import qflash
+
+    out = {}
+    for kind in kinds:
+        a_block, b_block = FP8_BLOCKS.get(kind, (None, None))
+        a_q, a_s = qflash.quantize(a, torch.float8_e4m3fn, kind, a_block)
+        b_q, b_s = qflash.quantize(b, torch.float8_e4m3fn, kind, b_block)
+        out[kind] = (a_q, b_q, a_s, b_s)
+    return out
 
 
 def _quantize_then_matmul(mm, quant_a, b_q, b_s):
