@@ -19,11 +19,10 @@ import re
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
-from qflash.bench.matmul import cublas_fp8, llama_shapes
+from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
-from qflash import quantize
 from qflash.reference.matmul import fp8_matmul_ref
 
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
@@ -116,15 +115,11 @@ def kernel_names(fn):
 def operands(a, b, scales):
     """(a_q, b_q, a_k, b_k, ref, cuBLAS's operands): block scales are 1 x 128 / 128 x 128, and cuBLAS
     (which takes no block scales) runs the same product per tensor."""
+    a_q, b_q, a_k, b_k = fp8_operands(a, b, (scales,))[scales]
     if scales == "block":
-        a_q, a_k = quantize(a, torch.float8_e4m3fn, "block", (1, 128))
-        b_q, b_k = quantize(b, torch.float8_e4m3fn, "block", (128, 128))
         ref = fp8_matmul_ref(a_q, b_q, a_k, b_k, None, torch.float32)
-        return a_q, b_q, a_k, b_k, ref, (*operands(a, b, "tensor")[:4], "tensor")
-    a_q, a_s = quantize(a, torch.float8_e4m3fn, scales)
-    b_q, b_s = quantize(b, torch.float8_e4m3fn, scales)
-    a_k, b_k = (a_s, b_s) if scales == "tensor" else (a_s.reshape(-1, 1), b_s.reshape(-1, 1))
-    ref = (a_q.float() * a_k) @ (b_q.float() * b_k).T
+        return a_q, b_q, a_k, b_k, ref, (*fp8_operands(a, b, ("tensor",))["tensor"], "tensor")
+    ref = (a_q.float() * a_k) @ (b_q.float() * b_k).T  # row scales are (M, 1) and (N, 1)
     return a_q, b_q, a_k, b_k, ref, (a_q, b_q, a_k, b_k, scales)
 
 
