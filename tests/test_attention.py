@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import qflash
+from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err
 
@@ -363,6 +364,44 @@ def test_debug_checks_cu_seqlens_contents():
             qflash.flash_attn_varlen_func(q[0], k[0], v[0], good, good, 2, 8)
     finally:
         qflash.set_debug(False)
+
+
+FILL = 7.0  # poisons outputs with a finite value, so that a NaN is the kernel's own
+
+
+@pytest.mark.parametrize("case", ["past the end", "backwards"])
+def test_bad_cu_seqlens_contents_stay_in_bounds_and_give_nan(case):
+    """Without set_debug the contents of cu_seqlens go unchecked on the host (a check costs a
+    sync). The kernels then keep every access inside the packed rows (a last entry past them once
+    aborted the interpreter), write NaN into the rows of the sequences they see are wrong, and the
+    other sequences' rows come out as a call with good contents gives them."""
+    q, k, v, good, _ = _varlen([5, 9, 7], [5, 9, 7], h=2, hkv=2)  # 21 rows
+    bad, nan_rows, same_rows = {
+        "past the end": ([0, 5, 14, 40], slice(14, 21), slice(0, 14)),  # the last ends at 40
+        "backwards": ([0, 9, 5, 21], slice(9, 21), slice(0, 5)),  # the third starts before the second
+    }[case]
+    bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
+    with poisoned(FILL):
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, bad, bad, 40, 40, causal=True, return_attn_probs=True)
+        want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, good, good, 9, 9, causal=True,
+                                                          return_attn_probs=True)
+    assert out[nan_rows].isnan().all() and lse[:, nan_rows].isnan().all()
+    assert torch.equal(out[same_rows], want[same_rows]) and torch.equal(lse[:, same_rows], want_lse[:, same_rows])
+
+
+def test_max_seqlen_under_the_truth_gives_nan_rows():
+    """max_seqlen_q sizes the launch grid; a sequence longer than the grid would have rows that no
+    program computes, and comes out NaN (all of it) instead of whatever the memory held."""
+    lens = [5, 300, 7]  # the second sequence: rows 5-304
+    q, k, v, cu, _ = _varlen(lens, lens, h=2, hkv=2)
+    with poisoned(FILL):
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 1, 300, return_attn_probs=True)
+        want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, return_attn_probs=True)
+    assert attention_kernels.default_config(32, q.dtype, q.device, seqlen_k=300).block_m < 300  # a grid too short
+    long = torch.zeros(out.shape[0], dtype=torch.bool)
+    long[5:305] = True
+    assert out[long].isnan().all() and lse[:, long].isnan().all()
+    assert torch.equal(out[~long], want[~long]) and torch.equal(lse[:, ~long], want_lse[:, ~long])
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU-only check")

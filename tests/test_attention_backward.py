@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qflash
+from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
 from qflash.testing import GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
 
@@ -103,6 +104,35 @@ def test_varlen():
                                                      reorder_ops=not upcast)[0],
         inputs,
     )
+
+
+def _varlen_grads(cu_q, cu_k, max_q, max_k, inputs, dout):
+    with poisoned(7.0):  # finite: a NaN is the kernel's own
+        out = qflash.flash_attn_varlen_func(*inputs, cu_q, cu_k, max_q, max_k, causal=True)
+        return torch.autograd.grad(out, inputs, dout)
+
+
+def test_varlen_bad_cu_seqlens_and_short_max_seqlen_give_nan_gradients():
+    """The backward's side of test_attention's bad-contents tests: a sequence past the packed
+    rows gets NaN gradients and the others the gradients of good contents; a max_seqlen_k under
+    the longest sequence would leave keys to no dK/dV program, and that sequence's dK and dV come
+    out NaN (dQ, whose grid max_seqlen_q sizes, stays right)."""
+    cu = torch.tensor([0, 5, 305, 312], dtype=torch.int32, device=DEVICE)  # 5, 300 and 7 rows
+    inputs = _leaves((312, 2, 32), (312, 2, 32), (312, 2, 32), dtype=torch.float16)
+    dout = torch.randn(312, 2, 32, device=DEVICE).to(torch.float16)
+    want = _varlen_grads(cu, cu, 300, 300, inputs, dout)
+
+    past = torch.tensor([0, 5, 305, 320], dtype=torch.int32, device=DEVICE)  # the last ends past the rows
+    for got, w in zip(_varlen_grads(past, past, 300, 300, inputs, dout), want):
+        assert got[305:].isnan().all() and torch.equal(got[:305], w[:305])
+
+    got_dq, got_dk, got_dv = _varlen_grads(cu, cu, 300, 1, inputs, dout)
+    assert attention_kernels.default_bwd_configs(32, torch.float16, inputs[0].device)[1].block_n < 300
+    left = torch.zeros(312, dtype=torch.bool)
+    left[5:305] = True  # the second sequence, longer than the grid of one key block
+    assert torch.equal(got_dq, want[0])
+    for got, w in ((got_dk, want[1]), (got_dv, want[2])):
+        assert got[left].isnan().all() and torch.equal(got[~left], w[~left])
 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "float"])

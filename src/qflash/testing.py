@@ -143,13 +143,14 @@ def assert_flash_rule(out, ref, torch_out, *, factor: float = FORWARD_FACTOR, fl
 # Output poisoning: launchers allocate through ``new_output`` so tests can fill every
 # output with NaN (floats) or a sentinel (ints) and then prove each element was written.
 # ----------------------------------------------------------------------------------------------
-_POISON = [False]
+_POISON = [None]  # the float outputs' fill inside poisoned(), else None
 
 
 @contextlib.contextmanager
-def poisoned() -> Iterator[None]:
-    """Within this block, outputs allocated by qflash launchers start as NaN / sentinel."""
-    _POISON.append(True)
+def poisoned(value: float = math.nan) -> Iterator[None]:
+    """Within this block, outputs allocated by qflash launchers start as ``value`` (floats; NaN
+    unless a test needs to tell the kernel's own NaN from an unwritten element) or -123 (ints)."""
+    _POISON.append(float(value))
     try:
         yield
     finally:
@@ -157,7 +158,7 @@ def poisoned() -> Iterator[None]:
 
 
 def poison_enabled() -> bool:
-    return _POISON[-1]
+    return _POISON[-1] is not None
 
 
 def new_output(shape: Sequence[int], *, dtype: torch.dtype, device) -> torch.Tensor:
@@ -165,7 +166,7 @@ def new_output(shape: Sequence[int], *, dtype: torch.dtype, device) -> torch.Ten
     if not poison_enabled():
         return torch.empty(shape, dtype=dtype, device=device)
     if dtype.is_floating_point:
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
+        return torch.full(shape, _POISON[-1], dtype=dtype, device=device)
     return torch.full(shape, -123, dtype=dtype, device=device)
 
 

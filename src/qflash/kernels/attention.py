@@ -55,13 +55,48 @@ def _tanh(x):
 
 @triton.jit
 def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
-    """(first row, length) of sequence b: from cu_seqlens when packed, else (0, seqlen)."""
+    """(first row, length, valid) of sequence b. Dense: (0, seqlen, True). Packed: rows
+    cu_seqlens[b] : cu_seqlens[b + 1] of the ``seqlen`` packed rows, and whether they lie inside
+    them in order. Contents that leave the packed rows or go backwards (an end past the rows, an
+    end before its start, a start before the previous sequence's, a first start that is not 0)
+    are bad input, which ``set_debug(True)`` refuses on the host at the cost of a sync. Unchecked,
+    they would make the kernels read and write past the tensors; a sequence that is not valid
+    gets NaN outputs instead (``_rows_to_spoil``, inside the packed rows) and no product."""
     if IS_VARLEN:
         start = tl.load(cu_seqlens + b).to(tl.int64)
-        seqlen = (tl.load(cu_seqlens + b + 1) - start).to(tl.int32)
+        end = tl.load(cu_seqlens + b + 1)
+        prev = tl.load(cu_seqlens + b - 1, mask=b > 0, other=0)
+        valid = (prev <= start) & (start <= end) & (end <= seqlen) & ((b > 0) | (start == 0))
+        seqlen = (end - start).to(tl.int32)
     else:
         start = tl.full([], 0, tl.int64)
-    return start, seqlen
+        valid = True
+    return start, seqlen, valid
+
+
+@triton.jit
+def _rows_to_spoil(start, seqlen, total, r0, last_block, BLOCK_R: tl.constexpr):
+    """The packed rows (first, end) that a program of a bad sequence fills with NaN: its own rows
+    r0 : r0 + BLOCK_R of the sequence, and in the grid's last program every row after them too (a
+    max_seqlen under the truth leaves those to no program), cut to the ``total`` packed rows."""
+    first = tl.minimum(tl.maximum(start + r0, 0), total)
+    end = tl.minimum(tl.maximum(start + tl.where(last_block, seqlen, tl.minimum(r0 + BLOCK_R, seqlen)), first), total)
+    return first, end
+
+
+@triton.jit
+def _nan_rows(base, stride_row, first, end, WIDTH: tl.constexpr, BLOCK: tl.constexpr = 256):
+    """NaN into rows first : end (``WIDTH`` columns) of an output, BLOCK values a step, the rows
+    flattened. The kernels call it on a branch of its own that ends the program: where the checks
+    came after the product (NaN by selects, the rows past the grid after the store), the D = 128
+    forward ran 2-3 % slower (attention_varlen_bounds_ab_h200_2026-12-02_s40a.json), and a branch
+    that went on to the product after the rows past the grid still cost ptxas spills there."""
+    count = (end - first) * WIDTH  # <= 0: no step
+    for i0 in range(0, count, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)  # [BLOCK] flat index into the rows
+        row = (first + i // WIDTH).to(tl.int64)
+        tl.store(base + row * stride_row + i % WIDTH, tl.full([BLOCK], float("nan"), base.dtype.element_ty),
+                 mask=i < count)
 
 
 @triton.jit
@@ -360,11 +395,18 @@ def _attn_fwd_kernel(
     h = bh % num_heads
     h_kv = h // kv_group
 
-    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    total_q = seqlen_q  # varlen: the packed rows
+    q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
+    if IS_VARLEN:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
+        if not (valid_q & valid_k & (seqlen_q <= num_m_blocks * BLOCK_M)):
+            nan_first, nan_end = _rows_to_spoil(q_start, seqlen_q, total_q, m0, m_block == num_m_blocks - 1, BLOCK_M)
+            _nan_rows(Out + h.to(tl.int64) * stride_oh, stride_os, nan_first, nan_end, HEAD_DIM)
+            _nan_rows(Lse + h.to(tl.int64) * stride_lh, stride_ls, nan_first, nan_end, 1)
+            return
     shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
 
     # ---- pointers (int64: batch*seqlen*heads*headdim may pass 2^31) ----------------------
@@ -636,11 +678,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     if varlen:
         total_q, num_heads, head_dim = q.shape
         batch = opts.cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = opts.max_seqlen_q, 0  # per sequence, read in the kernel
+        grid_rows = opts.max_seqlen_q
+        # Per sequence, read in the kernel, which bounds the sequences by the packed rows.
+        seqlen_q, seqlen_k = total_q, k.shape[0]
         lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
+        grid_rows = seqlen_q
         lse_shape = (batch, num_heads, seqlen_q)
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
                                    seqlen_k=opts.max_seqlen_k if varlen else seqlen_k, dropout=opts.dropout_p > 0)
@@ -651,7 +696,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
 
-    num_m_blocks = cdiv(max(seqlen_q, 1), cfg.block_m)
+    num_m_blocks = cdiv(max(grid_rows, 1), cfg.block_m)
     grid = (num_m_blocks * batch * num_heads,)
     if grid[0] == 0:
         return out, lse
@@ -697,7 +742,9 @@ def _attn_bwd_preprocess_kernel(
     bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
-    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q, valid = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    if not valid:  # bad cu_seqlens contents: the products that read delta give NaN without it
+        return
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
@@ -844,11 +891,17 @@ def _attn_bwd_dq_kernel(
     b = bh // num_heads
     h = bh % num_heads
     h_kv = h // kv_group
-    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    total_q = seqlen_q  # varlen: the packed rows
+    q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:
         return
+    if IS_VARLEN:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
+        if not (valid_q & valid_k & (seqlen_q <= num_m_blocks * BLOCK_M)):
+            nan_first, nan_end = _rows_to_spoil(q_start, seqlen_q, total_q, m0, m_block == num_m_blocks - 1, BLOCK_M)
+            _nan_rows(dQ + h.to(tl.int64) * stride_dqh, stride_dqs, nan_first, nan_end, HEAD_DIM)
+            return
     shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
     b64 = b.to(tl.int64)
     rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -933,11 +986,18 @@ def _attn_bwd_dkdv_kernel(
     bh = pid // num_n_blocks
     b = bh // num_heads_kv
     h_kv = bh % num_heads_kv
-    q_start, seqlen_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    total_k = seqlen_k  # varlen: the packed rows
+    q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     n0 = n_block * BLOCK_N
     if n0 >= seqlen_k:
         return
+    if IS_VARLEN:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
+        if not (valid_q & valid_k & (seqlen_k <= num_n_blocks * BLOCK_N)):
+            nan_first, nan_end = _rows_to_spoil(k_start, seqlen_k, total_k, n0, n_block == num_n_blocks - 1, BLOCK_N)
+            _nan_rows(dK + h_kv.to(tl.int64) * stride_dkh, stride_dks, nan_first, nan_end, HEAD_DIM)
+            _nan_rows(dV + h_kv.to(tl.int64) * stride_dvh, stride_dvs, nan_first, nan_end, HEAD_DIM)
+            return
     shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
     b64 = b.to(tl.int64)
     cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -1073,10 +1133,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if varlen:
         _, num_heads, head_dim = q.shape
         batch = opts.cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = opts.max_seqlen_q, opts.max_seqlen_k
+        grid_q, grid_k = opts.max_seqlen_q, opts.max_seqlen_k
+        seqlen_q, seqlen_k = q.shape[0], k.shape[0]  # the packed rows, which bound each sequence
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
+        grid_q, grid_k = seqlen_q, seqlen_k
     heads_kv = k.shape[-2]
     dq_cfg, dkdv_cfg = configs or default_bwd_configs(head_dim, q.dtype, q.device)
     acc = _acc_dtype(q.dtype)
@@ -1094,7 +1156,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                *_bshd_strides(dout, varlen))
     tail = (*sl, *bias_strides, *slope_strides)
 
-    num_m = cdiv(max(seqlen_q, 1), 64)
+    num_m = cdiv(max(grid_q, 1), 64)
     _bwd_preprocess_launcher[(num_m * batch * num_heads,)](
         out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
@@ -1112,7 +1174,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tma_ok = tma_compatible(q, k, v, dout)
     if tma_ok and (dq_cfg.use_tma or dkdv_cfg.use_tma):
         ensure_descriptor_allocator(q.device)
-    num_m = cdiv(max(seqlen_q, 1), dq_cfg.block_m)
+    num_m = cdiv(max(grid_q, 1), dq_cfg.block_m)
     _bwd_dq_launcher[(num_m * batch * num_heads,)](
         q, k, v, dout, dq, lse, delta, *pointers, dq if dbias is None else dbias, *strides, *_bshd_strides(dq, varlen),
         *tail, *(dbias.stride() if dbias is not None else (0, 0, 0, 0)),
@@ -1121,7 +1183,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, USE_TMA=dq_cfg.use_tma and tma_ok,
         HAS_DBIAS=dbias is not None, **_maxnreg(dq_cfg), **shared,
     )
-    num_n = cdiv(max(seqlen_k, 1), dkdv_cfg.block_n)
+    num_n = cdiv(max(grid_k, 1), dkdv_cfg.block_n)
     _bwd_dkdv_launcher[(num_n * batch * heads_kv,)](
         q, k, v, dout, dk, dv, lse, delta, *pointers, *strides, *_bshd_strides(dk, varlen),
         *_bshd_strides(dv, varlen), *tail,

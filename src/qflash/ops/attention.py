@@ -431,9 +431,15 @@ def flash_attn_varlen_func(
         q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative sequence starts
             beginning at 0: sequence b is rows ``cu_seqlens[b] : cu_seqlens[b + 1]``.
-        max_seqlen_q: the longest query sequence (sizes the launch grid; a smaller
-            value than the truth leaves rows unwritten: ``set_debug(True)`` checks).
-        max_seqlen_k: the longest key sequence (sizes the backward pass's grid).
+            Their contents are read on the GPU, unchecked on the host (a check costs a
+            sync; ``set_debug(True)`` makes it). Contents that leave the packed rows or
+            go backwards never make a kernel read or write past the tensors: each
+            sequence that the kernels see is wrong (an end past the rows, an end before
+            its start, a start before the previous one) gives NaN outputs and gradients.
+        max_seqlen_q: the longest query sequence (sizes the launch grid: a sequence longer
+            than the value given comes out NaN; ``set_debug(True)`` checks).
+        max_seqlen_k: the longest key sequence (sizes the backward pass's dK / dV grid: a
+            sequence longer than it gets NaN dK and dV).
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
         bottom-right within each sequence; alibi_slopes may be (batch, heads)).
 
