@@ -342,6 +342,12 @@ def _bad_cases():
         (lambda: qflash.sdpa(q, q, q, is_causal=True, attn_mask=torch.ones(8, 4, dtype=torch.bool, device=DEVICE)),
          ValueError, "either attn_mask or is_causal"),
         (lambda: qflash.flash_attn_qkvpacked_func(q), ValueError, "qkv must have shape"),
+        (lambda: f(q, k, v, window_size=(2.5, 1)), ValueError, "window_size must be a pair of ints"),
+        (lambda: f(q, k, v, softmax_scale="a"), ValueError, "softmax_scale must be a positive finite number, got 'a'"),
+        (lambda: f(q[:, :, :0], k[:, :, :0], v[:, :, :0]), ValueError, "at least one head"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu, None, 8), TypeError, "max_seqlen_q must be an int, got None"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu, 8.5, 8), TypeError, "max_seqlen_q must be an int"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu, 8, -3), ValueError, "max_seqlen_k must be >= 0"),
     ]
 
 
@@ -387,6 +393,18 @@ def test_bad_cu_seqlens_contents_stay_in_bounds_and_give_nan(case):
                                                           return_attn_probs=True)
     assert out[nan_rows].isnan().all() and lse[:, nan_rows].isnan().all()
     assert torch.equal(out[same_rows], want[same_rows]) and torch.equal(lse[:, same_rows], want_lse[:, same_rows])
+
+
+def test_strided_cu_seqlens_and_a_generous_max_seqlen():
+    """cu_seqlens with a stride (a view) is read as its values, not its storage; a max_seqlen far
+    over the packed rows (2^40: a grid past int32 if it were taken as given) gives what the true
+    longest length gives."""
+    q, k, v, cu, _ = _varlen([5, 9, 7], [5, 9, 7], h=2, hkv=2)
+    strided = torch.stack([cu, cu + 1], dim=1)[:, 0]  # same values, stride 2
+    assert strided.stride(0) == 2
+    want = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+    got = qflash.flash_attn_varlen_func(q, k, v, strided, strided, 2 ** 40, 2 ** 40, causal=True)
+    assert torch.equal(got, want)
 
 
 def test_max_seqlen_under_the_truth_gives_nan_rows():

@@ -26,6 +26,7 @@ backward pass.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -230,7 +231,9 @@ def _check_heads(k: torch.Tensor, v: torch.Tensor, heads: int, heads_kv: int, he
             f"{names[0]} and {names[1]} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     headdim_k = headdim_v = k.shape[-1]
-    if heads_kv == 0 or heads % heads_kv != 0:
+    if heads < 1 or heads_kv < 1:
+        raise ValueError(f"attention needs at least one head: got {heads} query and {heads_kv} key/value heads")
+    if heads % heads_kv != 0:
         raise ValueError(f"number of query heads ({heads}) must be a multiple of key/value heads ({heads_kv})")
     if headdim_k != headdim or headdim_v != headdim:
         raise ValueError(f"q, k and v must share the head dimension, got {headdim}, {headdim_k}, {headdim_v}")
@@ -240,7 +243,8 @@ def _check_heads(k: torch.Tensor, v: torch.Tensor, heads: int, heads_kv: int, he
 
 def _window(window_size, causal: bool) -> Tuple[int, int]:
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)  # ints, not floats that int() would cut
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
     for side, w in (("left", left), ("right", right)):
@@ -254,9 +258,12 @@ def _window(window_size, causal: bool) -> Tuple[int, int]:
 def _scale(softmax_scale, headdim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        scale = math.nan
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return scale
 
 
@@ -390,7 +397,9 @@ def _shape(t):
 # ----------------------------------------------------------------------------------------------
 # flash-attn 2 API, packed variable-length sequences (total, heads, headdim).
 # ----------------------------------------------------------------------------------------------
-def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: int, device) -> int:
+def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: int,
+                      device) -> Tuple[torch.Tensor, int]:
+    """(cu, batch): cu made contiguous (the kernels read entry b at offset b), and its batch size."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -405,7 +414,19 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: 
         c = cu.cpu().long()
         if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {c.tolist()}")
-    return cu.numel() - 1
+    return cu.contiguous(), cu.numel() - 1
+
+
+def _max_seqlen(name: str, value, total: int) -> int:
+    """A validated max_seqlen, cut to the packed rows (no sequence is longer, and a larger value
+    would only size a grid of idle programs)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return min(value, total)
 
 
 def flash_attn_varlen_func(
@@ -450,14 +471,13 @@ def flash_attn_varlen_func(
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
     total_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[1], headdim)
-    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
-    max_seqlen_q = int(max_seqlen_q)
-    if max_seqlen_q < 0:
-        raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    cu_seqlens_q, batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
+    cu_seqlens_k, _ = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, total_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
     if debug_enabled():
-        for name, cu, given in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k,
-                                                                               int(max_seqlen_k))):
+        for name, cu, given in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q),
+                                ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
             longest = int((cu[1:] - cu[:-1]).max())
             if longest > given:
                 raise ValueError(f"{name}={given} but the longest sequence has {longest} rows")
