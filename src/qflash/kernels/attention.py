@@ -1197,11 +1197,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     kernel: str = "dkdv", config=None, window_left: int = -1, dropout: bool = False):
+                     kernel: str = "dkdv", config=None, window_left: int = -1, dropout: bool = False,
+                     varlen: bool = False):
     """Build the ``tl`` forward ("fwd") or the backward's "dq" / "dkdv" kernel for sm_90 without a
     GPU (what the CPU tests read), specialized as a launch of its default tiles (or ``config``) on
     Hopper would be: contiguous (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal
-    (top-left) or no mask, a left window edge if ``window_left`` >= 0, dropout if ``dropout``."""
+    (top-left) or no mask, a left window edge if ``window_left`` >= 0, dropout if ``dropout``;
+    ``varlen``: the same rows packed (16k, heads, head_dim) with ``cu_seqlens``."""
     from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     seqlen, heads = 16384, 2048 // head_dim
@@ -1210,8 +1212,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     cfg = config or defaults[kernel]
     fn = dict(fwd=_attn_fwd_kernel, dq=_attn_bwd_dq_kernel, dkdv=_attn_bwd_dkdv_kernel)[kernel]
     has_left = window_left >= 0
-    strides = {"b": seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
-    lse_strides = {"b": heads * seqlen, "h": seqlen, "s": 1}
+    strides = {"b": 0 if varlen else seqlen * heads * head_dim, "s": heads * head_dim, "h": head_dim}  # (B, S, H, D)
+    lse_strides = {"b": 0 if varlen else heads * seqlen, "h": seqlen, "s": 1}  # packed: (H, total)
     elem = SIGNATURE_NAMES[dtype]
     args = dict(seqlen_q=seqlen, seqlen_k=seqlen, num_heads=heads, num_heads_kv=heads, kv_group=1,
                 num_m_blocks=seqlen // cfg.block_m, num_n_blocks=seqlen // cfg.block_n,
@@ -1230,7 +1232,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
             args[name] = f"*{elem}"  # Bias, Slopes, DBias: the launch passes q in their place
     constants = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      HAS_LEFT=has_left, HAS_RIGHT=causal, BOTTOM_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
-                     BIAS_KIND=BIAS_NONE, IS_VARLEN=False, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
+                     BIAS_KIND=BIAS_NONE, IS_VARLEN=varlen, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
