@@ -92,6 +92,27 @@ def test_out_dtype(mode):
         QuantizedLinear(256, 64, mode=mode, out_dtype=torch.int8)
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "to"])
+def test_model_casts_keep_the_quantized_buffers(mode, cast):
+    """model.half() / .bfloat16() / .to(dtype) after quantize_model, as users do with float models:
+    the layers' float8 weights, float32 scales and bias keep their dtypes (a cast turned float8
+    weights into float16 ones, which the kernels refused with an unclear error, and rounded the
+    scales), the plain layers are cast, and the output is the uncast model's on 16-bit inputs."""
+    dtype = torch.bfloat16 if cast == "bfloat16" else torch.float16
+    model = quantize_model(_mlp(), mode, skip=["2"])
+    x = torch.randn(8, 256, device=DEVICE).to(dtype)
+    before = {name: (buf.dtype, buf.clone()) for name, buf in model.named_buffers()}
+    with torch.no_grad():
+        want = model[0](x)
+        cast_model = model.to(dtype) if cast == "to" else getattr(model, cast)()
+        got = cast_model[0](x)
+    for name, buf in cast_model.named_buffers():
+        assert buf.dtype == before[name][0] and torch.equal(buf, before[name][1]), name
+    assert cast_model[2].weight.dtype == dtype
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_clear_errors():
     class LoRALinear(nn.Linear):
         def forward(self, x):

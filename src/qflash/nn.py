@@ -41,7 +41,8 @@ class QuantizedLinear(nn.Module):
     """``y = x @ W.T + b`` with W stored quantized (``mode`` "int8" or "fp8"). Inference only.
 
     Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
-    ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` (or None).
+    ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
+    keep these dtypes under ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (only move devices).
     Input (..., in_features) in float16 / bfloat16 / float32; output in ``out_dtype`` (float16,
     bfloat16 or float32), by default the input's dtype.
     """
@@ -99,6 +100,20 @@ class QuantizedLinear(nn.Module):
         scales = "row" if self.mode == "int8" else "block"
         y = scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, self.out_dtype or x.dtype, scales)
         return y.reshape(*lead, self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        """``Module.to(dtype)``, ``.half()``, ``.bfloat16()`` and the like cast every floating-point
+        buffer, float8 included: the quantized weight, its float32 scales and the float32 bias would
+        become 16-bit (scales rounded, and float8 weights the kernels do not take). Here they move
+        where ``fn`` moves them (device) and keep their dtypes; the output still follows the input's
+        dtype (or ``out_dtype``)."""
+        kept = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            moved = self._buffers[name]
+            if moved.dtype != buf.dtype:  # a cast: redo it as a move of the original
+                self._buffers[name] = buf.to(moved.device)
+        return self
 
     def extra_repr(self) -> str:
         out = f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""
