@@ -113,6 +113,17 @@ def test_model_casts_keep_the_quantized_buffers(mode, cast):
     assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_model_under_torch_compile(mode):
+    """A quantized model compiled into one graph (the layers' quantize and product are custom ops
+    there) gives the eager model's output bit for bit; it used to fail inside dynamo."""
+    model = quantize_model(_mlp(), mode)
+    x = torch.randn(3, 5, 256, device=DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, fullgraph=True, backend="aot_eager")(x), model(x))
+
+
 def test_clear_errors():
     class LoRALinear(nn.Linear):
         def forward(self, x):

@@ -445,3 +445,25 @@ def test_gpu_per_tensor_refused_cooperative_launch_falls_back():
 
     run = subprocess.run([sys.executable, "-c", _REFUSED_COOPERATIVE], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "fell back" in run.stdout, run.stderr[-3000:]
+
+
+_COMPILE_CASES = [("tensor", None), ("row", None), ("column", None), ("block", (1, 128)), ("block", (128, 128))]
+
+
+@pytest.mark.parametrize("granularity,block", _COMPILE_CASES)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_under_torch_compile(granularity, block, dtype):
+    """Under torch.compile (one graph) quantize is the custom op qflash::quantize: the same bits,
+    shapes and strides as the eager call (it used to fail inside dynamo, tracing the launcher);
+    its fake implementation agrees with the kernel's outputs (opcheck: shapes, strides, dtypes,
+    also with dynamic shapes). A ragged 33 x 200 input."""
+    import qflash.ops.quantize  # noqa: F401  (registers the op)
+
+    x = torch.randn(33, 200, device=DEVICE)
+    step = lambda t: qflash.quantize(t, dtype, granularity, block)  # noqa: E731
+    torch._dynamo.reset()
+    got, want = torch.compile(step, fullgraph=True, backend="aot_eager")(x), step(x)
+    for g, w in zip(got, want):
+        assert same_bits(g, w) and g.stride() == w.stride() and g.dtype == w.dtype
+    torch.library.opcheck(torch.ops.qflash.quantize.default, (x, dtype, granularity, block and list(block), None),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

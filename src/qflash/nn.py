@@ -79,8 +79,8 @@ class QuantizedLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qflash.kernels.matmul import scaled_matmul
-        from qflash.kernels.quantize import quantize as quantize_launch
+        from qflash.ops.matmul import launch_scaled_matmul
+        from qflash.ops.quantize import launch_quantize
 
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("QuantizedLinear is for inference: call it under torch.no_grad() or inference_mode()")
@@ -93,12 +93,13 @@ class QuantizedLinear(nn.Module):
         require_runnable("x", x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        # Straight to the launchers: the public ops would re-validate the layer's own buffers
+        # Straight to the launch paths: the public ops would re-validate the layer's own buffers
         # (checked when made or loaded) on every call, which costs as much as a short kernel.
         qdtype, granularity, block = _activation_recipe(self.mode)
-        x_q, x_scale = quantize_launch(x2, qdtype, granularity, block)
+        x_q, x_scale = launch_quantize(x2, qdtype, granularity, block, None)
         scales = "row" if self.mode == "int8" else "block"
-        y = scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, self.out_dtype or x.dtype, scales)
+        y = launch_scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, self.out_dtype or x.dtype,
+                                 scales)
         return y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, recurse=True):

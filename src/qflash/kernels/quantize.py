@@ -405,7 +405,6 @@ def _tile(m: int, n: int, group_m: int, group_n: int, elems: int, warps: int) ->
 
 class _Plan(NamedTuple):
     """What a launch needs that follows from the shapes and options alone (made once per key)."""
-    scale_shape: Tuple[int, int]
     grid: Tuple[int, int]
     absmax_programs: int  # programs of the per-tensor absmax sweep; 0: no sweep
     constexprs: dict  # the quantize kernel's, less QMAX, OUT and EMULATE_CASTS (or _tensor_kernel's)
@@ -433,7 +432,7 @@ def _tensor_plan(numel: int, element_size: int, sms: int, hold_bytes: int, block
         hold = min(most, next_power_of_2(cdiv(numel, sms)))
         programs = min(sms, numel // hold)
     constexprs = dict(HOLD=hold, BLOCK=block, HELD_MASKED=programs == 0)
-    return _Plan((1, 1), (max(programs, 1), 1), 0, constexprs, one_launch=True)
+    return _Plan((max(programs, 1), 1), 0, constexprs, one_launch=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -444,8 +443,6 @@ def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]
         tensor_plan = _tensor_plan(m * n, element_size, sms, hold_bytes, stream_block)
         if tensor_plan is not None:  # (None: too large)
             return tensor_plan
-    shapes = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}
-    scale_shape = shapes.get(granularity) or (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
     programs = 0
     if granularity == "row" and n > MAX_TILE_N:
         group, bm, bn, gm, gn = GROUP_ROW_SWEEP, 4, 1024, 1, 1
@@ -465,7 +462,22 @@ def _plan(m: int, n: int, granularity: str, block_size: Optional[Tuple[int, int]
             cdiv(n, bn) if group != GROUP_ROW_SWEEP else 1)
     constexprs = dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, GROUP_N=gn, STATIC_SCALE=static,
                       REVERSED=programs > 0, num_warps=num_warps or warps)
-    return _Plan(scale_shape, grid, programs, constexprs)
+    return _Plan(grid, programs, constexprs)
+
+
+def new_outputs(m: int, n: int, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]],
+                device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x_q, scale) as ``quantize`` allocates them, unwritten (poisoned in tests): x_q (m, n); the
+    scale (1, 1) per tensor (returned as ()), (m, 1), (1, n) or one a block, (1, bn) blocks
+    column-major (``aligned_columns``: how the FP8 matmul reads them). torch.compile's fake
+    quantize (``ops.quantize``) takes its shapes and strides from here too."""
+    x_q = new_output((m, n), dtype=dtype, device=device)
+    shape = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}.get(granularity)
+    if shape is None:
+        shape = (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
+        if block_size[0] == 1:  # activations' (1, bn) blocks
+            return x_q, aligned_columns(shape, device, new_output)
+    return x_q, new_output(shape, dtype=torch.float32, device=device)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Sequence[int]] = None,
@@ -490,11 +502,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
     plan = _plan(m, n, granularity, None if block_size is None else tuple(block_size), static_scale is not None,
                  tile_elems, num_warps, sm_count(x.device) if cuda else 0, x.element_size(), one_launch, hold_bytes,
                  stream_block)
-    x_q = new_output((m, n), dtype=dtype, device=x.device)
-    if granularity == "block" and block_size[0] == 1:  # activations' (1, bn) blocks: column-major
-        scale = aligned_columns(plan.scale_shape, x.device, new_output)
-    else:
-        scale = new_output(plan.scale_shape, dtype=torch.float32, device=x.device)
+    x_q, scale = new_outputs(m, n, dtype, granularity, block_size, x.device)
     if m == 0 or n == 0:
         if static_scale is not None:
             scale.copy_(static_scale.reshape(1, 1))

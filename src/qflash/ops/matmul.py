@@ -80,13 +80,42 @@ def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
     return scale if scale.dtype == torch.float32 else scale.float()
 
 
-def _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype) -> torch.Tensor:
-    """The product with per-tensor scales (both one element) or per-row ones (either per row)."""
+# ----------------------------------------------------------------------------------------------
+# Launch paths, as for attention (ops/attention.py): eager calls go straight to the launcher;
+# under torch.compile the graph records the custom op qflash::scaled_matmul, whose fake
+# implementation gives the output's shape (the op's dispatch costs tens of microseconds, as much as
+# a short product, so eager calls skip it).
+# ----------------------------------------------------------------------------------------------
+def _scaled_matmul_impl(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                        bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
     from qflash.kernels.matmul import scaled_matmul
 
+    return scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+
+
+_scaled_matmul_op = torch.library.custom_op("qflash::scaled_matmul", mutates_args=())(_scaled_matmul_impl)
+
+
+@_scaled_matmul_op.register_fake
+def _(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales):
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)  # C (M, N), contiguous
+
+
+def launch_scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
+    """The product of validated operands (also ``QuantizedLinear``'s): the custom op under
+    torch.compile, else the launcher. ``scales``: "tensor", "row" or "block"."""
+    if torch.compiler.is_compiling():
+        return torch.ops.qflash.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+    return _scaled_matmul_impl(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+
+
+def _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype) -> torch.Tensor:
+    """The product with per-tensor scales (both one element) or per-row ones (either per row)."""
     a_s = _scale("a_scale", a_scale, a_q.shape[0], a_q.device)
     b_s = _scale("b_scale", b_scale, b_q.shape[0], a_q.device)
-    return scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype, "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
+    return launch_scaled_matmul(a_q, b_q, a_s, b_s, bias, out_dtype,
+                                "tensor" if a_s.numel() == b_s.numel() == 1 else "row")
 
 
 def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -109,7 +138,7 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
     _check_operands(a_q, b_q, _FP8, bias, out_dtype)
     m, k = a_q.shape
     n = b_q.shape[0]
-    from qflash.kernels.matmul import QBLOCK, scaled_matmul
+    from qflash.kernels.matmul import QBLOCK
 
     k_blocks = _cdiv(k, QBLOCK)
     block_a, block_b = (m, k_blocks), (_cdiv(n, QBLOCK), k_blocks)
@@ -125,5 +154,5 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
                              f"got {_shape(a_scale)}")
         if a_scale.device != a_q.device or b_scale.device != a_q.device:
             raise ValueError("a_scale and b_scale must be on a_q's device")
-        return scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
+        return launch_scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
     return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)

@@ -28,7 +28,7 @@ programs resident, as under MPS) gets a RuntimeWarning and two launches from the
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,10 +83,41 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
     if scale is not None:
         scale = _check_static_scale(scale, granularity, x.device)
     require_runnable("x", x)
+    return launch_quantize(x, dtype, granularity, _check_block(block_size) if block_size is not None else None, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch paths, as for attention (ops/attention.py): eager calls go straight to the launcher;
+# under torch.compile the graph records the custom op qflash::quantize, whose fake implementation
+# gives the outputs' shapes and strides (the op's dispatch costs tens of microseconds, as much as a
+# short kernel, so eager calls skip it).
+# ----------------------------------------------------------------------------------------------
+def _quantize_impl(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[List[int]],
+                   scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.quantize import quantize as launch
 
-    return launch(x, dtype, granularity, _check_block(block_size) if block_size is not None else None,
-                  static_scale=scale)
+    return launch(x, dtype, granularity, None if block_size is None else tuple(block_size), static_scale=scale)
+
+
+_quantize_op = torch.library.custom_op("qflash::quantize", mutates_args=())(_quantize_impl)
+
+
+@_quantize_op.register_fake
+def _(x, dtype, granularity, block_size, scale):
+    from qflash.kernels.quantize import new_outputs
+
+    x_q, x_scale = new_outputs(*x.shape, dtype, granularity, block_size, x.device)
+    return x_q, x_scale.reshape(()) if granularity == "tensor" else x_scale
+
+
+def launch_quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Tuple[int, int]],
+                    scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The quantize of validated arguments (also ``QuantizedLinear``'s): the custom op under
+    torch.compile, else the launcher."""
+    if torch.compiler.is_compiling():
+        return torch.ops.qflash.quantize(x, dtype, granularity, None if block_size is None else list(block_size),
+                                         scale)
+    return _quantize_impl(x, dtype, granularity, block_size, scale)
 
 
 def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
@@ -98,7 +129,7 @@ def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
                         f"{' ' + str(scale.dtype) if isinstance(scale, torch.Tensor) else ''}")
     if scale.device != device:
         raise ValueError(f"scale is on {scale.device}, expected x's device {device}")
-    if debug_enabled():  # the value: a host sync, so only on request
+    if debug_enabled() and not torch.compiler.is_compiling():  # the value: a host sync, so only on request
         value = float(scale)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"scale must be positive and finite, got {value}")
