@@ -36,6 +36,19 @@ def _seed():
     torch.manual_seed(1234)
 
 
+def one_graph(fn):
+    """``fn`` under torch.compile as one graph (``fullgraph``: a break fails), through AOT autograd
+    without code generation (the kernels run as they are), after a fresh dynamo state."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+# torch.library.opcheck's checks of a custom op's fake implementation (outputs' shapes, strides
+# and dtypes, also with dynamic shapes); its schema check multiplies the outputs, which PyTorch's
+# CPU cannot do for float8.
+FAKE_CHECKS = ("test_faketensor", "test_aot_dispatch_dynamic")
+
+
 def ptxas_report(ptx: str) -> str:
     """What Triton's bundled ptxas says (-v: registers, spills, warnings) assembling ``ptx`` for sm_90a."""
     import subprocess

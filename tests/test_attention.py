@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import qflash
 from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err
+from qflash.testing import FINITE_POISON, assert_flash_rule, assert_written, poisoned, rel_l2_err
 
 from conftest import DEVICE, HAS_CUDA, ptxas_report, sm90_build
 
@@ -372,9 +372,6 @@ def test_debug_checks_cu_seqlens_contents():
         qflash.set_debug(False)
 
 
-FILL = 7.0  # poisons outputs with a finite value, so that a NaN is the kernel's own
-
-
 @pytest.mark.parametrize("case", ["past the end", "backwards"])
 def test_bad_cu_seqlens_contents_stay_in_bounds_and_give_nan(case):
     """Without set_debug the contents of cu_seqlens go unchecked on the host (a check costs a
@@ -387,7 +384,7 @@ def test_bad_cu_seqlens_contents_stay_in_bounds_and_give_nan(case):
         "backwards": ([0, 9, 5, 21], slice(9, 21), slice(0, 5)),  # the third starts before the second
     }[case]
     bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
-    with poisoned(FILL):
+    with poisoned(FINITE_POISON):
         out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, bad, bad, 40, 40, causal=True, return_attn_probs=True)
         want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, good, good, 9, 9, causal=True,
                                                           return_attn_probs=True)
@@ -412,7 +409,7 @@ def test_max_seqlen_under_the_truth_gives_nan_rows():
     program computes, and comes out NaN (all of it) instead of whatever the memory held."""
     lens = [5, 300, 7]  # the second sequence: rows 5-304
     q, k, v, cu, _ = _varlen(lens, lens, h=2, hkv=2)
-    with poisoned(FILL):
+    with poisoned(FINITE_POISON):
         out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 1, 300, return_attn_probs=True)
         want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, return_attn_probs=True)
     assert attention_kernels.default_config(32, q.dtype, q.device, seqlen_k=300).block_m < 300  # a grid too short

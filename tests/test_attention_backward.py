@@ -12,9 +12,9 @@ import torch
 import qflash
 from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
+from qflash.testing import FINITE_POISON, GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
 
-from conftest import DEVICE, ptxas_report, sm90_build
+from conftest import DEVICE, one_graph, ptxas_report, sm90_build
 
 gpu = pytest.mark.gpu
 
@@ -107,7 +107,7 @@ def test_varlen():
 
 
 def _varlen_grads(cu_q, cu_k, max_q, max_k, inputs, dout):
-    with poisoned(7.0):  # finite: a NaN is the kernel's own
+    with poisoned(FINITE_POISON):
         out = qflash.flash_attn_varlen_func(*inputs, cu_q, cu_k, max_q, max_k, causal=True)
         return torch.autograd.grad(out, inputs, dout)
 
@@ -228,7 +228,7 @@ def test_torch_compile_forward_and_backward():
     def step(a, b, c):
         return qflash.flash_attn_func(a, b, c, causal=True) * 2
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = one_graph(step)
     expected = _grads(step, (q, k, v), dout)
     for a, b in zip(_grads(compiled, (q, k, v), dout), expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -12,7 +12,7 @@ from qflash.kernels.matmul import MatmulConfig, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.testing import assert_flash_rule, assert_written, poisoned, rel_l2_err, rounding_floor, sqnr_db
 
-from conftest import DEVICE, check_chain_eager_and_replayed
+from conftest import DEVICE, FAKE_CHECKS, check_chain_eager_and_replayed, one_graph
 
 SHAPES = [(1, 1, 1), (70, 90, 300), (33, 129, 64), (128, 16, 257)]  # (M, N, K), ragged on purpose
 
@@ -443,10 +443,8 @@ def test_under_torch_compile(kind):
     bias = torch.randn(70, device=DEVICE)
     op = qflash.int8_matmul if dtype == "int8" else qflash.fp8_matmul
     step = lambda *t: op(*t, bias=bias)  # noqa: E731
-    torch._dynamo.reset()
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(a_q, b_q, a_s, b_s)
+    got = one_graph(step)(a_q, b_q, a_s, b_s)
     assert torch.equal(got, step(a_q, b_q, a_s, b_s))
-    scales = {"row": "row", "tensor": "tensor", "block": "block"}[granularity]
     torch.library.opcheck(torch.ops.qflash.scaled_matmul.default,
-                          (a_q, b_q, a_s.float(), b_s.float(), bias, torch.bfloat16, scales),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+                          (a_q, b_q, a_s.float(), b_s.float(), bias, torch.bfloat16, granularity),
+                          test_utils=FAKE_CHECKS)

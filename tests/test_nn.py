@@ -13,7 +13,7 @@ from qflash.reference.matmul import int8_matmul_ref
 from qflash.reference.quantize import quantize_ref
 from qflash.testing import sqnr_db
 
-from conftest import DEVICE
+from conftest import DEVICE, one_graph
 
 
 def _mlp():
@@ -119,9 +119,8 @@ def test_quantized_model_under_torch_compile(mode):
     there) gives the eager model's output bit for bit; it used to fail inside dynamo."""
     model = quantize_model(_mlp(), mode)
     x = torch.randn(3, 5, 256, device=DEVICE)
-    torch._dynamo.reset()
     with torch.no_grad():
-        assert torch.equal(torch.compile(model, fullgraph=True, backend="aot_eager")(x), model(x))
+        assert torch.equal(one_graph(model)(x), model(x))
 
 
 def test_clear_errors():

@@ -10,7 +10,7 @@ import qflash
 from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
 from qflash.testing import assert_written, poisoned, same_bits, sqnr_db, with_outlier_channels
 
-from conftest import DEVICE, ptxas_report, sm90_build
+from conftest import DEVICE, FAKE_CHECKS, one_graph, ptxas_report, sm90_build
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 GROUPS = [("tensor", None), ("row", None), ("column", None), ("block", (32, 64)), ("block", (1, 128))]
@@ -461,9 +461,8 @@ def test_under_torch_compile(granularity, block, dtype):
 
     x = torch.randn(33, 200, device=DEVICE)
     step = lambda t: qflash.quantize(t, dtype, granularity, block)  # noqa: E731
-    torch._dynamo.reset()
-    got, want = torch.compile(step, fullgraph=True, backend="aot_eager")(x), step(x)
+    got, want = one_graph(step)(x), step(x)
     for g, w in zip(got, want):
         assert same_bits(g, w) and g.stride() == w.stride() and g.dtype == w.dtype
     torch.library.opcheck(torch.ops.qflash.quantize.default, (x, dtype, granularity, block and list(block), None),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+                          test_utils=FAKE_CHECKS)

@@ -27,6 +27,7 @@ __all__ = [
     "assert_flash_rule",
     "same_bits",
     "poisoned",
+    "FINITE_POISON",
     "poison_enabled",
     "new_output",
     "assert_written",
@@ -144,6 +145,7 @@ def assert_flash_rule(out, ref, torch_out, *, factor: float = FORWARD_FACTOR, fl
 # output with NaN (floats) or a sentinel (ints) and then prove each element was written.
 # ----------------------------------------------------------------------------------------------
 _POISON = [None]  # the float outputs' fill inside poisoned(), else None
+FINITE_POISON = 7.0  # poisoned(FINITE_POISON): a NaN in an output is then the kernel's own
 
 
 @contextlib.contextmanager
