@@ -81,6 +81,17 @@ def test_swap_ab_builds_for_sm90(int8, scales, block_n, stages, split_k):
     assert ("cp.async.bulk.tensor.1d.shared" in ptx and "fma.rn.f32" in ptx) == (scales == "block")
 
 
+def test_swap_ab_two_consumers_build():
+    """The transposed product with two consumers (128 rows of B a tile): each consumer counts its
+    runs in with an atomic of its own, and a ring of 10 slots of two 64-row parts of B and the
+    activations fits in shared memory."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "row", block_n=16, stages=10, consumers=2,
+                        swap_ab=True, split_k=2)
+    ptx = kernel["ptx"]
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 2 and "m64n16k32.f32.e4m3.e4m3" in ptx
+    assert kernel["shared"] <= 227 * 1024 and "serialized" not in ptxas_report(ptx)
+
+
 @pytest.mark.parametrize("scales,block_n,split_k", [("tensor", 16, 1), ("tensor", 32, 1), ("tensor", 16, 2),
                                                     ("block", 16, 1), ("block", 32, 1)])
 def test_swap_ab_two_ctas_an_sm_build(scales, block_n, split_k):
@@ -1041,6 +1052,33 @@ def test_gpu_swap_ab_split_k_counts_reset():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 640, 1152), (5, 1000, 2000), (33, 200, 4096)])
+def test_gpu_swap_ab_two_consumers(m, n, k):
+    """The transposed product with two consumers (128 rows of B a tile, the activations' slot
+    shared): each consumer's runs of K count themselves in apart, so launch after launch, with K
+    in one to three runs, INT8 is the reference's C bit for bit, and FP8 adds the same partials
+    in the same order as one consumer (the same bits)."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
+    bias = torch.randn(n, device="cuda")
+    want = int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
+    for split_k in (None, 2, 3, 3):  # twice with three runs: the counts went back to zero
+        with poisoned():
+            c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.bfloat16, "row",
+                             swap_ab=True, consumers=2, ctas_per_sm=1, split_k=split_k)
+        assert_written(c)
+        assert torch.equal(c, want), split_k
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, "row", "cuda")
+    for split_k in (None, 2):
+        one = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                           swap_ab=True, consumers=1, ctas_per_sm=1, split_k=split_k)
+        with poisoned():
+            two = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), bias, torch.float32, "row",
+                               swap_ab=True, consumers=2, ctas_per_sm=1, split_k=split_k)
+        assert_written(two)
+        assert torch.equal(two, one), split_k
 
 
 @pytest.mark.gpu

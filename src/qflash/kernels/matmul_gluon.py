@@ -238,9 +238,9 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
 def _gather_runs(acc, Sums, Counters, row0, col0, split, tile, split_rows, M, N, SPLIT_K: gl.constexpr):
     """Split K summed inside the kernel (the transposed product): each run stores its float32
     (int32) sum of block (row0, col0) to Sums (SPLIT_K runs of split_rows x N) and counts itself in
-    on its tile's counter; the run that counts last reads the runs back in split order (the same
-    sum whichever run is last), sets the count back to zero for the next launch, and returns
-    (True, the total); the others return False."""
+    on the block's counter (``tile``: one a consumer's 64-row part of a tile); the run that counts
+    last reads the runs back in split order (the same sum whichever run is last), sets the count
+    back to zero for the next launch, and returns (True, the total); the others return False."""
     rows = row0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
     cols = col0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
     ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
@@ -496,9 +496,10 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
         c_buf = c_smem.index(which * C_BUFS)
         c_buf_hi = c_smem.index(which * C_BUFS + C_BUFS - 1)  # a 256-wide tile's second half
-        if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a tile's runs writes C
-            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split, pid_m * num_n + pid_n,
-                                       split_rows, M, N, SPLIT_K)
+        if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a part's runs writes C
+            # (one count for each consumer's 64-row part of the tile: each consumer's runs count apart)
+            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split,
+                                       (pid_m * A_PARTS + a_part) * num_n + pid_n, split_rows, M, N, SPLIT_K)
             if last:
                 _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
                              stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
@@ -1131,8 +1132,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     target = c if partial is None or swap_ab else partial
     sums = counters = c  # not read without that split
     if partial is not None and swap_ab:
-        tiles = cdiv(m, plan.consumers * SUB_M) * cdiv(n, plan.block_n)
-        sums, counters = partial, split_k_counters(a_q.device, tiles)
+        parts = cdiv(m, plan.consumers * SUB_M) * plan.consumers * cdiv(n, plan.block_n)  # 64-row parts of tiles
+        sums, counters = partial, split_k_counters(a_q.device, parts)
     qdtype = _GL_DTYPES[a_q.dtype]
     a_desc = _desc(a_q, SUB_M, qdtype)
     # Without the bulk store the kernel ignores c_desc; A's descriptor stands in for it.
