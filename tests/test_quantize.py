@@ -30,6 +30,25 @@ def test_matches_reference_bitwise(shape, qdtype, granularity, block):
     assert torch.equal(scale, ref_scale)
 
 
+@pytest.mark.parametrize("granularity,block", GROUPS + [("block", (128, 128))])
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0), (0, 0)])
+def test_empty_input_gets_the_all_zero_scale(shape, granularity, block):
+    """x with no rows or no columns (an empty batch): every group has no values and gets the
+    scale of an all-zero group, 1, as the reference does; a static scale comes back as given.
+    Nothing is left unwritten."""
+    x = torch.randn(shape, device=DEVICE)
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        with poisoned():
+            x_q, scale = qflash.quantize(x, qdtype, granularity, block)
+        ref_q, ref_scale = quantize_ref(x, qdtype, granularity, block)
+        assert x_q.shape == shape and x_q.dtype == qdtype and scale.shape == ref_scale.shape
+        assert torch.equal(scale, ref_scale) and bool((scale == 1).all())
+    if granularity == "tensor":
+        static = torch.tensor(0.25, device=DEVICE)
+        with poisoned():
+            assert float(qflash.quantize(x, torch.int8, "tensor", scale=static)[1]) == 0.25
+
+
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float8_rounding_ties_and_subnormals(qdtype):
     """Every float8 value, every midpoint between neighbours (ties go to even) and the

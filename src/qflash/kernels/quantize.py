@@ -503,9 +503,11 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: 
                  tile_elems, num_warps, sm_count(x.device) if cuda else 0, x.element_size(), one_launch, hold_bytes,
                  stream_block)
     x_q, scale = new_outputs(m, n, dtype, granularity, block_size, x.device)
-    if m == 0 or n == 0:
+    if m == 0 or n == 0:  # no values: the static scale, or the scale of an all-zero group (1) in every group
         if static_scale is not None:
             scale.copy_(static_scale.reshape(1, 1))
+        else:
+            scale.fill_(1.0)
         return x_q, scale.reshape(()) if granularity == "tensor" else scale
     if plan.one_launch:
         if _quantize_tensor(x, x_q, scale, plan, dtype):

@@ -12,8 +12,9 @@ Symmetric, with one float32 scale per group; the groups:
 
 Rounding: int8 rounds to nearest, ties to even (as torch.round), and saturates at +-127;
 float8 rounds to nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
-An all-zero group gets scale 1. A group holding NaN or inf gets scale NaN (its int8
-values are 0, its float8 values NaN), so the problem survives dequantization.
+An all-zero group gets scale 1, and so does a group of no values (x with no rows or no columns).
+A group holding NaN or inf gets scale NaN (its int8 values are 0, its float8 values NaN), so the
+problem survives dequantization.
 
 Static per-tensor scales: ``quantize(x, dtype, "tensor", scale=s)`` takes a scale fixed
 beforehand (calibration, a delayed-scaling history) and skips the absmax pass, so the input is

@@ -48,6 +48,12 @@ def expand_scale(scale: torch.Tensor, shape: Sequence[int], granularity: str,
 
 def _group_absmax(x: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     a = x.abs()
+    m, n = x.shape
+    if x.numel() == 0:  # no values: every group takes an all-zero group's absmax (so scale 1)
+        shape = {"tensor": (), "row": (m, 1), "column": (1, n)}.get(granularity)
+        if shape is None:
+            shape = (math.ceil(m / block_size[0]), math.ceil(n / block_size[1]))
+        return a.new_zeros(shape)
     if granularity == "tensor":
         return a.amax()
     if granularity == "row":
@@ -55,7 +61,6 @@ def _group_absmax(x: torch.Tensor, granularity: str, block_size) -> torch.Tensor
     if granularity == "column":
         return a.amax(dim=0, keepdim=True)
     bm, bn = block_size
-    m, n = x.shape
     pad = torch.zeros(math.ceil(m / bm) * bm, math.ceil(n / bn) * bn, dtype=a.dtype, device=a.device)
     pad[:m, :n] = a
     return pad.view(pad.shape[0] // bm, bm, pad.shape[1] // bn, bn).amax(dim=(1, 3))
