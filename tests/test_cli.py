@@ -99,8 +99,11 @@ def test_bad_command_and_flag():
     assert r.returncode != 0 and "unknown op 'softmax'" in r.stderr
     r = qflash("bench", "attention", "--providers", "qflash,nope")
     assert r.returncode == 2 and "unknown provider" in r.stderr
-    r = qflash("bench", "attention", "--seqlens", "a,b")
-    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    for bench, option, bad in [("attention", "--seqlens", "a,b"), ("attention", "--head-dims", "64,-1"),
+                               ("matmul", "--shapes", "1,2"), ("matmul", "--shapes", "64,64,64;a,b,c"),
+                               ("quantize", "--shape", "8,8,0")]:
+        r = qflash("bench", bench, option, bad)
+        assert r.returncode == 2 and f"{option} takes" in r.stderr and "positive integers" in r.stderr, (option, bad)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only message")

@@ -31,6 +31,7 @@ from qflash.bench.harness import (
     measure_ceilings,
     plot_lines,
     plot_roofline,
+    positive_ints,
     require_runnable,
     rich_table,
     run_as_script,
@@ -482,11 +483,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown provider(s) {unknown}; choose from {','.join(PROVIDERS)}")
-    try:
-        seqlens = [int(s) for s in args.seqlens.split(",")]
-        head_dims = [int(d) for d in args.head_dims.split(",")]
-    except ValueError:
-        parser.error("--seqlens and --head-dims take comma-separated integers")
+    seqlens = positive_ints(parser, "--seqlens", args.seqlens)
+    head_dims = positive_ints(parser, "--head-dims", args.head_dims)
     if (args.tiles or args.memory or args.ceilings) and not cuda:
         parser.error("--tiles, --memory and --ceilings measure a CUDA GPU; none is visible")
     require_runnable(parser)

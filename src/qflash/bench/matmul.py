@@ -21,6 +21,7 @@ from qflash.bench.harness import (
     finish,
     graph_ms,
     measure_ceilings,
+    positive_ints,
     require_runnable,
     rich_table,
     run_as_script,
@@ -308,7 +309,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--kinds", default=None, help="--tiles: comma-separated kinds (int8 row, fp8 tensor, "
                         "fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
-    chosen = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")] if args.shapes else None
+    chosen = [tuple(positive_ints(parser, "--shapes", shape, 3)) for shape in args.shapes.split(";")] if args.shapes \
+        else None
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
     from rich.console import Console

@@ -26,6 +26,7 @@ from qflash.bench.harness import (
     finish,
     graph_ms,
     measure_ceilings,
+    positive_ints,
     require_runnable,
     rich_table,
     run_as_script,
@@ -134,13 +135,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tiles", action="store_true", help="time program sizes of the one-load paths (GPU)")
     parser.add_argument("--shape", default="256,1024,512", help="M,N,K of the accuracy product")
     args = parser.parse_args(argv)
+    m, n, k = positive_ints(parser, "--shape", args.shape, 3)
     cuda = require_runnable(parser)
     if not args.accuracy and not cuda:
         parser.error("bandwidth is measured on a CUDA GPU; on a CPU use --accuracy")
-    try:
-        m, n, k = (int(v) for v in args.shape.split(","))
-    except ValueError:
-        parser.error("--shape takes three comma-separated integers M,N,K")
     from rich.console import Console
 
     console = Console()
