@@ -99,11 +99,15 @@ def test_bad_command_and_flag():
     assert r.returncode != 0 and "unknown op 'softmax'" in r.stderr
     r = qflash("bench", "attention", "--providers", "qflash,nope")
     assert r.returncode == 2 and "unknown provider" in r.stderr
-    for bench, option, bad in [("attention", "--seqlens", "a,b"), ("attention", "--head-dims", "64,-1"),
-                               ("matmul", "--shapes", "1,2"), ("matmul", "--shapes", "64,64,64;a,b,c"),
-                               ("quantize", "--shape", "8,8,0")]:
-        r = qflash("bench", bench, option, bad)
-        assert r.returncode == 2 and f"{option} takes" in r.stderr and "positive integers" in r.stderr, (option, bad)
+    for command, option, bad in [(("bench", "attention"), "--seqlens", "a,b"),
+                                 (("bench", "attention"), "--head-dims", "64,-1"),
+                                 (("bench", "matmul"), "--shapes", "1,2"),
+                                 (("bench", "matmul"), "--shapes", "64,64,64;a,b,c"),
+                                 (("bench", "quantize"), "--shape", "8,8,0"), (("demo",), "--seqlens", "0,64"),
+                                 (("demo",), "--seqlens", "64,,128")]:
+        r = qflash(*command, option, bad)
+        assert r.returncode == 2 and f"argument {option}: takes" in r.stderr and "positive integers" in r.stderr, \
+            (option, bad, r.stderr[-300:])
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only message")

@@ -124,7 +124,7 @@ def cmd_demo(args) -> int:
     dtype = torch.float16
     heads, d = (16, 128) if cuda else (2, 64)
     default = [1024, 2048, 4096, 8192, 16384] if cuda else [128, 256, 512]
-    seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else default
+    seqlens = args.seqlens or default
     console.print(f"[bold]qflash demo[/bold] on {torch.cuda.get_device_name() if cuda else 'the CPU (Triton interpreter)'}: "
                   f"batch 1, {heads} heads, head dim {d}, float16, causal. Both sides get the same inputs.")
     how = "allocator peak" if cuda else "bytes of the tensors each creates"
@@ -308,12 +308,14 @@ def cmd_check(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qflash.bench.harness import positive_ints
+
     parser = argparse.ArgumentParser(prog="qflash", description="Exact FlashAttention and quantized kernels in Triton.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, GPU, interpreter, available kernels")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("demo", help="naive attention vs qflash: exactness, memory, speed")
-    p.add_argument("--seqlens", help="comma-separated sequence lengths")
+    p.add_argument("--seqlens", type=positive_ints(), help="comma-separated sequence lengths")
     p.add_argument("--plot", default="qflash_demo.png", help="PNG to write (memory vs N; on a GPU also speed)")
     p.add_argument("--explain", action="store_true", help="walk through the online softmax on a tiny example")
     p.set_defaults(fn=cmd_demo)

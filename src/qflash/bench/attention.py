@@ -462,8 +462,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("attention", __doc__, quick="a short run (tiny shapes on a CPU)", out="write results as JSON here (plots go beside it, same stem)")
     parser.add_argument("--providers", help=f"comma-separated, from {','.join(PROVIDERS)} "
                                             f"(default: {','.join(DEFAULT_PROVIDERS)}; on a CPU {','.join(CPU_PROVIDERS)})")
-    parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
-    parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)))
+    parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)), type=positive_ints())
+    parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)), type=positive_ints())
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
@@ -483,8 +483,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown provider(s) {unknown}; choose from {','.join(PROVIDERS)}")
-    seqlens = positive_ints(parser, "--seqlens", args.seqlens)
-    head_dims = positive_ints(parser, "--head-dims", args.head_dims)
+    seqlens, head_dims = args.seqlens, args.head_dims
     if (args.tiles or args.memory or args.ceilings) and not cuda:
         parser.error("--tiles, --memory and --ceilings measure a CUDA GPU; none is visible")
     require_runnable(parser)

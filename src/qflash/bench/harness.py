@@ -130,16 +130,22 @@ def bench_parser(op: str, doc: str, quick: str, out: str = "write results as JSO
     return parser
 
 
-def positive_ints(parser, option: str, text: str, count: Optional[int] = None) -> List[int]:
-    """The comma-separated positive integers that ``option`` was given (``count`` of them, if
-    set), or the parser's error naming the option."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values) or (count is not None and len(values) != count):
-        parser.error(f"{option} takes {f'{count} ' if count else ''}comma-separated positive integers, got {text!r}")
-    return values
+def positive_ints(count: Optional[int] = None) -> Callable[[str], List[int]]:
+    """An argparse ``type``: comma-separated positive integers (``count`` of them, if set), else
+    the parser's error, which names the option."""
+    import argparse
+
+    def parse(text: str) -> List[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or any(v < 1 for v in values) or (count is not None and len(values) != count):
+            raise argparse.ArgumentTypeError(f"takes {f'{count} ' if count else ''}comma-separated positive "
+                                             f"integers, got {text!r}")
+        return values
+
+    return parse
 
 
 def require_runnable(parser) -> bool:

@@ -300,17 +300,21 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     return rows
 
 
+def _shapes(text: str) -> List[Tuple[int, int, int]]:
+    """--shapes: M,N,K triples separated by semicolons."""
+    return [tuple(positive_ints(3)(shape)) for shape in text.split(";")]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("matmul", __doc__, quick="tiny shapes")
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
-    parser.add_argument("--shapes", default=None, help="M,N,K[;M,N,K...] instead of the default shapes")
+    parser.add_argument("--shapes", default=None, type=_shapes, help="M,N,K[;M,N,K...] instead of the default shapes")
     parser.add_argument("--providers", default=None, help="comma-separated provider names to time (default: all)")
     parser.add_argument("--kinds", default=None, help="--tiles: comma-separated kinds (int8 row, fp8 tensor, "
                         "fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
-    chosen = [tuple(positive_ints(parser, "--shapes", shape, 3)) for shape in args.shapes.split(";")] if args.shapes \
-        else None
+    chosen = args.shapes
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
     from rich.console import Console

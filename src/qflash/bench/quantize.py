@@ -133,9 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("quantize", __doc__, quick="small shapes")
     parser.add_argument("--accuracy", action="store_true", help="quantization vs kernel error table (any device)")
     parser.add_argument("--tiles", action="store_true", help="time program sizes of the one-load paths (GPU)")
-    parser.add_argument("--shape", default="256,1024,512", help="M,N,K of the accuracy product")
+    parser.add_argument("--shape", default="256,1024,512", type=positive_ints(3), help="M,N,K of the accuracy product")
     args = parser.parse_args(argv)
-    m, n, k = positive_ints(parser, "--shape", args.shape, 3)
+    m, n, k = args.shape
     cuda = require_runnable(parser)
     if not args.accuracy and not cuda:
         parser.error("bandwidth is measured on a CUDA GPU; on a CPU use --accuracy")
