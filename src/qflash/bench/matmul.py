@@ -314,7 +314,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--kinds", default=None, help="--tiles: comma-separated kinds (int8 row, fp8 tensor, "
                         "fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
-    chosen = args.shapes
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
     from rich.console import Console
@@ -324,7 +323,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiles:
         if not cuda:
             parser.error("--tiles measures a CUDA GPU; none is visible")
-        result["tiles"] = run_tiles(chosen or TILE_SHAPES, device, args.kinds.split(",") if args.kinds else None)
+        result["tiles"] = run_tiles(args.shapes or TILE_SHAPES, device, args.kinds.split(",") if args.kinds else None)
         console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "tflops_graph",
                                                    "rel_err", "error"],
                                  "qflash tile search, kernel only"))
@@ -337,8 +336,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  "transformer MLP block (up d -> hidden, GELU, down), end to end; "
                                  "sqnr_db against the bf16 block"))
     else:
-        if chosen:
-            shapes = chosen
+        if args.shapes:
+            shapes = args.shapes
         elif cuda and not args.quick:
             shapes = [(8192, 8192, 8192)] + [(m, n, k) for n, k in LLM_NK for m in LLM_M]
             result["ceilings"] = measure_ceilings()

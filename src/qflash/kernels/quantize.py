@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qflash.kernels import common
 from qflash.kernels.common import CachedLauncher, aligned_columns, cdiv, next_power_of_2, sm_count
-from qflash.reference.quantize import QMAX
+from qflash.reference.quantize import QMAX, scale_shape
 from qflash.testing import new_output
 
 MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
@@ -472,11 +472,9 @@ def new_outputs(m: int, n: int, dtype: torch.dtype, granularity: str, block_size
     column-major (``aligned_columns``: how the FP8 matmul reads them). torch.compile's fake
     quantize (``ops.quantize``) takes its shapes and strides from here too."""
     x_q = new_output((m, n), dtype=dtype, device=device)
-    shape = {"tensor": (1, 1), "row": (m, 1), "column": (1, n)}.get(granularity)
-    if shape is None:
-        shape = (cdiv(m, block_size[0]), cdiv(n, block_size[1]))
-        if block_size[0] == 1:  # activations' (1, bn) blocks
-            return x_q, aligned_columns(shape, device, new_output)
+    shape = scale_shape(m, n, granularity, block_size) or (1, 1)  # the kernels write a 2-D scale
+    if granularity == "block" and block_size[0] == 1:  # activations' (1, bn) blocks
+        return x_q, aligned_columns(shape, device, new_output)
     return x_q, new_output(shape, dtype=torch.float32, device=device)
 
 

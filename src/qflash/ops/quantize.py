@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from qflash.ops.common import debug_enabled, require_runnable, require_tensor
-from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale
+from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale, scale_shape
 
 __all__ = ["quantize", "dequantize"]
 
@@ -147,10 +147,9 @@ def dequantize(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
         raise ValueError("block_size is required with granularity='block' and only then")
     bs = _check_block(block_size) if granularity == "block" else None
     m, n = x_q.shape
-    expected = {"tensor": [(), (1,), (1, 1)], "row": [(m, 1)], "column": [(1, n)],
-                "block": [(-(-m // bs[0]), -(-n // bs[1]))] if bs else []}[granularity]
+    expected = [(), (1,), (1, 1)] if granularity == "tensor" else [scale_shape(m, n, granularity, bs)]
     if tuple(scale.shape) not in expected:
         raise ValueError(f"scale of shape {tuple(scale.shape)} does not fit granularity {granularity!r} "
-                         f"for x_q of shape {(m, n)}: expected {expected[0] if expected else '?'}")
+                         f"for x_q of shape {(m, n)}: expected {expected[0]}")
     s = scale.reshape(()) if granularity == "tensor" else scale
     return (x_q.to(torch.float32) * expand_scale(s.float(), (m, n), granularity, bs)).to(dtype)

@@ -33,7 +33,14 @@ import torch
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 GRANULARITIES = ("tensor", "row", "column", "block")
 
-__all__ = ["QMAX", "GRANULARITIES", "quantize_ref", "dequantize_ref", "expand_scale"]
+__all__ = ["QMAX", "GRANULARITIES", "quantize_ref", "dequantize_ref", "expand_scale", "scale_shape"]
+
+
+def scale_shape(m: int, n: int, granularity: str, block_size: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
+    """The scale's shape for an (m, n) input: tensor () ; row (m, 1) ; column (1, n) ; block
+    (ceil(m/bm), ceil(n/bn))."""
+    shape = {"tensor": (), "row": (m, 1), "column": (1, n)}.get(granularity)
+    return shape if shape is not None else (math.ceil(m / block_size[0]), math.ceil(n / block_size[1]))
 
 
 def expand_scale(scale: torch.Tensor, shape: Sequence[int], granularity: str,
@@ -50,10 +57,7 @@ def _group_absmax(x: torch.Tensor, granularity: str, block_size) -> torch.Tensor
     a = x.abs()
     m, n = x.shape
     if x.numel() == 0:  # no values: every group takes an all-zero group's absmax (so scale 1)
-        shape = {"tensor": (), "row": (m, 1), "column": (1, n)}.get(granularity)
-        if shape is None:
-            shape = (math.ceil(m / block_size[0]), math.ceil(n / block_size[1]))
-        return a.new_zeros(shape)
+        return a.new_zeros(scale_shape(m, n, granularity, block_size))
     if granularity == "tensor":
         return a.amax()
     if granularity == "row":
