@@ -427,7 +427,6 @@ def test_gpu_chained_launches_wait_for_the_kernel_ahead(monkeypatch):
     check_chain_eager_and_replayed(chain, check, refresh)
 
 
-
 @pytest.mark.parametrize("kind", ["int8 row", "fp8 tensor", "fp8 block"])
 def test_under_torch_compile(kind):
     """Under torch.compile (one graph) the products are the custom op qflash::scaled_matmul: the
