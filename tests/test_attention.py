@@ -222,15 +222,20 @@ def test_sdpa_causal_top_left(sq, sk):
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 3, 29, 45), (29, 45), (2, 1, 1, 45)])
-@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("kind", ["bool", "float", "float32"])
 def test_sdpa_masks(kind, mask_shape):
+    """Boolean and additive masks; an additive one may be float32 whatever the query's dtype
+    (PyTorch's rule)."""
     q = torch.randn(2, 3, 29, 32, device=DEVICE).half()
     k, v = torch.randn(2, 3, 45, 32, device=DEVICE).half(), torch.randn(2, 3, 45, 32, device=DEVICE).half()
     if kind == "bool":
         mask = torch.rand(mask_shape, device=DEVICE) > 0.4
     else:
-        mask = (torch.randn(mask_shape, device=DEVICE) * 2).half()
+        mask = torch.randn(mask_shape, device=DEVICE) * 2
+        mask = mask if kind == "float32" else mask.half()
+    before = mask.clone()
     _check_sdpa(q, k, v, attn_mask=mask)
+    assert torch.equal(mask, before) and mask.dtype == before.dtype  # the caller's mask is left as it was
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -338,7 +343,10 @@ def _bad_cases():
         (lambda: qflash.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), ValueError, "enable_gqa"),
         (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool, device=DEVICE)),
          ValueError, "does not broadcast"),
-        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(8, 4, device=DEVICE)), TypeError, "attn_mask must be bool"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(8, 4, dtype=torch.float64, device=DEVICE)), TypeError,
+         "attn_mask must be bool, torch.float32 or torch.float16"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(8, 4, dtype=torch.int64, device=DEVICE)), TypeError,
+         "attn_mask must be bool"),
         (lambda: qflash.sdpa(q, q, q, is_causal=True, attn_mask=torch.ones(8, 4, dtype=torch.bool, device=DEVICE)),
          ValueError, "either attn_mask or is_causal"),
         (lambda: qflash.flash_attn_qkvpacked_func(q), ValueError, "qkv must have shape"),

@@ -42,8 +42,8 @@ def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
     ref = _grads(lambda *a: ref_fn(*a, upcast=True), ref_inputs, dout.double())
     pt_inputs = [t.detach().clone().requires_grad_() for t in inputs]
     pt = _grads(lambda *a: ref_fn(*a, upcast=False), pt_inputs, dout)
-    for name, g, r, p in zip(("q", "k", "v", "attn_mask"), got, ref, pt):
-        assert g.shape == r.shape and g.dtype == dtype
+    for name, g, r, p, t in zip(("q", "k", "v", "attn_mask"), got, ref, pt, inputs):
+        assert g.shape == r.shape and g.dtype == t.dtype
         # In float64, PyTorch's "same precision" gradients are the reference itself (error 0), so
         # the bound is the rounding of sums as long as the longest axis: 64 sqrt(n) steps of max |ref|
         # (1e-13 relative; a real bug, such as an lse rounded to float32, is off by 1e-8).
@@ -153,12 +153,14 @@ def test_sdpa(mask):
     check_grads(lambda q, k, v: qflash.sdpa(q, k, v, **kw), ref, inputs)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("mask_shape,hkv", [((2, 1, 29, 45), 3), ((29, 45), 1), ((2, 3, 29, 45), 3)])
-def test_sdpa_float_mask_gets_its_gradient(mask_shape, hkv):
+def test_sdpa_float_mask_gets_its_gradient(mask_shape, hkv, mask_dtype):
     """A float attn_mask that requires grad (a learned bias) gets dL/dscores, summed over the
-    dimensions it was broadcast along (batch, heads); GQA; ragged lengths."""
+    dimensions it was broadcast along (batch, heads); GQA; ragged lengths; a float32 mask beside
+    float16 queries gets a float32 gradient."""
     q, k, v = _leaves((2, 3, 29, 32), (2, hkv, 45, 32), (2, hkv, 45, 32), dtype=torch.float16)
-    mask = (torch.randn(mask_shape, device=DEVICE) * 2).half().requires_grad_()
+    mask = (torch.randn(mask_shape, device=DEVICE) * 2).to(mask_dtype).requires_grad_()
     check_grads(lambda q, k, v, m: qflash.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
                 lambda q, k, v, m, upcast: sdpa_ref(q, k, v, attn_mask=m, enable_gqa=True, upcast=upcast),
                 [q, k, v, mask])
@@ -344,12 +346,14 @@ def test_gpu_sweep(dtype, d, causal, sq, sk):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_gpu_sdpa_mask_gradient(dtype):
+@pytest.mark.parametrize("dtype,mask_dtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float64, torch.float64), (torch.bfloat16, torch.float32)])
+def test_gpu_sdpa_mask_gradient(dtype, mask_dtype):
     """A learned float mask's gradient on the GPU, broadcast over batch and heads, ragged lengths,
-    GQA (float64: also the boolean-mask change's neighbour, an additive mask in float64)."""
+    GQA (float64: also the boolean-mask change's neighbour, an additive mask in float64; a
+    float32 mask beside bfloat16 queries, as PyTorch takes)."""
     q, k, v = _leaves((2, 8, 1000, 64), (2, 2, 1100, 64), (2, 2, 1100, 64), dtype=dtype)
-    mask = (torch.randn(1000, 1100, device="cuda") * 2).to(dtype).requires_grad_()
+    mask = (torch.randn(1000, 1100, device="cuda") * 2).to(mask_dtype).requires_grad_()
     check_grads(lambda q, k, v, m: qflash.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
                 lambda q, k, v, m, upcast: sdpa_ref(q, k, v, attn_mask=m, enable_gqa=True, upcast=upcast),
                 [q, k, v, mask])

@@ -535,9 +535,9 @@ def sdpa(
     Args:
         query: (batch, heads, seqlen_q, headdim) or (heads, seqlen_q, headdim).
         key, value: (batch, heads_kv, seqlen_k, headdim), same leading dims.
-        attn_mask: boolean (True = take part in attention) or additive float of
-            query's dtype, broadcastable to (batch, heads, seqlen_q, seqlen_k). A float mask
-            that requires grad (a learned bias) gets its gradient.
+        attn_mask: boolean (True = take part in attention) or additive float, of float32 or
+            query's dtype (as PyTorch), broadcastable to (batch, heads, seqlen_q, seqlen_k). A
+            float mask that requires grad (a learned bias) gets its gradient, in its own dtype.
         is_causal: top-left causal mask (query i sees keys j <= i); exclusive with attn_mask.
         scale: defaults to 1 / sqrt(headdim).
         enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
@@ -567,8 +567,10 @@ def sdpa(
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-            raise TypeError(f"attn_mask must be bool or {query.dtype} (query's dtype), got {attn_mask.dtype}")
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+            # PyTorch's rule: a float32 mask goes with any query (the kernel adds it in float32).
+            raise TypeError(f"attn_mask must be bool, torch.float32 or {query.dtype} (query's dtype), "
+                            f"got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
         if attn_mask.dtype == torch.bool and query.dtype == torch.float64:
