@@ -64,6 +64,27 @@ def test_quantize_model_and_state_dict_round_trip(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantize_model_replaces_a_shared_layer_everywhere(mode):
+    """One nn.Linear registered under two names (a shared layer): every place gets the same
+    quantized layer (the second place used to keep the float layer), and a skipped place keeps it."""
+    torch.manual_seed(0)
+    shared = nn.Linear(128, 128).to(DEVICE)
+    model = nn.Sequential(shared, nn.GELU(), shared, nn.GELU(), shared).to(DEVICE)
+    x = torch.randn(6, 128, device=DEVICE)
+    quantize_model(model, mode)
+    assert isinstance(model[0], QuantizedLinear) and model[0] is model[2] is model[4]
+    with torch.no_grad():
+        q = QuantizedLinear.from_linear(shared, mode)
+        h = q(x)
+        expected = q(nn.functional.gelu(q(nn.functional.gelu(h))))
+        assert torch.equal(model(x), expected)
+    tree = nn.Module()
+    tree.a, tree.b = nn.Sequential(shared), nn.Sequential(nn.GELU(), shared)
+    quantize_model(tree, mode, skip=["b.1"])
+    assert isinstance(tree.a[0], QuantizedLinear) and tree.b[1] is shared
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_quantize_model_of_one_linear_returns_the_layer(mode):
     """A model that is itself an nn.Linear cannot be changed in place: the quantized layer comes
     back (it used to fail on setattr(model, "", ...))."""

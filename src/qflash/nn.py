@@ -128,14 +128,16 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
     in place: use what is returned).
 
     ``skip`` lists module names (as in ``named_modules``) to leave alone, e.g. ``["lm_head"]``.
-    A subclass of ``nn.Linear`` with a forward of its own (LoRA wrappers and the like)
-    cannot be replaced faithfully: it raises, naming the layer, unless skipped.
+    One layer registered under several names (a shared layer) becomes one quantized layer in every
+    place that is not skipped. A subclass of ``nn.Linear`` with a forward of its own (LoRA wrappers
+    and the like) cannot be replaced faithfully: it raises, naming the layer, unless skipped.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     skip = set(skip)
     targets = []
-    for name, module in model.named_modules():
+    # Every name, not only a module's first one: a layer shared by two parents has a place in each.
+    for name, module in model.named_modules(remove_duplicate=False):
         if name in skip or not isinstance(module, nn.Linear):
             continue
         if type(module) not in _PLAIN_LINEARS:
@@ -143,11 +145,13 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
                             f"with its own behaviour; qflash replaces plain nn.Linear only (pass skip=[{name!r}])")
         if not module.weight.is_floating_point():
             raise TypeError(f"quantize_model: layer {name!r} has a {module.weight.dtype} weight; expected floats")
-        targets.append(name)
-    if targets == [""]:  # the model is one nn.Linear
+        targets.append((name, module))
+    if [name for name, _ in targets] == [""]:  # the model is one nn.Linear
         return QuantizedLinear.from_linear(model, mode)
-    for name in targets:
+    quantized = {}  # id of a float layer -> its quantized layer, made once however often it is shared
+    for name, module in targets:
+        if id(module) not in quantized:
+            quantized[id(module)] = QuantizedLinear.from_linear(module, mode)
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear.from_linear(getattr(parent, child), mode))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized[id(module)])
     return model
