@@ -153,6 +153,12 @@ def _time_row(name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, m: i
                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}", **extra)
 
 
+def provider_names(device: str) -> List[str]:
+    """The names ``run`` can time on ``device`` (they depend on the device, not on the shape)."""
+    a = torch.randn(16, 128, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    return list(_providers(a, a))
+
+
 def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict]:
     rows = []
     for m, n, k in shapes:
@@ -194,6 +200,10 @@ MATMUL_TILE_GRID = [
     (64, 64, 128, 4, 6, 8, False, False, 2, False, False), (64, 128, 128, 8, 4, 8, False, False, 4, False, False),
 ]
 TILE_SHAPES = [(8192, 8192, 8192), (1024, 6144, 4096), (128, 28672, 4096), (16, 4096, 4096)]
+# --tiles: kind -> (quantized dtype, scales, A's block, B's block)
+TILE_KINDS = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (torch.float8_e4m3fn, "tensor", None, None),
+              "fp8 row": (torch.float8_e4m3fn, "row", None, None),
+              "fp8 block": (torch.float8_e4m3fn, "block", (1, 128), (128, 128))}
 
 
 def run_tiles(shapes, device: str, kinds: Optional[List[str]] = None) -> List[dict]:
@@ -202,15 +212,12 @@ def run_tiles(shapes, device: str, kinds: Optional[List[str]] = None) -> List[di
     import qflash
     from qflash.kernels.matmul import MatmulConfig, config_problem, scaled_matmul
 
-    f8 = torch.float8_e4m3fn
-    all_kinds = {"int8 row": (torch.int8, "row", None, None), "fp8 tensor": (f8, "tensor", None, None),
-             "fp8 row": (f8, "row", None, None), "fp8 block": (f8, "block", (1, 128), (128, 128))}
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         ref = a.float() @ b.float().T
-        for kind, (dtype, scales, block_a, block_b) in all_kinds.items():
+        for kind, (dtype, scales, block_a, block_b) in TILE_KINDS.items():
             if kinds and kind not in kinds:
                 continue
             a_q, a_s = qflash.quantize(a, dtype, scales, block_a)
@@ -300,6 +307,11 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     return rows
 
 
+def _names(text: str) -> List[str]:
+    """--providers, --kinds: comma-separated names (they hold spaces: quote them)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def _shapes(text: str) -> List[Tuple[int, int, int]]:
     """--shapes: M,N,K triples separated by semicolons."""
     return [tuple(positive_ints(3)(shape)) for shape in text.split(";")]
@@ -310,12 +322,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--shapes", default=None, type=_shapes, help="M,N,K[;M,N,K...] instead of the default shapes")
-    parser.add_argument("--providers", default=None, help="comma-separated provider names to time (default: all)")
-    parser.add_argument("--kinds", default=None, help="--tiles: comma-separated kinds (int8 row, fp8 tensor, "
-                        "fp8 row, fp8 block; default: all)")
+    parser.add_argument("--providers", default=None, type=_names,
+                        help="comma-separated provider names to time (default: all)")
+    parser.add_argument("--kinds", default=None, type=_names, help="--tiles: comma-separated kinds (int8 row, "
+                        "fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
+    # An unknown name would leave its rows out silently: refuse it, listing the names there are.
+    for option, names, known in (("--providers", args.providers, provider_names),
+                                 ("--kinds", args.kinds, lambda _: list(TILE_KINDS))):
+        choices = known(device) if names else []
+        unknown = [name for name in names or () if name not in choices]
+        if unknown:
+            parser.error(f"argument {option}: unknown name(s) {unknown}; choose from {', '.join(choices)}")
     from rich.console import Console
 
     console = Console()
@@ -323,7 +343,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tiles:
         if not cuda:
             parser.error("--tiles measures a CUDA GPU; none is visible")
-        result["tiles"] = run_tiles(args.shapes or TILE_SHAPES, device, args.kinds.split(",") if args.kinds else None)
+        result["tiles"] = run_tiles(args.shapes or TILE_SHAPES, device, args.kinds)
         console.print(rich_table(result["tiles"], ["provider", "m", "n", "k", "config", "tflops", "tflops_graph",
                                                    "rel_err", "error"],
                                  "qflash tile search, kernel only"))
@@ -343,7 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["ceilings"] = measure_ceilings()
         else:
             shapes = [(33, 64, 256)]
-        result["rows"] = run(shapes, device, args.providers.split(",") if args.providers else None)
+        result["rows"] = run(shapes, device, args.providers)
         result["ratios"] = ratio_rows(result["rows"])
         result["ratios_graph"] = ratio_rows(result["rows"], "ms_graph")
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "tflops_graph", "ms", "rel_err",
