@@ -64,6 +64,10 @@ def test_bench_quick_json(tmp_path):
         if row["error"] is None:
             assert row["check"] == "ok" and row["ms"] > 0 and row["tflops"] > 0
     assert (tmp_path / "bench.png").exists()
+    # --quick picks short lists only for what the command line leaves unsaid (it used to override them)
+    r = qflash("bench", "attention", "--quick", "--seqlens", "48", "--providers", "qflash", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert {row["seqlen"] for row in json.loads(out.read_text())["rows"]} == {48}
 
 
 def test_bench_matmul_and_quantize_quick(tmp_path):

@@ -41,6 +41,8 @@ from qflash.bench.harness import (
 
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 DEFAULT_HEAD_DIMS = [64, 128, 256]
+QUICK_SEQLENS = {True: [1024, 4096], False: [32, 64]}  # --quick, on a GPU or not
+QUICK_HEAD_DIMS = {True: [128], False: [32]}
 DEFAULT_PROVIDERS = ["qflash", "sdpa_cudnn", "sdpa_flash"]
 CPU_PROVIDERS = ["qflash", "sdpa_math", "naive"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -462,8 +464,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = bench_parser("attention", __doc__, quick="a short run (tiny shapes on a CPU)", out="write results as JSON here (plots go beside it, same stem)")
     parser.add_argument("--providers", help=f"comma-separated, from {','.join(PROVIDERS)} "
                                             f"(default: {','.join(DEFAULT_PROVIDERS)}; on a CPU {','.join(CPU_PROVIDERS)})")
-    parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)), type=positive_ints())
-    parser.add_argument("--head-dims", default=",".join(map(str, DEFAULT_HEAD_DIMS)), type=positive_ints())
+    listed = lambda values: ",".join(map(str, values))  # noqa: E731
+    for option, default, quick in (("--seqlens", DEFAULT_SEQLENS, QUICK_SEQLENS),
+                                   ("--head-dims", DEFAULT_HEAD_DIMS, QUICK_HEAD_DIMS)):
+        parser.add_argument(option, type=positive_ints(), help=f"comma-separated (default: {listed(default)}; "
+                            f"--quick: {listed(quick[True])}, on a CPU {listed(quick[False])})")
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
@@ -483,18 +488,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown provider(s) {unknown}; choose from {','.join(PROVIDERS)}")
-    seqlens, head_dims = args.seqlens, args.head_dims
+    # --quick picks short lists, for what the command line leaves unsaid
+    seqlens = args.seqlens or (QUICK_SEQLENS[cuda] if args.quick else DEFAULT_SEQLENS)
+    head_dims = args.head_dims or (QUICK_HEAD_DIMS[cuda] if args.quick else DEFAULT_HEAD_DIMS)
     if (args.tiles or args.memory or args.ceilings) and not cuda:
         parser.error("--tiles, --memory and --ceilings measure a CUDA GPU; none is visible")
     require_runnable(parser)
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     dtype = DTYPES[args.dtype]
     if cuda:
-        shapes = list(fa_shapes([1024, 4096] if args.quick else seqlens, [128] if args.quick else head_dims))
+        shapes = list(fa_shapes(seqlens, head_dims))
     else:  # the interpreter: tiny shapes, only to exercise the benchmark itself
         dtype = torch.float16
-        shapes = list(fa_shapes([32, 64] if args.quick else seqlens, [32] if args.quick else head_dims,
-                                total_tokens=128, hidden=64))
+        shapes = list(fa_shapes(seqlens, head_dims, total_tokens=128, hidden=64))
 
     from rich.console import Console
     from rich.progress import Progress
