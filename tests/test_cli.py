@@ -36,6 +36,36 @@ def test_demo_small(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_demo_leaves_out_naive_attention_where_it_does_not_fit(monkeypatch, capsys, tmp_path):
+    """Where naive attention's N x N tensors need more than the free memory, the demo says so and
+    shows qflash's row (it used to fail inside the naive side, or the float64 reference, with a
+    traceback: `qflash demo --seqlens 100000`)."""
+    from qflash import cli
+
+    # the CPU demo's 2 heads: naive needs 3 x 2 x N^2 x 2 bytes, of which 90 % of the free may go
+    monkeypatch.setattr(cli, "_free_bytes", lambda device: 2 * 3 * 2 * 64 * 64 * 2)  # N = 64 fits, 96 does not
+    monkeypatch.setenv("COLUMNS", "200")
+    png = tmp_path / "demo.png"
+    assert cli.main(["demo", "--seqlens", "64,96", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip(" │").startswith(("64 ", "96 "))]
+    assert len(rows) == 2 and "needs" not in rows[0] and "needs ~" in rows[1] and "more than is free" in rows[1]
+    assert rows[1].count("e-0") == 1  # qflash's error, measured; naive's is "-"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_reference_in_blocks_of_rows_is_the_one_piece():
+    """The demo's float64 reference, a block of query rows at a time (so that it fits at any N),
+    gives the numbers of attention_ref in one piece."""
+    from qflash import cli
+    from qflash.reference import attention_ref
+
+    q, k, v = (torch.randn(1, 37, 2, 8, dtype=torch.float16) for _ in range(3))
+    whole = attention_ref(q.double(), k.double(), v.double(), causal=True)[0]
+    for budget in (1, 2 * 4 * 2 * 37 * 8 * 5, 2**30):  # a row, five rows, everything at a time
+        torch.testing.assert_close(cli._reference(q, k, v, budget=budget), whole, rtol=1e-15, atol=1e-15)
+
+
 def test_demo_explain():
     r = qflash("demo", "--explain")
     assert r.returncode == 0, r.stderr

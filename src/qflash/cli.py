@@ -112,10 +112,6 @@ def cmd_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    import qflash
-    from qflash.reference import attention_ref
-    from qflash.testing import max_abs_err
-
     console = Console()
     if args.explain:
         return _explain(console)
@@ -135,23 +131,16 @@ def cmd_demo(args) -> int:
         t.add_column(c, justify="right")
     points = []
     for n in seqlens:
-        g = torch.Generator(device=device).manual_seed(n)
-        q, k, v = (torch.randn(1, n, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
-        ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=True)
-        naive_mem, flash_mem, speed = _measure(q, k, v, cuda)
-        record: list = []
-        naive = _naive_attention(q, k, v, record)
-        out = qflash.flash_attn_func(q, k, v, causal=True)
-        if not cuda:
-            naive_mem = sum(x.numel() * x.element_size() for x in record)
-            flash_mem = out.numel() * out.element_size() + heads * n * 4  # output + lse, all it allocates
-        del record
-        row = dict(n=n, naive_err=max_abs_err(naive, ref), flash_err=max_abs_err(out, ref),
-                   naive_mem=naive_mem, flash_mem=flash_mem, **speed)
+        row = _demo_point(n, heads, d, dtype, device)
         points.append(row)
-        cells = [str(n), f"{row['naive_err']:.2e}", f"{row['flash_err']:.2e}", _mb(naive_mem), _mb(flash_mem)]
+        if row["naive_err"] is None:  # naive attention's N x N tensors do not fit here
+            naive_cells = ["-", f"needs ~{_mb(row['naive_mem'])}, more than is free"] + (["-"] if cuda else [])
+        else:
+            naive_cells = [f"{row['naive_err']:.2e}", _mb(row["naive_mem"])]
+            naive_cells += [f"{row['naive_tflops']:.0f}"] if cuda else []
+        cells = [str(n), naive_cells[0], f"{row['flash_err']:.2e}", naive_cells[1], _mb(row["flash_mem"])]
         if cuda:
-            cells += [f"{speed['naive_tflops']:.0f}", f"{speed['flash_tflops']:.0f}"]
+            cells += [naive_cells[2], f"{row['flash_tflops']:.0f}"]
         t.add_row(*cells)
     console.print(t)
 
@@ -164,6 +153,97 @@ def cmd_demo(args) -> int:
     if args.plot:
         console.print(f"wrote {_demo_plot(points, heads, d, cuda, args.plot)}")
     return 0
+
+
+# naive attention holds up to three N x N tensors a head at once (scores, scaled or masked scores,
+# probabilities); the estimate of what it needs, against the free memory
+NAIVE_SQUARES = 3
+
+
+def _demo_point(n: int, heads: int, d: int, dtype, device: str) -> dict:
+    """One row of the demo: both sides' error against float64, memory and (on a GPU) speed. Naive
+    attention runs only where its N x N tensors fit in the free memory (it is left out, with the
+    bytes it would need, where they do not); qflash runs at any N."""
+    import torch
+
+    import qflash
+    from qflash.testing import max_abs_err
+
+    cuda = device == "cuda"
+    g = torch.Generator(device=device).manual_seed(n)
+    q, k, v = (torch.randn(1, n, heads, d, device=device, generator=g).to(dtype) for _ in range(3))
+    ref = _reference(q, k, v)
+    naive_bytes = NAIVE_SQUARES * heads * n * n * q.element_size()
+    free = _free_bytes(device)
+    naive_fits = free is None or naive_bytes < 0.9 * free
+    row = dict(n=n, naive_err=None, naive_mem=naive_bytes, naive_tflops=None)
+    if naive_fits:
+        try:
+            naive_mem, flash_mem, speed = _measure(q, k, v, cuda)
+            record: list = []
+            naive = _naive_attention(q, k, v, record)
+            if not cuda:
+                naive_mem = sum(x.numel() * x.element_size() for x in record)
+            del record
+            row.update(naive_err=max_abs_err(naive, ref), naive_mem=naive_mem, **speed)
+            del naive
+        except torch.OutOfMemoryError:  # the estimate fell short (fragmentation): as if it did not fit
+            naive_fits = False
+    if not naive_fits and cuda:
+        torch.cuda.empty_cache()  # what a naive attempt that ran out left in the allocator's cache
+        flash_mem, tflops = _measure_flash(q, k, v)
+        row.update(flash_tflops=tflops)
+    out = qflash.flash_attn_func(q, k, v, causal=True)
+    if not cuda:
+        flash_mem = out.numel() * out.element_size() + heads * n * 4  # output + lse, all it allocates
+    row.update(flash_err=max_abs_err(out, ref), flash_mem=flash_mem)
+    return row
+
+
+def _free_bytes(device: str):
+    """Free memory on ``device`` in bytes, or None where this platform does not say."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not Linux
+        return None
+
+
+def _reference(q, k, v, budget: int = 2**30):
+    """Causal attention in float64, a block of query rows at a time so that it fits at any N: rows
+    i0..i1 see keys 0..i1 (bottom-right alignment puts row i0 + t on key i0 + t), the same numbers
+    as in one piece."""
+    import torch
+
+    from qflash.reference import attention_ref
+
+    n, heads = q.shape[1], q.shape[2]
+    rows = max(1, budget // (4 * heads * n * 8))  # scores, probabilities and their temporaries in float64
+    return torch.cat([attention_ref(q[:, i:i + rows].double(), k[:, :i + rows].double(), v[:, :i + rows].double(),
+                                    causal=True)[0] for i in range(0, n, rows)], dim=1)
+
+
+def _measure_flash(q, k, v):
+    """qflash alone on a GPU: the allocator's peak and TFLOP/s."""
+    import torch
+    import triton
+
+    import qflash
+
+    fn = lambda: qflash.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    n, heads, d = q.shape[1], q.shape[2], q.shape[3]
+    return peak, 4 * heads * n * n * d / 2 / triton.testing.do_bench(fn) / 1e9
 
 
 def _measure(q, k, v, cuda: bool):
@@ -202,7 +282,8 @@ def _demo_plot(points, heads, d, cuda, path):
     fig, axes = plt.subplots(1, 2 if cuda else 1, figsize=(11 if cuda else 6, 4), squeeze=False)
     ax = axes[0, 0]
     ns = np.array([p["n"] for p in points])
-    ax.plot(ns, [p["naive_mem"] / 2**20 for p in points], "o", color="C1", label="naive, measured")
+    ran = [p for p in points if p["naive_err"] is not None]  # where naive attention fitted
+    ax.plot([p["n"] for p in ran], [p["naive_mem"] / 2**20 for p in ran], "o", color="C1", label="naive, measured")
     ax.plot(ns, [p["flash_mem"] / 2**20 for p in points], "o", color="C0", label="qflash, measured")
     grid = np.logspace(np.log2(ns.min()), 17, 50, base=2)
     ax.plot(grid, 2 * heads * grid**2 * 2 / 2**20, "--", color="C1", label="naive: 2 x H x N^2 x 2 bytes")
@@ -216,7 +297,7 @@ def _demo_plot(points, heads, d, cuda, path):
     ax.grid(alpha=0.3)
     if cuda:
         ax = axes[0, 1]
-        ax.plot(ns, [p["naive_tflops"] for p in points], "o-", color="C1", label="naive (PyTorch ops)")
+        ax.plot([p["n"] for p in ran], [p["naive_tflops"] for p in ran], "o-", color="C1", label="naive (PyTorch ops)")
         ax.plot(ns, [p["flash_tflops"] for p in points], "o-", color="C0", label="qflash")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="sequence length N", ylabel="TFLOP/s (causal, 2 x H x N^2 x D)", title="speed")
