@@ -42,8 +42,9 @@ def test_demo_leaves_out_naive_attention_where_it_does_not_fit(monkeypatch, caps
     traceback: `qflash demo --seqlens 100000`)."""
     from qflash import cli
 
-    # the CPU demo's 2 heads: naive needs 3 x 2 x N^2 x 2 bytes, of which 90 % of the free may go
-    monkeypatch.setattr(cli, "_free_bytes", lambda device: 2 * 3 * 2 * 64 * 64 * 2)  # N = 64 fits, 96 does not
+    # naive needs 3 x heads x N^2 x 2 bytes, which may take 90 % of the free memory: N = 64 fits, 96 does not
+    heads = cli.DEMO_HEADS_DIM[torch.cuda.is_available()][0]
+    monkeypatch.setattr(cli, "_free_bytes", lambda device: 2 * cli.NAIVE_SQUARES * heads * 64 * 64 * 2)
     monkeypatch.setenv("COLUMNS", "200")
     png = tmp_path / "demo.png"
     assert cli.main(["demo", "--seqlens", "64,96", "--plot", str(png)]) == 0

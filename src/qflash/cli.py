@@ -118,7 +118,7 @@ def cmd_demo(args) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.float16
-    heads, d = (16, 128) if cuda else (2, 64)
+    heads, d = DEMO_HEADS_DIM[cuda]
     default = [1024, 2048, 4096, 8192, 16384] if cuda else [128, 256, 512]
     seqlens = args.seqlens or default
     console.print(f"[bold]qflash demo[/bold] on {torch.cuda.get_device_name() if cuda else 'the CPU (Triton interpreter)'}: "
@@ -155,6 +155,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
+DEMO_HEADS_DIM = {True: (16, 128), False: (2, 64)}  # on a GPU or not: heads, head dim
 # naive attention holds up to three N x N tensors a head at once (scores, scaled or masked scores,
 # probabilities); the estimate of what it needs, against the free memory
 NAIVE_SQUARES = 3
