@@ -29,11 +29,10 @@ from qflash.bench.harness import (
 )
 
 # (N, K) of the Llama-3 projections by name, the eight of both models (q/k/v fused, o, gate/up
-# fused, down), which the scripts under benchmarks/ time
+# fused, down), which `qflash bench matmul` and the scripts under benchmarks/ time
 LLAMA = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
          "70B qkv": (10240, 8192), "70B o": (8192, 8192), "70B gate_up": (57344, 8192), "70B down": (8192, 28672)}
-# ... of which `qflash bench matmul` times six: 8B qkv / o / gate+up / down, then 70B o / down
-LLM_NK = [LLAMA[name] for name in ("8B qkv", "8B o", "8B gate_up", "8B down", "70B o", "70B down")]
+LLM_NK = list(LLAMA.values())
 LLM_M = [16, 128, 1024, 8192]
 
 
