@@ -293,6 +293,30 @@ def test_sdpa_gqa_and_3d():
     torch.testing.assert_close(out3, qflash.sdpa(q, k, v, enable_gqa=True, scale=0.3)[0], rtol=0, atol=0)
 
 
+def test_sdpa_takes_any_leading_dims_as_pytorch():
+    """PyTorch's (batch, ..., heads, seqlen, headdim): 5-D inputs with GQA and a mask that
+    broadcasts over a leading dim give the 4-D call's bits on the flattened inputs, PyTorch's
+    result in float64, and the mask its gradient in its own shape (5-D used to be refused)."""
+    q = torch.randn(2, 3, 4, 9, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 2, 11, 16, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.randn(3, 1, 9, 11, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    with poisoned():
+        out = qflash.sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.shape == (2, 3, 4, 9, 16)
+    assert_written(out)
+    flat = qflash.sdpa(q.reshape(6, 4, 9, 16), k.reshape(6, 2, 11, 16), v.reshape(6, 2, 11, 16),
+                       attn_mask=mask.expand(2, 3, 4, 9, 11).reshape(6, 4, 9, 11), enable_gqa=True)
+    assert torch.equal(out, flat.reshape(out.shape))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert rel_l2_err(out, ref) < 1e-12
+    grads = torch.autograd.grad(out.sum(), (q, k, v, mask))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, mask))
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape and rel_l2_err(g, r) < 1e-12
+    with pytest.raises(ValueError, match="key must have query's leading dims"):
+        qflash.sdpa(q, k[:1], v[:1], enable_gqa=True)
+
+
 def test_sdpa_matches_pytorch_function():
     q = torch.randn(1, 2, 33, 32, device=DEVICE)
     k, v = torch.randn(1, 2, 33, 32, device=DEVICE), torch.randn(1, 2, 33, 32, device=DEVICE)

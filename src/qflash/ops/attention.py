@@ -533,8 +533,9 @@ def sdpa(
     """``F.scaled_dot_product_attention`` with the same semantics, on qflash's kernel.
 
     Args:
-        query: (batch, heads, seqlen_q, headdim) or (heads, seqlen_q, headdim).
-        key, value: (batch, heads_kv, seqlen_k, headdim), same leading dims.
+        query: (batch, heads, seqlen_q, headdim), or as PyTorch (batch, ..., heads, seqlen_q,
+            headdim) with any number of leading dims (none included).
+        key, value: (batch, ..., heads_kv, seqlen_k, headdim), the same leading dims as query.
         attn_mask: boolean (True = take part in attention) or additive float, of float32 or
             query's dtype (as PyTorch), broadcastable to (batch, heads, seqlen_q, seqlen_k). A
             float mask that requires grad (a learned bias) gets its gradient, in its own dtype.
@@ -548,11 +549,8 @@ def sdpa(
         (batch, heads, seqlen_q, headdim) in query's dtype. One difference from PyTorch:
         a row whose keys are all masked gives 0 instead of NaN.
     """
-    squeeze = False
-    if isinstance(query, torch.Tensor) and query.dim() == 3:
-        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dim() == value.dim() == 3):
-            raise ValueError("key and value must be 3-D when query is 3-D")
-        query, key, value, squeeze = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), True
+    if isinstance(query, torch.Tensor) and query.dim() != 4 and query.dim() >= 3:
+        return _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
@@ -590,5 +588,26 @@ def sdpa(
         q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, _check_softcap(softcap), None, bias, None,
         None, seqlen_q, seqlen_k, *_dropout(dropout_p), False,
     )
-    out = out.transpose(1, 2)
-    return out.squeeze(0) if squeeze else out
+    return out.transpose(1, 2)
+
+
+def _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+    """``sdpa`` of (..., heads, seqlen, headdim) inputs other than 4-D: their leading dims as one
+    batch (views where the strides allow), the mask expanded over them, the output shaped back."""
+    lead = query.shape[:-3]
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.shape[:-3] != lead or t.dim() != query.dim():
+            raise ValueError(f"{name} must have query's leading dims {tuple(lead)} before (heads, seqlen, headdim), "
+                             f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() > 3:  # it reaches into the leading dims
+        heads, seqlen_q, seqlen_k = query.shape[-3], query.shape[-2], key.shape[-2]
+        try:
+            attn_mask = attn_mask.expand(*lead, heads, seqlen_q, seqlen_k)
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"{(*lead, heads, seqlen_q, seqlen_k)}") from None
+        attn_mask = attn_mask.reshape(-1, heads, seqlen_q, seqlen_k)  # a copy only where its strides do not merge
+    out = sdpa(*flat, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+               enable_gqa=enable_gqa, softcap=softcap)
+    return out.reshape(*lead, *out.shape[-3:])
