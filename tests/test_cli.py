@@ -139,6 +139,8 @@ def test_bad_command_and_flag():
     assert r.returncode == 2 and "argument --providers: unknown name(s) ['nope']" in r.stderr and "bf16 matmul" in r.stderr
     r = qflash("bench", "matmul", "--tiles", "--kinds", "fp8 tensor,int4")
     assert r.returncode == 2 and "argument --kinds: unknown name(s) ['int4']; choose from int8 row" in r.stderr
+    r = qflash("bench", "attention", "--tiles", "--backward", "--vary", "dq,dv")
+    assert r.returncode == 2 and "argument --vary: unknown name(s) ['dv']; choose from dq, dkdv" in r.stderr
     for command, option, bad in [(("bench", "attention"), "--seqlens", "a,b"),
                                  (("bench", "attention"), "--head-dims", "64,-1"),
                                  (("bench", "matmul"), "--shapes", "1,2"),

@@ -29,6 +29,7 @@ from qflash.bench.harness import (
     fmt,
     graph_ms,
     measure_ceilings,
+    names_from,
     plot_lines,
     plot_roofline,
     positive_ints,
@@ -473,7 +474,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backward", action="store_true", help="time the backward pass (FLOPs: 2.5 x forward)")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
-    parser.add_argument("--vary", default="dq,dkdv",
+    parser.add_argument("--vary", default="dq,dkdv", type=names_from(("dq", "dkdv")),
                         help="with --tiles --backward: which kernel's candidates to time (dq, dkdv)")
     parser.add_argument("--graph", action="store_true",
                         help="forward: also time each call replayed from a CUDA graph (no Python launch cost)")
@@ -520,7 +521,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             progress = lambda r: (bar.advance(task), stem and save_json(args.out, result))  # noqa: E731
             if args.backward:
                 run_bwd_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"], progress=progress,
-                              vary=args.vary.split(","))
+                              vary=args.vary)
             else:
                 run_tiles(seqlens, head_dims, causals, dtype, rows=result["tiles"], progress=progress)
         else:

@@ -148,6 +148,21 @@ def positive_ints(count: Optional[int] = None) -> Callable[[str], List[int]]:
     return parse
 
 
+def names_from(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``, else the parser's
+    error, which names the option and lists them (an unknown name would otherwise select nothing)."""
+    import argparse
+
+    def parse(text: str) -> List[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"unknown name(s) {unknown or [text]}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
 def require_runnable(parser) -> bool:
     """True on CUDA; on a CPU only through ``qflash bench`` (which turns the interpreter on)."""
     import os

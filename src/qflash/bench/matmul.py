@@ -10,6 +10,7 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -21,6 +22,7 @@ from qflash.bench.harness import (
     finish,
     graph_ms,
     measure_ceilings,
+    names_from,
     positive_ints,
     require_runnable,
     rich_table,
@@ -323,18 +325,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default=None, type=_shapes, help="M,N,K[;M,N,K...] instead of the default shapes")
     parser.add_argument("--providers", default=None, type=_names,
                         help="comma-separated provider names to time (default: all)")
-    parser.add_argument("--kinds", default=None, type=_names, help="--tiles: comma-separated kinds (int8 row, "
-                        "fp8 tensor, fp8 row, fp8 block; default: all)")
+    parser.add_argument("--kinds", default=None, type=names_from(list(TILE_KINDS)),
+                        help="--tiles: comma-separated kinds (int8 row, fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
-    # An unknown name would leave its rows out silently: refuse it, listing the names there are.
-    for option, names, known in (("--providers", args.providers, provider_names),
-                                 ("--kinds", args.kinds, lambda _: list(TILE_KINDS))):
-        choices = known(device) if names else []
-        unknown = [name for name in names or () if name not in choices]
-        if unknown:
-            parser.error(f"argument {option}: unknown name(s) {unknown}; choose from {', '.join(choices)}")
+    if args.providers:  # their names depend on the device: checked once it is known (--kinds by its type)
+        try:
+            names_from(provider_names(device))(",".join(args.providers))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument --providers: {exc}")
     from rich.console import Console
 
     console = Console()
