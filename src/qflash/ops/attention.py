@@ -546,8 +546,8 @@ def sdpa(
             softcap)`` before the masks (Gemma 2's logit soft-capping), as ``flash_attn_func``.
 
     Returns:
-        (batch, heads, seqlen_q, headdim) in query's dtype. One difference from PyTorch:
-        a row whose keys are all masked gives 0 instead of NaN.
+        (batch, ..., heads, seqlen_q, headdim), query's shape, in query's dtype. One difference
+        from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
     """
     if isinstance(query, torch.Tensor) and query.dim() != 4 and query.dim() >= 3:
         return _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
