@@ -155,6 +155,17 @@ def test_sdpa_ref_gqa():
                                F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rtol=1e-12, atol=1e-12)
 
 
+def test_sdpa_ref_any_leading_dims_with_gqa():
+    """PyTorch's (batch, ..., heads, seqlen, headdim), as the public sdpa takes it: 5-D, GQA, a mask
+    broadcast over a leading dim (the GQA repeat used to assume 4-D)."""
+    q = torch.randn(2, 3, 4, 9, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 2, 11, 16, dtype=torch.float64), torch.randn(2, 3, 2, 11, 16, dtype=torch.float64)
+    mask = torch.randn(3, 1, 9, 11, dtype=torch.float64)
+    torch.testing.assert_close(sdpa_ref(q, k, v, attn_mask=mask, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("trial", range(6))
 def test_online_softmax_any_block_order(trial):
     g = torch.Generator().manual_seed(trial)

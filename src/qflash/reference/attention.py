@@ -87,12 +87,13 @@ def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, dtype=torch.f
     return -slopes[:, :, None, None] * distance  # [B or 1, H, Sq, Sk]
 
 
-def _repeat_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """(B, S, Hkv, D) -> (B, S, Hq, D): query head h reads key/value head h // (Hq / Hkv)."""
-    heads_kv = x.shape[2]
+def _repeat_kv(x: torch.Tensor, heads_q: int, dim: int = 2) -> torch.Tensor:
+    """(B, S, Hkv, D) -> (B, S, Hq, D), the heads at ``dim``: query head h reads key/value head
+    h // (Hq / Hkv)."""
+    heads_kv = x.shape[dim]
     if heads_q % heads_kv != 0:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
-    return x.repeat_interleave(heads_q // heads_kv, dim=2)
+    return x.repeat_interleave(heads_q // heads_kv, dim=dim)
 
 
 def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_mask=None):
@@ -230,7 +231,7 @@ def sdpa_ref(
 ):
     """``F.scaled_dot_product_attention`` semantics, written out.
 
-    Layout (batch, heads, seqlen, headdim); causal aligned top-left (query i sees
+    Layout (batch, ..., heads, seqlen, headdim); causal aligned top-left (query i sees
     keys j <= i); ``attn_mask`` boolean (True = attend) or additive float,
     broadcastable to (batch, heads, seqlen_q, seqlen_k). ``softcap`` > 0 (qflash's
     extension) makes the scaled scores ``softcap * tanh(scores / softcap)`` before
@@ -248,8 +249,7 @@ def sdpa_ref(
     if key.shape[-3] != heads:
         if not enable_gqa:
             raise ValueError("sdpa_ref: key heads differ from query heads and enable_gqa is False")
-        key = _repeat_kv(key.transpose(-2, -3), heads).transpose(-2, -3)
-        value = _repeat_kv(value.transpose(-2, -3), heads).transpose(-2, -3)
+        key, value = _repeat_kv(key, heads, dim=-3), _repeat_kv(value, heads, dim=-3)
     scores = (query @ key.transpose(-1, -2)) * scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
