@@ -178,26 +178,28 @@ def _demo_point(n: int, heads: int, d: int, dtype, device: str) -> dict:
     free = _free_bytes(device)
     naive_fits = free is None or naive_bytes < 0.9 * free
     row = dict(n=n, naive_err=None, naive_mem=naive_bytes, naive_tflops=None)
+    flash = lambda: qflash.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    flops = 4 * heads * n * n * d / 2  # causal
+    if cuda:
+        row["flash_mem"], row["flash_tflops"] = _peak_and_tflops(flash, flops)
     if naive_fits:
         try:
-            naive_mem, flash_mem, speed = _measure(q, k, v, cuda)
+            if cuda:
+                row["naive_mem"], row["naive_tflops"] = _peak_and_tflops(lambda: _naive_attention(q, k, v, []), flops)
             record: list = []
             naive = _naive_attention(q, k, v, record)
             if not cuda:
-                naive_mem = sum(x.numel() * x.element_size() for x in record)
+                row["naive_mem"] = sum(x.numel() * x.element_size() for x in record)
             del record
-            row.update(naive_err=max_abs_err(naive, ref), naive_mem=naive_mem, **speed)
+            row["naive_err"] = max_abs_err(naive, ref)
             del naive
         except torch.OutOfMemoryError:  # the estimate fell short (fragmentation): as if it did not fit
-            naive_fits = False
-    if not naive_fits and cuda:
-        torch.cuda.empty_cache()  # what a naive attempt that ran out left in the allocator's cache
-        flash_mem, tflops = _measure_flash(q, k, v)
-        row.update(flash_tflops=tflops)
-    out = qflash.flash_attn_func(q, k, v, causal=True)
+            row.update(naive_mem=naive_bytes, naive_tflops=None)
+            torch.cuda.empty_cache()
+    out = flash()
     if not cuda:
-        flash_mem = out.numel() * out.element_size() + heads * n * 4  # output + lse, all it allocates
-    row.update(flash_err=max_abs_err(out, ref), flash_mem=flash_mem)
+        row["flash_mem"] = out.numel() * out.element_size() + heads * n * 4  # output + lse, all it allocates
+    row["flash_err"] = max_abs_err(out, ref)
     return row
 
 
@@ -227,15 +229,12 @@ def _reference(q, k, v, budget: int = 2**30):
                                     causal=True)[0] for i in range(0, n, rows)], dim=1)
 
 
-def _measure_flash(q, k, v):
-    """qflash alone on a GPU: the allocator's peak and TFLOP/s."""
+def _peak_and_tflops(fn, flops: float):
+    """On a GPU: the allocator's peak over what was allocated before ``fn`` ran, and its TFLOP/s."""
     import torch
     import triton
 
-    import qflash
-
-    fn = lambda: qflash.flash_attn_func(q, k, v, causal=True)  # noqa: E731
-    fn()
+    fn()  # compile outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -243,34 +242,7 @@ def _measure_flash(q, k, v):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out
-    n, heads, d = q.shape[1], q.shape[2], q.shape[3]
-    return peak, 4 * heads * n * n * d / 2 / triton.testing.do_bench(fn) / 1e9
-
-
-def _measure(q, k, v, cuda: bool):
-    """On a GPU: the allocator's peak for each side and their speed; elsewhere nothing."""
-    if not cuda:
-        return 0, 0, {}
-    import torch
-    import triton
-
-    import qflash
-
-    n, heads, d = q.shape[1], q.shape[2], q.shape[3]
-    peaks = []
-    for fn in (lambda: _naive_attention(q, k, v, []), lambda: qflash.flash_attn_func(q, k, v, causal=True)):
-        fn()  # compile outside the measurement
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
-        del out
-    flops = 4 * heads * n * n * d / 2
-    ms_naive = triton.testing.do_bench(lambda: _naive_attention(q, k, v, []))
-    ms_flash = triton.testing.do_bench(lambda: qflash.flash_attn_func(q, k, v, causal=True))
-    return peaks[0], peaks[1], dict(naive_tflops=flops / ms_naive / 1e9, flash_tflops=flops / ms_flash / 1e9)
+    return peak, flops / triton.testing.do_bench(fn) / 1e9
 
 
 def _demo_plot(points, heads, d, cuda, path):

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from qflash.ops.common import require_runnable
 from qflash.ops.quantize import INPUT_DTYPES
+from qflash.reference.quantize import scale_shape
 
 __all__ = ["QuantizedLinear", "quantize_model"]
 
@@ -55,10 +56,10 @@ class QuantizedLinear(nn.Module):
         if out_dtype is not None and out_dtype not in INPUT_DTYPES:
             raise TypeError(f"out_dtype must be None (the input's), float16, bfloat16 or float32, got {out_dtype}")
         self.in_features, self.out_features, self.mode, self.out_dtype = in_features, out_features, mode, out_dtype
-        qdtype, _, block = _weight_recipe(mode)
-        scale_shape = (out_features, 1) if block is None else (-(-out_features // 128), -(-in_features // 128))
+        qdtype, granularity, block = _weight_recipe(mode)
         self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape(out_features, in_features, granularity, block),
+                                                        dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     @classmethod

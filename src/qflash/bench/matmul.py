@@ -308,11 +308,6 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     return rows
 
 
-def _names(text: str) -> List[str]:
-    """--providers, --kinds: comma-separated names (they hold spaces: quote them)."""
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
 def _shapes(text: str) -> List[Tuple[int, int, int]]:
     """--shapes: M,N,K triples separated by semicolons."""
     return [tuple(positive_ints(3)(shape)) for shape in text.split(";")]
@@ -323,16 +318,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mlp", action="store_true", help="a quantized MLP block vs bf16, end to end")
     parser.add_argument("--tiles", action="store_true", help="search qflash tile configs instead (GPU)")
     parser.add_argument("--shapes", default=None, type=_shapes, help="M,N,K[;M,N,K...] instead of the default shapes")
-    parser.add_argument("--providers", default=None, type=_names,
-                        help="comma-separated provider names to time (default: all)")
+    parser.add_argument("--providers", default=None,
+                        help="comma-separated provider names to time (they hold spaces: quote them; default: all)")
     parser.add_argument("--kinds", default=None, type=names_from(list(TILE_KINDS)),
                         help="--tiles: comma-separated kinds (int8 row, fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
-    if args.providers:  # their names depend on the device: checked once it is known (--kinds by its type)
+    if args.providers:  # their names depend on the device: parsed once it is known (--kinds by its type)
         try:
-            names_from(provider_names(device))(",".join(args.providers))
+            args.providers = names_from(provider_names(device))(args.providers)
         except argparse.ArgumentTypeError as exc:
             parser.error(f"argument --providers: {exc}")
     from rich.console import Console
