@@ -19,7 +19,7 @@ from qflash.kernels import common  # noqa: E402
 
 
 @pytest.mark.parametrize("int8,scales,block_n,stages,tma_store,split_k", [
-    (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, False, 1),
+    (True, "row", 128, 6, False, 1), (False, "tensor", 128, 6, False, 1), (False, "row", 128, 6, True, 1),
     (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4),
     (False, "block", 256, 3, True, 1), (False, "block", 128, 5, True, 1), (False, "tensor", 128, 5, True, 3),
     (False, "tensor", 64, 8, True, 2), (False, "block", 64, 8, True, 1), (True, "row", 64, 8, False, 1),
@@ -495,7 +495,8 @@ def test_tile_config_follows_the_measurements():
     64 rows (one consumer), counted by the same rules but halved whatever K (s23b, s23c); 64 x 64
     one-consumer tiles instead of 128 x 32 ones (s23c). 192 x 128 tiles of three consumers where
     their rounds are fuller than 128 x 256 ones' (per row: even 2 % less full) and C is 16-bit
-    with 16-byte aligned rows (s27c)."""
+    with 16-byte aligned rows (s27c). Six ring slots for two consumers' 128 x 128 tiles with K long:
+    per tensor up to M = 512 beside a 16-bit C, per row at M = 128, and either with K split (s43a, s43b)."""
     assert gluon.tile_config(8192, 8192, 8192, int8=False) == (128, 4, True, 1, 3)  # 0.985 against 0.970 full
     assert gluon.tile_config(8192, 8192, 8192, int8=False, c_bytes=4) == (256, 3, True, 1, 2)  # float32 C
     assert gluon.tile_config(8192, 8184, 8192, int8=False)[4] == 3
@@ -513,13 +514,23 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(1024, 6144, 4096, int8=False) == (128, 5, True, 1, 2)
     assert gluon.tile_config(1024, 10240, 8192, int8=False) == (128, 5, True, 1, 2)  # 0.81 -> 0.97
     assert gluon.tile_config(8192, 10240, 8192, int8=False) == (256, 3, True, 1, 2)  # 0.97 vs 0.995: wide
-    assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 5, True, 1, 2)  # 80 tiles: no split
+    assert gluon.tile_config(128, 10240, 8192, int8=False) == (128, 6, True, 1, 2)  # 80 tiles: no split; 6 slots
+    assert gluon.tile_config(128, 10240, 8192, int8=False, row_scales=True) == (128, 6, True, 1, 2)
+    assert gluon.tile_config(128, 10240, 8192, int8=False, c_bytes=4)[1] == 5  # float32 C: no room beside 6
+    assert gluon.tile_config(128, 10240, 8192, int8=False, block_scales=True)[1] == 5
+    # six slots per tensor up to M = 512 with K long (s43a, s43b); per row only at M = 128 or with K split
+    assert gluon.tile_config(256, 8192, 8192, int8=False) == (128, 6, True, 1, 2)
+    assert gluon.tile_config(256, 8192, 8192, int8=False, row_scales=True) == (128, 5, True, 1, 2)
+    assert gluon.tile_config(512, 6144, 4096, int8=False) == (128, 5, True, 1, 2)  # K short
+    assert gluon.tile_config(256, 4096, 14336, int8=False, row_scales=True) == (128, 6, False, 2, 2)
     # 128 tiles of 128 x 32 become 128 of 64 x 64 (one consumer): 0.90 -> 1.02 x cuBLAS (s23c)
     assert gluon.tile_config(128, 4096, 4096, int8=False) == (64, 8, True, 1, 1)
     assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 8, True, 1, 2)  # 96 tiles of 64
     assert gluon.tile_config(128, 8192, 8192, int8=False) == (64, 8, True, 1, 2)  # 128 tiles of 64
     assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, 8, True, 2, 2)  # long K: 64 tiles, 2 runs
-    assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 5, True, 2, 2)  # long K: 64 tiles of 128, 2 runs
+    # long K: 64 tiles of 128, 2 runs, 6 slots (the float32 sums then by plain stores)
+    assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 6, False, 2, 2)
+    assert gluon.tile_config(128, 8192, 28672, int8=False, block_scales=True) == (128, 5, True, 2, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1, 2)  # pairs, FMA
     assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (64, 8, True, 1, 1)

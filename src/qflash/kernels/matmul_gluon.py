@@ -605,6 +605,16 @@ BLOCK_K_GROUP = {False: 8, True: 4}  # long K?
 # M = 1024 (0.993 / 0.995, s33g), nor at M = 8192 with K under LONG_K (0.976-1.000, s33h).
 BLOCK_LONG_K_GROUP_M = 4
 BLOCK_LONG_K_GROUP_M_MIN_M = 8192
+# A sixth ring slot for two consumers' 128 x 128 tiles with tensor or row scales (6 x 32 KB beside a
+# 32 KB block of 16-bit C: 224 KB), where fewer or shorter rounds of tiles leave each CTA's bytes in
+# flight to set the pace. Six slots over five, same bits, two runs (matmul_fp8_six_slots_*_s43a.json,
+# _s43b): with K split (its float32 sums then by plain stores: no room beside six) 1.01-1.03 per tensor
+# and per row (M = 128 70B down, M = 256 8B down); no split, K from SIX_SLOT_MIN_K, per tensor 1.00-1.07
+# up to M = 512 (M = 128 70B qkv 1.07; M = 256 70B o, gate_up, down 1.01-1.05; M = 512 70B qkv, 8B down
+# 1.00-1.02) but 0.99 at M = 1024 (70B qkv); per row 1.03 at M = 128 (70B qkv), 0.95-0.99 from M = 256.
+# With K = 4096 (the 8B shapes but down) 0.96-1.01: five.
+SIX_SLOT_MIN_K = 8192
+SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -669,7 +679,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       0.97-1.00 per tensor and 0.99 per row (8B o and down), and at M = 4096 per row 0.93-1.00.
       The dispatch against 128 x 256 tiles, once each (..._dispatch_m2048_m8192_..._s27d.json):
       per tensor 0.99-1.02, per row 1.01-1.04 (x cuBLAS per row 1.005-1.049 against 0.989-1.034);
-    - 128 x 128 tiles (5 slots) below that, where wide tiles leave SMs idle (M = 128: 128-wide
+    - 128 x 128 tiles (5 slots; 6 where K is long and M small, or K split: ``SIX_SLOT_MIN_K``)
+      below that, where wide tiles leave SMs idle (M = 128: 128-wide
       tiles 1.5-1.8x faster at N = 4096-10240), and where their rounds of work fill the SMs
       better by more than a tenth (M = 1024, N = 6144: 192 wide tiles fill two rounds to 0.73,
       384 narrow ones three to 0.97; with K steps in pairs, 0.91 -> 1.03x cuBLAS per tensor,
@@ -731,7 +742,11 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if block_n == 32 and consumers == 2:  # as many 64 x 64 tiles, a fifth less to read
         block_n, consumers, stages = 64, 1, RING_STAGES[1]
         tiles = cdiv(m, SUB_M) * cdiv(n, block_n)
-    return block_n, stages[block_n], True, max(1, sms // tiles) if 2 * tiles < sms else 1, consumers
+    split_k = max(1, sms // tiles) if 2 * tiles < sms else 1
+    if (consumers == 2 and block_n == 128 and not block_scales and k >= SIX_SLOT_MIN_K
+            and (split_k > 1 or (c_bytes == 2 and m <= SIX_SLOT_MAX_M[row_scales]))):
+        return block_n, 6, split_k == 1, split_k, consumers  # a sixth slot (float32 sums by plain stores)
+    return block_n, stages[block_n], True, split_k, consumers
 
 
 def split_columns(config: tuple) -> bool:
