@@ -106,3 +106,87 @@ def test_gpu_cached_launcher_keys_loose_parameters_by_type():
         launcher[(1,)](out, 64, seed, BLOCK=64)
         assert torch.equal(out, seed + torch.arange(64, device="cuda", dtype=torch.float64)), seed
     assert len(launcher.compiled) == 2  # i32 seeds, one i64 seed
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors on a GPU other than the current one (a model spread over GPUs: transformers'
+# device_map="auto"). Triton launches on the current device and its stream; qflash's ops set the
+# device of their inputs (ops.common.on_device_of), or the kernels would launch on cuda:0's stream
+# with cuda:1's pointers.
+# ----------------------------------------------------------------------------------------------
+def _public_op(name: str):
+    """(inputs made on the CPU from the test's seed, a call of the public op on them -> tensors)."""
+    import qflash
+    from qflash.nn import QuantizedLinear
+
+    if name in ("flash_attn", "flash_attn_backward"):
+        q, k, v = (torch.randn(2, 113, 4, 72, dtype=torch.float16) for _ in range(3))
+        dout = torch.randn(2, 113, 4, 72, dtype=torch.float16)
+
+        def call(q, k, v, dout):
+            if name == "flash_attn":
+                return [qflash.flash_attn_func(q, k, v, causal=True)]
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            qflash.flash_attn_func(q, k, v, causal=True).backward(dout)
+            return [q.grad, k.grad, v.grad]
+        return [q, k, v, dout], call
+    if name == "sdpa":
+        q, k, v = (torch.randn(2, 4, 63, 64, dtype=torch.bfloat16) for _ in range(3))
+        return [q, k, v], lambda q, k, v: [qflash.sdpa(q, k, v, is_causal=True)]
+    if name == "quantize":
+        return [torch.randn(113, 256, dtype=torch.bfloat16)], lambda x: list(qflash.quantize(
+            x, torch.float8_e4m3fn, "block", block_size=(1, 128)))
+    if name in ("int8_matmul", "fp8_matmul"):
+        dtype = torch.int8 if name == "int8_matmul" else torch.float8_e4m3fn
+        a = torch.randint(-100, 100, (113, 256), dtype=torch.int8).to(dtype)
+        b = torch.randint(-100, 100, (96, 256), dtype=torch.int8).to(dtype)
+        op = getattr(qflash, name)
+        return [a, b, torch.rand(113) / 64, torch.rand(96) / 64], lambda a, b, sa, sb: [op(a, b, sa, sb)]
+    assert name == "quantized_linear"
+    linear = torch.nn.Linear(256, 96, dtype=torch.bfloat16)
+
+    def call(x):
+        with torch.cuda.device(x.device):  # the layer (offline weights) as a user would have made it
+            layer = QuantizedLinear.from_linear(linear.to(x.device), "fp8")
+        return [layer(x)]
+    return [torch.randn(113, 256, dtype=torch.bfloat16)], call
+
+
+def _late_copies(tensors, device):
+    """Copies of ``tensors`` on ``device`` whose current stream writes them only after about 0.1 s,
+    over bytes of 0x7F (NaN in float16 / float8, 127 in int8): a kernel launched on another
+    stream reads those instead."""
+    with torch.cuda.device(device):
+        sources = [t.to(device) for t in tensors]
+        copies = [torch.empty_like(s) for s in sources]
+        for c in copies:
+            c.view(torch.uint8).fill_(0x7F)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(200_000_000)
+        for c, s in zip(copies, sources):
+            c.copy_(s)
+    return copies
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (tensors on a GPU not current)")
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_backward", "sdpa", "quantize", "int8_matmul", "fp8_matmul",
+                                  "quantized_linear"])
+def test_gpu_ops_launch_on_their_inputs_gpu(name):
+    """With cuda:0 current, each public op on tensors of cuda:1 gives the bits it gives with cuda:1
+    current, in cuda:1's stream order (its inputs are written there late), and leaves cuda:0
+    current."""
+    inputs, call = _public_op(name)
+    with torch.cuda.device(1):
+        want = [_bits(t) for t in call(*[t.to("cuda:1") for t in inputs])]
+    torch.cuda.set_device(0)
+    got = call(*_late_copies(inputs, "cuda:1"))
+    assert torch.cuda.current_device() == 0
+    assert all(t.device == torch.device("cuda:1") for t in got)
+    torch.cuda.synchronize(1)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(_bits(g), w), f"output {i}"

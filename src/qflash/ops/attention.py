@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import debug_enabled, require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor
 
 __all__ = [
     "flash_attn_func",
@@ -75,9 +75,10 @@ def _attention_forward_impl(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_forward
 
-    return attention_forward(q, k, v, AttnOptions(
-        softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+    with on_device_of(q):
+        return attention_forward(q, k, v, AttnOptions(
+            softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
 
 
 def _attention_backward_impl(
@@ -106,10 +107,11 @@ def _attention_backward_impl(
     """(dq, dk, dv, dbias); dbias has no elements unless ``bias_grad`` (a custom op returns tensors)."""
     from qflash.kernels.attention import AttnOptions, attention_backward
 
-    dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, AttnOptions(
-        softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic),
-        bias_grad=bias_grad)
+    with on_device_of(q):
+        dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, AttnOptions(
+            softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic),
+            bias_grad=bias_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,3 +38,11 @@ def require_tensor(name: str, t, ndim: int, what: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")
+
+
+def on_device_of(t: torch.Tensor):
+    """A context in which t's GPU is the current CUDA device, the caller's restored after. Triton
+    launches on the current device and its current stream, not on the arguments' (flash-attn sets
+    its CUDAGuard for the same reason): a model spread over GPUs (transformers' device_map="auto")
+    calls with tensors on cuda:1 while cuda:0 is current."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from qflash.ops.common import require_runnable, require_tensor
+from qflash.ops.common import on_device_of, require_runnable, require_tensor
 
 __all__ = ["int8_matmul", "fp8_matmul"]
 
@@ -90,7 +90,8 @@ def _scaled_matmul_impl(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Ten
                         bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
     from qflash.kernels.matmul import scaled_matmul
 
-    return scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
+    with on_device_of(a_q):
+        return scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
 
 
 _scaled_matmul_op = torch.library.custom_op("qflash::scaled_matmul", mutates_args=())(_scaled_matmul_impl)

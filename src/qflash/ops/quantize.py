@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import debug_enabled, require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor
 from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale, scale_shape
 
 __all__ = ["quantize", "dequantize"]
@@ -97,7 +97,8 @@ def _quantize_impl(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_
                    scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.quantize import quantize as launch
 
-    return launch(x, dtype, granularity, None if block_size is None else tuple(block_size), static_scale=scale)
+    with on_device_of(x):
+        return launch(x, dtype, granularity, None if block_size is None else tuple(block_size), static_scale=scale)
 
 
 _quantize_op = torch.library.custom_op("qflash::quantize", mutates_args=())(_quantize_impl)
