@@ -569,8 +569,9 @@ def sdpa(
             raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
         if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
             # PyTorch's rule: a float32 mask goes with any query (the kernel adds it in float32).
-            raise TypeError(f"attn_mask must be bool, torch.float32 or {query.dtype} (query's dtype), "
-                            f"got {attn_mask.dtype}")
+            allowed = ("bool or torch.float32" if query.dtype == torch.float32
+                       else f"bool, torch.float32 or {query.dtype} (query's dtype)")
+            raise TypeError(f"attn_mask must be {allowed}, got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, expected {query.device}")
         if attn_mask.dtype == torch.bool and query.dtype == torch.float64:
