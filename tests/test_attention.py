@@ -317,6 +317,27 @@ def test_sdpa_takes_any_leading_dims_as_pytorch():
         qflash.sdpa(q, k[:1], v[:1], enable_gqa=True)
 
 
+def test_sdpa_takes_two_dims_as_pytorch():
+    """(seqlen, headdim) alone, one head (PyTorch takes it; it used to be refused): PyTorch's result
+    and gradients in float64, the mask's too, and the 3-D call's bits."""
+    q = torch.randn(9, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(11, 16, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.randn(9, 11, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    with poisoned():
+        out = qflash.sdpa(q, k, v, attn_mask=mask)
+    assert out.shape == (9, 16)
+    assert_written(out)
+    assert torch.equal(out, qflash.sdpa(q[None], k[None], v[None], attn_mask=mask)[0])
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert rel_l2_err(out, ref) < 1e-12
+    for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v, mask)), torch.autograd.grad(ref.sum(), (q, k, v, mask))):
+        assert g.shape == r.shape and rel_l2_err(g, r) < 1e-12
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_l2_err(qflash.sdpa(q, k, v, is_causal=True), causal) < 1e-12
+    with pytest.raises(ValueError, match="key must be \\(seqlen_k, headdim\\) as query is"):
+        qflash.sdpa(q, k[None], v)
+
+
 def test_sdpa_matches_pytorch_function():
     q = torch.randn(1, 2, 33, 32, device=DEVICE)
     k, v = torch.randn(1, 2, 33, 32, device=DEVICE), torch.randn(1, 2, 33, 32, device=DEVICE)

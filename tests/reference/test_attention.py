@@ -166,6 +166,15 @@ def test_sdpa_ref_any_leading_dims_with_gqa():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_sdpa_ref_two_dims():
+    """(seqlen, headdim) alone, as PyTorch takes it: one head, causal or with a mask."""
+    q, k, v = torch.randn(9, 16, dtype=F64), torch.randn(11, 16, dtype=F64), torch.randn(11, 16, dtype=F64)
+    mask = torch.randn(9, 11, dtype=F64)
+    for kw in (dict(attn_mask=mask), dict(is_causal=True)):
+        torch.testing.assert_close(sdpa_ref(q, k, v, **kw), F.scaled_dot_product_attention(q, k, v, **kw),
+                                   rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("trial", range(6))
 def test_online_softmax_any_block_order(trial):
     g = torch.Generator().manual_seed(trial)

@@ -536,7 +536,7 @@ def sdpa(
 
     Args:
         query: (batch, heads, seqlen_q, headdim), or as PyTorch (batch, ..., heads, seqlen_q,
-            headdim) with any number of leading dims (none included).
+            headdim) with any number of leading dims (none included), or (seqlen_q, headdim).
         key, value: (batch, ..., heads_kv, seqlen_k, headdim), the same leading dims as query.
         attn_mask: boolean (True = take part in attention) or additive float, of float32 or
             query's dtype (as PyTorch), broadcastable to (batch, heads, seqlen_q, seqlen_k). A
@@ -551,6 +551,13 @@ def sdpa(
         (batch, ..., heads, seqlen_q, headdim), query's shape, in query's dtype. One difference
         from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
     """
+    if isinstance(query, torch.Tensor) and query.dim() == 2:  # (seqlen, headdim): one head, as PyTorch takes it
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must be (seqlen_k, headdim) as query is (seqlen_q, headdim), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        return sdpa(query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                    softcap=softcap)[0]
     if isinstance(query, torch.Tensor) and query.dim() != 4 and query.dim() >= 3:
         return _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")

@@ -231,7 +231,7 @@ def sdpa_ref(
 ):
     """``F.scaled_dot_product_attention`` semantics, written out.
 
-    Layout (batch, ..., heads, seqlen, headdim); causal aligned top-left (query i sees
+    Layout (batch, ..., heads, seqlen, headdim) or (seqlen, headdim); causal aligned top-left (query i sees
     keys j <= i); ``attn_mask`` boolean (True = attend) or additive float,
     broadcastable to (batch, heads, seqlen_q, seqlen_k). ``softcap`` > 0 (qflash's
     extension) makes the scaled scores ``softcap * tanh(scores / softcap)`` before
@@ -240,6 +240,9 @@ def sdpa_ref(
     """
     if dropout_p != 0.0:
         raise NotImplementedError("sdpa_ref: dropout_p must be 0")
+    if query.dim() == 2:  # (seqlen, headdim): one head
+        return sdpa_ref(query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        softcap=softcap, upcast=upcast)[0]
     dtype_out = query.dtype
     if upcast and query.dtype in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
