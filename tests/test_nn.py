@@ -84,6 +84,38 @@ def test_quantize_model_replaces_a_shared_layer_everywhere(mode):
     assert isinstance(tree.a[0], QuantizedLinear) and tree.b[1] is shared
 
 
+class _AttentionBlock(nn.Module):
+    def __init__(self, dim: int = 128):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + self.ff(x)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantize_model_leaves_multihead_attention_working(mode):
+    """nn.MultiheadAttention reads out_proj's weight itself and never calls the layer: its out_proj
+    stays float (replaced, MHA failed on out_proj.weight) and the layers around it are quantized;
+    the output tracks the float block's. An nn.TransformerEncoderLayer, whose fast path reads its
+    feed-forward weights too, gets a clear error naming the layer instead of failing later."""
+    torch.manual_seed(0)
+    block = _AttentionBlock().to(DEVICE).eval()
+    x = torch.randn(2, 7, 128, device=DEVICE)
+    with torch.no_grad():
+        ref = block(x)
+    quantize_model(block, mode)
+    assert isinstance(block.ff[0], QuantizedLinear) and isinstance(block.ff[2], QuantizedLinear)
+    assert type(block.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    with torch.no_grad():
+        assert sqnr_db(block(x), ref) > 20
+    layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True).to(DEVICE)
+    with pytest.raises(TypeError, match="layer 'linear1' belongs to an nn.TransformerEncoderLayer"):
+        quantize_model(layer, mode)
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_quantize_model_of_one_linear_returns_the_layer(mode):
     """A model that is itself an nn.Linear cannot be changed in place: the quantized layer comes

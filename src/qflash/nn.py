@@ -23,7 +23,6 @@ from qflash.reference.quantize import scale_shape
 __all__ = ["QuantizedLinear", "quantize_model"]
 
 MODES = ("int8", "fp8")
-_PLAIN_LINEARS = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
 def _weight_recipe(mode: str):
@@ -132,6 +131,9 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
     One layer registered under several names (a shared layer) becomes one quantized layer in every
     place that is not skipped. A subclass of ``nn.Linear`` with a forward of its own (LoRA wrappers
     and the like) cannot be replaced faithfully: it raises, naming the layer, unless skipped.
+    ``nn.MultiheadAttention``'s ``out_proj`` stays as it is (as in ``torch.ao``'s dynamic
+    quantization): MHA reads its weight itself and never calls the layer. An
+    ``nn.TransformerEncoderLayer``'s layers raise unless skipped: its fast path reads their weights.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -141,7 +143,13 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
     for name, module in model.named_modules(remove_duplicate=False):
         if name in skip or not isinstance(module, nn.Linear):
             continue
-        if type(module) not in _PLAIN_LINEARS:
+        parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+        if isinstance(parent, nn.MultiheadAttention):  # its out_proj: MHA reads the weight, never calls it
+            continue
+        if isinstance(parent, nn.TransformerEncoderLayer):
+            raise TypeError(f"quantize_model: layer {name!r} belongs to an nn.TransformerEncoderLayer, whose inference "
+                            f"fast path reads its weight itself; qflash cannot replace it (pass skip=[{name!r}])")
+        if type(module) not in (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear):
             raise TypeError(f"quantize_model: layer {name!r} is a {type(module).__name__}, a subclass of nn.Linear "
                             f"with its own behaviour; qflash replaces plain nn.Linear only (pass skip=[{name!r}])")
         if not module.weight.is_floating_point():
