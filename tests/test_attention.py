@@ -170,7 +170,7 @@ def test_varlen(kw):
     q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
     with poisoned():
         out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                    return_attn_probs=True, **kw)
+                                                    return_attn_probs=True, block_table=None, **kw)
     assert_written(out)
     assert_written(lse)
     assert lse.shape == (4, sum(lens_q))
@@ -404,6 +404,8 @@ def _bad_cases():
         (lambda: vf(q[0], k[0], v[0], cu, cu, None, 8), TypeError, "max_seqlen_q must be an int, got None"),
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8.5, 8), TypeError, "max_seqlen_q must be an int"),
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8, -3), ValueError, "max_seqlen_k must be >= 0"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu, 8, 8, block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)),
+         NotImplementedError, "block_table \\(a paged KV cache\\) is not supported"),
     ]
 
 

@@ -447,6 +447,7 @@ def flash_attn_varlen_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
 ):
     """Attention over packed sequences, a drop-in for ``flash_attn.flash_attn_varlen_func``.
 
@@ -463,6 +464,8 @@ def flash_attn_varlen_func(
             than the value given comes out NaN; ``set_debug(True)`` checks).
         max_seqlen_k: the longest key sequence (sizes the backward pass's dK / dV grid: a
             sequence longer than it gets NaN dK and dV).
+        block_table: flash-attn's paged KV cache; only None (the keys and values packed as
+            k and v), which flash-attn's callers pass explicitly.
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
         bottom-right within each sequence; alibi_slopes may be (batch, heads)).
 
@@ -470,6 +473,9 @@ def flash_attn_varlen_func(
         out (total_q, heads, headdim), or ``(out, softmax_lse, None)`` with lse of shape
         (heads, total_q), float32.
     """
+    if block_table is not None:
+        raise NotImplementedError("block_table (a paged KV cache) is not supported: pass the keys and values "
+                                  "packed as k and v, with cu_seqlens_k")
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
     total_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[1], headdim)
