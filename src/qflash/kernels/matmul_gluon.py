@@ -611,7 +611,7 @@ BLOCK_LONG_K_GROUP_M_MIN_M = 8192
 # _s43b): with K split (its float32 sums then by plain stores: no room beside six) 1.01-1.03 per tensor
 # and per row (M = 128 70B down, M = 256 8B down); no split, K from SIX_SLOT_MIN_K, per tensor 1.00-1.07
 # up to M = 512 (M = 128 70B qkv 1.07; M = 256 70B o, gate_up, down 1.01-1.05; M = 512 70B qkv, 8B down
-# 1.00-1.02) but 0.99 at M = 1024 (70B qkv); per row 1.03 at M = 128 (70B qkv), 0.95-0.99 from M = 256.
+# 1.00-1.02) but 0.99 at M = 1024 (70B qkv); per row 1.03 at M = 128 (70B qkv), 0.94-1.00 from M = 256.
 # With K = 4096 (the 8B shapes but down) 0.96-1.01: five.
 SIX_SLOT_MIN_K = 8192
 SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
