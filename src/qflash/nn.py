@@ -143,7 +143,8 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
     for name, module in model.named_modules(remove_duplicate=False):
         if name in skip or not isinstance(module, nn.Linear):
             continue
-        parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if name else None  # None: the model is this layer
         if isinstance(parent, nn.MultiheadAttention):  # its out_proj: MHA reads the weight, never calls it
             continue
         if isinstance(parent, nn.TransformerEncoderLayer):
@@ -154,13 +155,12 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
                             f"with its own behaviour; qflash replaces plain nn.Linear only (pass skip=[{name!r}])")
         if not module.weight.is_floating_point():
             raise TypeError(f"quantize_model: layer {name!r} has a {module.weight.dtype} weight; expected floats")
-        targets.append((name, module))
-    if [name for name, _ in targets] == [""]:  # the model is one nn.Linear
+        targets.append((parent, child, module))
+    if [parent for parent, _, _ in targets] == [None]:  # the model is one nn.Linear
         return QuantizedLinear.from_linear(model, mode)
     quantized = {}  # id of a float layer -> its quantized layer, made once however often it is shared
-    for name, module in targets:
+    for parent, child, module in targets:
         if id(module) not in quantized:
             quantized[id(module)] = QuantizedLinear.from_linear(module, mode)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized[id(module)])
+        setattr(parent, child, quantized[id(module)])
     return model
