@@ -25,7 +25,8 @@ from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
 from qflash.reference.matmul import fp8_matmul_ref
 
-# block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, sN: K
+# block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, e: tensor or
+# row scales read at each item's start instead of in its epilogue, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
 # xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G; auto[G][T]: tile_config's
@@ -59,15 +60,18 @@ def variant(text):
                     **({"split_k": int(split)} if split else {}),
                     **({"consumers": int(consumers)} if consumers else {}),
                     **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?", text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(e?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?",
+                         text)
     if match is None:
-        raise SystemExit(f"a variant is auto[G][T], w[N][sM][cP][xC], or block_n x stages [t] [n] [sN] [gN] [cN] [xC] "
-                         f"[bB] [kG], got {text!r}")
-    block_n, stages, tma, split_n, split, group, consumers, ctas, bufs, k_group = match.groups()
+        raise SystemExit(f"a variant is auto[G][T], w[N][sM][cP][xC], or block_n x stages [t] [n] [e] [sN] [gN] [cN] "
+                         f"[xC] [bB] [kG], got {text!r}")
+    block_n, stages, tma, split_n, early, split, group, consumers, ctas, bufs, k_group = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if split_n:
         out["split_n"] = True
+    if early:
+        out["early_scales"] = True
     if bufs:
         out["c_bufs"] = int(bufs)
     if k_group:

@@ -186,7 +186,8 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
 @gluon.jit
 def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_base, M, N, stride_cm, stride_asm,
                  stride_bsn, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                 RAW: gl.constexpr, SWAP_AB: gl.constexpr, PENDING: gl.constexpr = 0):
+                 RAW: gl.constexpr, SWAP_AB: gl.constexpr, PENDING: gl.constexpr = 0, EARLY: gl.constexpr = False,
+                 a_early=1.0, b_early=1.0):
     """C[row0:, col0:] (acc's block) = acc * scales (+ bias) in float32, in the reference's order,
     cast to C's dtype; with RAW (split K) C is a partial sum's buffer that takes acc as it is,
     from row c_row_base + row0. With TMA_STORE the block goes out through shared memory
@@ -205,10 +206,15 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
     elif SCALES == SCALES_BLOCK:  # applied K step by K step
         out = acc.to(gl.float32)
     elif SCALES == SCALES_TENSOR:
-        out = acc.to(gl.float32) * (gl.load(AScale) * gl.load(BScale))
+        if EARLY:
+            out = acc.to(gl.float32) * a_early
+        else:
+            out = acc.to(gl.float32) * (gl.load(AScale) * gl.load(BScale))
     else:
-        a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
-        b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+        if EARLY:
+            a_s, b_s = a_early, b_early
+        else:
+            a_s, b_s = _row_scales(AScale, BScale, rows, cols, M, N, stride_asm, stride_bsn)
         if SWAP_AB:  # the user's A scale first, as the reference multiplies (INT8: the same bits)
             out = acc.to(gl.float32) * gl.expand_dims(b_s, 0) * gl.expand_dims(a_s, 1)
         else:
@@ -232,6 +238,14 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
             ptrs = C + gl.expand_dims((c_row_base + rows).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
         ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
         gl.store(ptrs, out.to(C.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _row_scales(AScale, BScale, rows, cols, M, N, stride_asm, stride_bsn):
+    """The scales of a block's rows of A and of its columns (rows of B)."""
+    a_s = gl.load(AScale + rows * stride_asm, mask=rows < M, other=0.0)
+    b_s = gl.load(BScale + cols * stride_bsn, mask=cols < N, other=0.0)
+    return a_s, b_s
 
 
 @gluon.jit
@@ -364,7 +378,8 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
 @gluon.jit
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
-                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr):
+                 TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr,
+                 EARLY_SCALES: gl.constexpr = False):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -413,9 +428,21 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
+    # Tensor or row scales read at the item's start, so that their loads run under its K steps
+    EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
+                           and not IS_INT8)
     c = 0
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+        a_early = 1.0
+        b_early = 1.0
+        if EARLY:
+            if SCALES == SCALES_TENSOR:
+                a_early = gl.load(AScale) * gl.load(BScale)
+            else:
+                early_rows = (pid_m * A_PARTS + a_part) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+                early_cols = pid_n * BN + b_part * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+                a_early, b_early = _row_scales(AScale, BScale, early_rows, early_cols, M, N, stride_asm, stride_bsn)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
             for kk in range(k_lo, k_hi):
@@ -506,7 +533,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
         else:
             RAW: gl.constexpr = SPLIT_K > 1
             _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, split * split_rows, M, N,
-                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
+                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1,
+                         EARLY, a_early, b_early)
         if WIDE:
             _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF, split * split_rows,
                          M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
@@ -525,7 +553,8 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
-                         K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False):
+                         K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False,
+                         EARLY_SCALES: gl.constexpr = False):
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -563,24 +592,24 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 4, 1],
             [160, 160, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 1], [240, 24])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [1], [24])
 
 
@@ -1096,7 +1125,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            stages: Optional[int] = None, tma_store: Optional[bool] = None, split_k: Optional[int] = None,
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
-           c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None) -> torch.Tensor:
+           c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
+           early_scales: bool = False) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1181,7 +1211,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
-        **constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4,
+        **constexprs, B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, num_warps=4,
         **{**plan.options, "launch_pdl": (common.PDL and plan.options["launch_pdl"]) if pdl is None else pdl},
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
@@ -1196,7 +1226,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True):
+                     b_sc_aligned: bool = True, early_scales: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1226,6 +1256,6 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                     B_SC_ALIGNED=b_sc_aligned)
+                     B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales)
     return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
                           **_launch_options(ctas_per_sm))
