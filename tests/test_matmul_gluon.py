@@ -181,6 +181,25 @@ def test_k_steps_in_groups_build(scales, block_n, k_group):
     assert kernel["ptx"].count(wait_one) > pairs["ptx"].count(wait_one)
 
 
+@pytest.mark.parametrize("int8,scales,block_n,swap_ab", [(False, "row", 128, False), (False, "tensor", 64, False),
+                                                      (True, "row", 64, False), (False, "row", 32, True)])
+def test_early_scales_build(int8, scales, block_n, swap_ab):
+    """Scales loaded at a work item's start (``EARLY_SCALES``): a different build with the same
+    products and the same scale loads, no serialized wgmma and no local memory (spills). (Where
+    the loads run is the GPU tests' and the timings' to show: PTX lists blocks out of order.)"""
+    def build(early):
+        return sm90_build("qflash.kernels.matmul_gluon", int8, scales, has_bias=False, block_n=block_n,
+                          stages=8 if block_n <= 64 else 5, tma_store=not swap_ab, swap_ab=swap_ab,
+                          consumers=1 if swap_ab else 2, early_scales=early)["ptx"]
+
+    late, early = build(False), build(True)
+    for ptx in (late, early):
+        assert "serialized" not in ptxas_report(ptx) and ".local" not in ptx
+    kind = "s32.s8.s8" if int8 else "f32.e4m3.e4m3"
+    assert late != early and late.count(kind) == early.count(kind) > 0
+    assert late.count("ld.global") == early.count("ld.global") > 0
+
+
 @pytest.mark.parametrize("block_n,k_group,aligned", [(128, 8, True), (128, 4, False), (64, 8, True), (256, 2, True)])
 def test_block_scales_by_bulk_copies_build(block_n, k_group, aligned):
     """Block scales come into each ring slot by 1-D bulk copies beside A and B (A's 64 rows a
@@ -340,6 +359,33 @@ def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
                                 tma_store=tma_store)
         assert_written(wide)
         assert torch.equal(wide, narrow), (block_n, stages, tma_store)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
+def test_gpu_early_scales_match(m, n, k, scales):
+    """Scales loaded at a work item's start give the bits of scales loaded in its epilogue: each
+    item's own rows and columns, ragged edges and bias included, with two consumers' 128- and
+    64-wide tiles, one consumer's 64-row tiles, columns split between two consumers, and the
+    transposed product; INT8 exact."""
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    configs = [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6, tma_store=False),
+               dict(block_n=64, stages=8, tma_store=True), dict(block_n=64, stages=8, consumers=1),
+               dict(block_n=256, split_n=True), dict(block_n=32, swap_ab=True, consumers=1)]
+    for qdtype in (torch.float8_e4m3fn, torch.int8):
+        a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
+        a_k, b_k = _kernel_scales(a_s, b_s, scales)
+        for config in configs:
+            if qdtype == torch.int8 and config.get("split_n"):
+                continue  # split columns are FP8's
+            late = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, early_scales=False, **config)
+            with poisoned():
+                early = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, early_scales=True, **config)
+            assert_written(early)
+            assert torch.equal(early, late), config
+            if qdtype == torch.int8:
+                assert torch.equal(early, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), config
 
 
 @pytest.mark.gpu
@@ -675,6 +721,20 @@ def test_plan_block_group_m():
     assert group_m(8192, long_k - 128, "block") == group_m(4096, long_k, "block") == gluon.GROUP_M
     assert group_m(8192, long_k, "tensor") == group_m(8192, long_k, "row") == gluon.GROUP_M
     assert group_m(8192, long_k, "block", 16) == 16
+
+
+def test_plan_early_scales():
+    """Row scales load at each work item's start, and a tensor's two where tiles are at most 64
+    wide (as measured); block scales come with the ring's slots; a caller's choice is kept."""
+    assert gluon.early_scales("row", 128) and gluon.early_scales("row", 256)
+    assert gluon.early_scales("tensor", 64) and gluon.early_scales("tensor", 16)
+    assert not gluon.early_scales("tensor", 128) and not gluon.early_scales("block", 64)
+
+    def early(m, n, k, scales, **kw):
+        return _default_plan(m, k, scales, n=n, **kw).constexprs["EARLY_SCALES"]
+    assert early(128, 6144, 4096, "tensor") and early(128, 10240, 8192, "row")  # 64- and 128-wide tiles
+    assert not early(128, 10240, 8192, "tensor") and early(6144, 16, 4096, "tensor", swap_ab=True)
+    assert not early(128, 10240, 8192, "row", early=False) and early(128, 10240, 8192, "tensor", early=True)
 
 
 def test_programmatic_dependent_launch_where_measured():

@@ -44,7 +44,8 @@ halves that take turns with one partial; a narrower tile takes its K steps in gr
 block scales eights, or fours at long K) with two partials, so that its own next product runs while
 it adds each partial but a group's last. Scales: per tensor, or per row of A times per row of B (an
 output column), applied in the epilogue in the reference's order, with the launch's floating-point
-fusion off so that INT8 results are bit-exact; block scales (1 x 128 for A, 128 x 128 for B)
+fusion off so that INT8 results are bit-exact (row scales, and a tensor's in tiles up to 64 wide,
+loaded at the item's start so that the epilogue need not wait for them: ``early_scales``); block scales (1 x 128 for A, 128 x 128 for B)
 multiply each K step's partial (in 128-wide tiles by fused multiply-adds). The loader brings a K
 step's block scales into its ring slot with A and B, by 1-D bulk copies from flat views of the
 scales (A's column-major, as ``quantize`` writes (1, 128) scales, 64 rows a part; B's in the 16-byte
@@ -195,7 +196,8 @@ def _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, c_row_
     clips rows and columns past C's bounds. PENDING: how many of this consumer's latest copies
     may still be running when ``c_buf`` is written (1 where it takes turns with a second buffer).
     With SWAP_AB the kernel's product is the user's C transposed: the block goes to C[col0:,
-    row0:] by plain stores, and the bias runs along rows."""
+    row0:] by plain stores, and the bias runs along rows. With EARLY the scales came in as
+    ``a_early`` (per tensor: the two scales' product) and ``b_early``, loaded at the item's start."""
     BM: gl.constexpr = acc.type.shape[0]
     BN: gl.constexpr = acc.type.shape[1]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
@@ -428,14 +430,14 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    # Tensor or row scales read at the item's start, so that their loads run under its K steps
-    EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
-                           and not IS_INT8)
+    # EARLY_SCALES: an item's tensor or row scales loaded at its start, so that the loads run under its
+    # K steps instead of holding up its epilogue (``early_scales``); tiles of one product up to 128 wide
+    EARLY: gl.constexpr = EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
     c = 0
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
-        a_early = 1.0
-        b_early = 1.0
+        a_early = 1.0  # [SUB] rows' scales (per tensor: the product of the two), or not used
+        b_early = 1.0  # [HALF] columns' scales, or not used
         if EARLY:
             if SCALES == SCALES_TENSOR:
                 a_early = gl.load(AScale) * gl.load(BScale)
@@ -644,6 +646,18 @@ BLOCK_LONG_K_GROUP_M_MIN_M = 8192
 # With K = 4096 (the 8B shapes but down) 0.96-1.01: five.
 SIX_SLOT_MIN_K = 8192
 SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
+
+
+def early_scales(scales: str, block_n: int) -> bool:
+    """Whether a work item loads its scales at its start (``EARLY_SCALES``: loads that run under the
+    K steps) rather than in its epilogue, which then waits for them: for row scales, and for a
+    tensor's two where tiles are at most 64 columns wide (the transposed product's among them).
+    Early over late, same bits, two runs (matmul_fp8_early_scales_*_s44a.json, _s44b): per row
+    1.00-1.08 wherever timed (M = 16-1024; 128 x 128 tiles at M = 128-512 with 5 and 6 slots,
+    64-wide ones, the transposed product); per tensor 1.01-1.05 on 64-wide tiles at M = 128 / 256
+    (8B qkv, 8B o, 70B o) and 1.00-1.02 in the transposed product at M = 16, but 0.96-1.02 on
+    128-wide tiles (6 slots at M = 256 / 512: 0.96-0.98)."""
+    return scales == "row" or (scales == "tensor" and block_n <= 64)
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -973,7 +987,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
           block_n: Optional[int], stages: Optional[int], tma_store: Optional[bool], split_k: Optional[int],
           group_m: Optional[int], sms: int, consumers: Optional[int], swap_ab: bool,
           ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None, c_bufs: Optional[int] = None,
-          k_group: Optional[int] = None) -> _Plan:
+          k_group: Optional[int] = None, early: Optional[bool] = None) -> _Plan:
     """The launch of a kernel product of ``m`` x ``n`` (with ``swap_ab`` the user's C transposed;
     with ``split_n`` 64-row tiles whose columns two consumers split: by default where
     ``tile_config`` gives one consumer a 64 x 256 tile, ``split_columns``)."""
@@ -1052,7 +1066,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     items = cdiv(m, tile_rows) * cdiv(n, block_n) * split_k
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
-                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group)
+                      SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
+                      EARLY_SCALES=early_scales(scales, block_n) if early is None else early)
     grid = min(items, ctas_per_sm * sms)
     reduce_kernel = partial_dtype is not None and not swap_ab
     options = dict(_launch_options(ctas_per_sm),
@@ -1126,7 +1141,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
-           early_scales: bool = False) -> torch.Tensor:
+           early_scales: Optional[bool] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1138,7 +1153,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     FP8, no K split); ``c_bufs`` (1 or 2, by default 2 where they fit) blocks of C in shared memory
     each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4 or 8; by default 8 for block
     scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
-    (``_k_group``); ``pdl`` whether the launch is programmatic dependent (by default
+    (``_k_group``); ``early_scales`` whether a work item loads its tensor or row scales at its start
+    (by default ``early_scales``' rule); ``pdl`` whether the launch is programmatic dependent (by default
     ``launches_early``'s choice where ``common.PDL`` is True, else not). C (or with split K, the
     partial sums) goes out through shared memory and bulk copies where its rows are 16-byte aligned,
     the ring leaves room and the tile has no tail. Eager calls of short kernels are bound by the
@@ -1169,7 +1185,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         if scales != "block":  # block scales keep the user's roles (``_scale_origins``)
             a_scale, b_scale = b_scale, a_scale
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group)
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group,
+                 early_scales)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -1211,7 +1228,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
         *scale_strides(b_scale), plan.m_pad,
-        **constexprs, B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, num_warps=4,
+        **constexprs, B_SC_ALIGNED=b_sc_aligned, num_warps=4,
         **{**plan.options, "launch_pdl": (common.PDL and plan.options["launch_pdl"]) if pdl is None else pdl},
         # No multiply-add fusion in the epilogue: the float32 rounding steps are the reference's.
         # (Block scales in 128-wide tiles ask for their fused multiply-add explicitly, ``_promote``.)
