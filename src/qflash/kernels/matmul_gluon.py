@@ -45,16 +45,17 @@ block scales eights, or fours at long K) with two partials, so that its own next
 it adds each partial but a group's last. Scales: per tensor, or per row of A times per row of B (an
 output column), applied in the epilogue in the reference's order, with the launch's floating-point
 fusion off so that INT8 results are bit-exact (row scales, and a tensor's in tiles up to 64 wide,
-loaded at the item's start so that the epilogue need not wait for them: ``early_scales``); block scales (1 x 128 for A, 128 x 128 for B)
-multiply each K step's partial (in 128-wide tiles by fused multiply-adds). The loader brings a K
-step's block scales into its ring slot with A and B, by 1-D bulk copies from flat views of the
-scales (A's column-major, as ``quantize`` writes (1, 128) scales, 64 rows a part; B's in the 16-byte
-aligned four values that hold the block's value, since a copy must start aligned), so the consumers
-wait for nothing but their slot (the scales' global loads had held up the wgmma issue: 12 % of the
-samples, s33a; 0.99-1.09 x the loads at M = 1024 and 8192, s34d). With split K each run's sum goes
-unscaled to a float32 (int32) buffer, and ``matmul_epilogue.reduce_split_k`` adds the runs in a
-fixed order and applies the scales and bias; in the transposed product the last run of a tile to
-arrive (an atomic count) adds them in the kernel, also in a fixed order.
+loaded at the item's start so that the epilogue need not wait for them: ``early_scales``); block
+scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in 128-wide tiles by fused
+multiply-adds). The loader brings a K step's block scales into its ring slot with A and B, by 1-D
+bulk copies from flat views of the scales (A's column-major, as ``quantize`` writes (1, 128) scales,
+64 rows a part; B's in the 16-byte aligned four values that hold the block's value, since a copy
+must start aligned), so the consumers wait for nothing but their slot (the scales' global loads had
+held up the wgmma issue: 12 % of the samples, s33a; 0.99-1.09 x the loads at M = 1024 and 8192,
+s34d). With split K each run's sum goes unscaled to a float32 (int32) buffer, and
+``matmul_epilogue.reduce_split_k`` adds the runs in a fixed order and applies the scales and bias;
+in the transposed product the last run of a tile to arrive (an atomic count) adds them in the
+kernel, also in a fixed order.
 """
 
 from __future__ import annotations
@@ -431,8 +432,10 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     # EARLY_SCALES: an item's tensor or row scales loaded at its start, so that the loads run under its
-    # K steps instead of holding up its epilogue (``early_scales``); tiles of one product up to 128 wide
-    EARLY: gl.constexpr = EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
+    # K steps instead of holding up its epilogue (``early_scales``); tiles of one product up to 128 wide,
+    # of one or two consumers (three have 160 registers a thread: row scales would spill)
+    EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
+                           and CONSUMERS < 3)
     c = 0
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
@@ -648,16 +651,18 @@ SIX_SLOT_MIN_K = 8192
 SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
 
 
-def early_scales(scales: str, block_n: int) -> bool:
+def early_scales(scales: str, block_n: int, consumers: int) -> bool:
     """Whether a work item loads its scales at its start (``EARLY_SCALES``: loads that run under the
     K steps) rather than in its epilogue, which then waits for them: for row scales, and for a
-    tensor's two where tiles are at most 64 columns wide (the transposed product's among them).
+    tensor's two where tiles are at most 64 columns wide (the transposed product's among them); not
+    with three consumers, whose 160 registers a thread the row scales overflow (112 bytes of spills,
+    built offline; per row at M = 8192 0.98-1.00 x cuBLAS against 1.02-1.03 in s41b, s44c).
     Early over late, same bits, two runs (matmul_fp8_early_scales_*_s44a.json, _s44b): per row
     1.00-1.08 wherever timed (M = 16-1024; 128 x 128 tiles at M = 128-512 with 5 and 6 slots,
     64-wide ones, the transposed product); per tensor 1.01-1.05 on 64-wide tiles at M = 128 / 256
     (8B qkv, 8B o, 70B o) and 1.00-1.02 in the transposed product at M = 16, but 0.96-1.02 on
     128-wide tiles (6 slots at M = 256 / 512: 0.96-0.98)."""
-    return scales == "row" or (scales == "tensor" and block_n <= 64)
+    return consumers < 3 and (scales == "row" or (scales == "tensor" and block_n <= 64))
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
@@ -1067,7 +1072,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
                       SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                      EARLY_SCALES=early_scales(scales, block_n) if early is None else early)
+                      EARLY_SCALES=early_scales(scales, block_n, consumers) if early is None else early)
     grid = min(items, ctas_per_sm * sms)
     reduce_kernel = partial_dtype is not None and not swap_ab
     options = dict(_launch_options(ctas_per_sm),
