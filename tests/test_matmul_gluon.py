@@ -792,6 +792,15 @@ def test_launch_refuses_wide_int8_tiles():
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=112)
 
 
+def test_launch_refuses_a_transposed_product_of_many_rows():
+    """The transposed product puts A's rows on the tile's narrow side: up to 64 (it used to fail
+    with a KeyError from M = 257)."""
+    a_q, b_q, a_s, b_s = _quantized(300, 128, 64, torch.float8_e4m3fn, "row")
+    a_k, b_k = _kernel_scales(a_s, b_s, "row")
+    with pytest.raises(ValueError, match="swap_ab.*up to 64 rows.*got 300"):
+        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", swap_ab=True)
+
+
 def test_launch_refuses_what_three_consumers_do_not_take():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.float8_e4m3fn, "row")
     a_k, b_k = _kernel_scales(a_s, b_s, "row")

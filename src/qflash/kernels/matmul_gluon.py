@@ -656,11 +656,11 @@ def early_scales(scales: str, block_n: int, consumers: int) -> bool:
     K steps) rather than in its epilogue, which then waits for them: for row scales, and for a
     tensor's two where tiles are at most 64 columns wide (the transposed product's among them); not
     with three consumers, whose 160 registers a thread the row scales overflow (112 bytes of spills,
-    built offline; per row at M = 8192 0.98-1.00 x cuBLAS against 1.02-1.03 in s41b, s44c).
+    built offline; per row at M = 8192 0.98-1.00 x cuBLAS with them, s44c, 1.01-1.06 without, s44d).
     Early over late, same bits, two runs (matmul_fp8_early_scales_*_s44a.json, _s44b): per row
     1.00-1.08 wherever timed (M = 16-1024; 128 x 128 tiles at M = 128-512 with 5 and 6 slots,
-    64-wide ones, the transposed product); per tensor 1.01-1.05 on 64-wide tiles at M = 128 / 256
-    (8B qkv, 8B o, 70B o) and 1.00-1.02 in the transposed product at M = 16, but 0.96-1.02 on
+    64-wide ones, the transposed product); per tensor 1.00-1.05 on 64-wide tiles at M = 128 / 256
+    (8B qkv, 8B o, 70B o) and 0.996-1.02 in the transposed product at M = 16, but 0.96-1.02 on
     128-wide tiles (6 slots at M = 256 / 512: 0.96-0.98)."""
     return consumers < 3 and (scales == "row" or (scales == "tensor" and block_n <= 64))
 
@@ -1184,6 +1184,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
     if swap_ab and tma_store:
         raise ValueError("the transposed product (swap_ab) writes C by plain stores: tma_store must be False")
+    if swap_ab and m > SUB_M:
+        raise ValueError(f"the transposed product (swap_ab) takes decode-sized products, A of up to {SUB_M} rows "
+                         f"(its tile's width), got {m}")
     c = new_output((m, n), dtype=out_dtype, device=a_q.device)
     if swap_ab:  # the kernel computes C^T = B A^T: B's rows on wgmma's 64-row side, A's few rows on its narrow one
         a_q, b_q, m, n = b_q, a_q, n, m
