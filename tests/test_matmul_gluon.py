@@ -183,17 +183,15 @@ def test_k_steps_in_groups_build(scales, block_n, k_group):
 
 @pytest.mark.parametrize("int8,scales,block_n,consumers,swap_ab", [
     (False, "row", 128, 2, False), (False, "tensor", 64, 2, False), (True, "row", 64, 2, False),
-    (False, "row", 64, 1, False), (False, "row", 32, 1, True), (False, "row", 128, 3, False),
-    (False, "row", 256, 2, False)])
+    (False, "row", 64, 1, False), (False, "row", 32, 1, True), (False, "row", 128, 3, False)])
 def test_early_scales_build(int8, scales, block_n, consumers, swap_ab):
     """Scales loaded at a work item's start (``EARLY_SCALES``): a different build with the same
     products and the same scale loads, no serialized wgmma and no spills; three consumers keep
-    their epilogue's loads (their 160 registers a thread would spill the row scales); a 256-wide
-    tile loads its first half's early, its second half's late. (Where the
+    their epilogue's loads (their 160 registers a thread would spill the row scales). (Where the
     loads run is the GPU tests' and the timings' to show: PTX lists blocks out of order.)"""
     def build(early):
         return sm90_build("qflash.kernels.matmul_gluon", int8, scales, has_bias=False, block_n=block_n,
-                          stages={3: 4, 2: {256: 3, 128: 5}.get(block_n, 8), 1: 8}[consumers], tma_store=not swap_ab,
+                          stages={3: 4, 2: 8 if block_n <= 64 else 5, 1: 8}[consumers], tma_store=not swap_ab,
                           swap_ab=swap_ab, consumers=consumers, early_scales=early)["ptx"]
 
     late, early = build(False), build(True)
@@ -371,12 +369,11 @@ def test_gpu_fp8_wide_tiles_match(m, n, k, scales):
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(384, 640, 1152)])
 def test_gpu_early_scales_match(m, n, k, scales):
     """Scales loaded at a work item's start give the bits of scales loaded in its epilogue: each
-    item's own rows and columns, ragged edges and bias included, with two consumers' 256-, 128- and
+    item's own rows and columns, ragged edges and bias included, with two consumers' 128- and
     64-wide tiles, one consumer's 64-row tiles, columns split between two consumers, and the
     transposed product; INT8 exact."""
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     configs = [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6, tma_store=False),
-               dict(block_n=256, stages=3, tma_store=True),
                dict(block_n=64, stages=8, tma_store=True), dict(block_n=64, stages=8, consumers=1),
                dict(block_n=256, split_n=True)]
     if m <= 64:  # the transposed product takes decode-sized M
@@ -385,8 +382,8 @@ def test_gpu_early_scales_match(m, n, k, scales):
         a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
         a_k, b_k = _kernel_scales(a_s, b_s, scales)
         for config in configs:
-            if qdtype == torch.int8 and config.get("block_n") == 256:
-                continue  # 256-wide tiles (and split columns) are FP8's
+            if qdtype == torch.int8 and config.get("split_n"):
+                continue  # split columns are FP8's
             late = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, early_scales=False, **config)
             with poisoned():
                 early = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, early_scales=True, **config)
@@ -734,8 +731,7 @@ def test_plan_block_group_m():
 def test_plan_early_scales():
     """Row scales load at each work item's start, and a tensor's two where tiles are at most 64
     wide (as measured); block scales come with the ring's slots; a caller's choice is kept."""
-    assert gluon.early_scales("row", 128, 2) and gluon.early_scales("row", 64, 1)
-    assert not gluon.early_scales("row", 256, 2)  # 256-wide tiles: not timed faster (s44e)
+    assert gluon.early_scales("row", 128, 2) and gluon.early_scales("row", 256, 2) and gluon.early_scales("row", 64, 1)
     assert gluon.early_scales("tensor", 64, 2) and gluon.early_scales("tensor", 16, 1)
     assert not gluon.early_scales("tensor", 128, 2) and not gluon.early_scales("block", 64, 2)
     assert not gluon.early_scales("row", 128, 3)  # 192 x 128 tiles: the scales would spill

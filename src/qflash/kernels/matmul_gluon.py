@@ -432,12 +432,10 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     # EARLY_SCALES: an item's tensor or row scales loaded at its start, so that the loads run under its
-    # K steps instead of holding up its epilogue (``early_scales``); one or two consumers (three have 160
-    # registers a thread: row scales would spill), no tail, no K split. A 256-wide tile loads its first
-    # half's early and its second half's in that half's epilogue, and only with bulk stores (with plain
-    # ones ptxas spills them).
-    EARLY: gl.constexpr = (EARLY_SCALES and (not WIDE or TMA_STORE) and TAIL_N == 0 and SPLIT_K == 1
-                           and SCALES != SCALES_BLOCK and CONSUMERS < 3)
+    # K steps instead of holding up its epilogue (``early_scales``); tiles of one product up to 128 wide,
+    # of one or two consumers (three have 160 registers a thread: row scales would spill)
+    EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
+                           and CONSUMERS < 3)
     c = 0
     for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
         pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
@@ -655,17 +653,16 @@ SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
 
 def early_scales(scales: str, block_n: int, consumers: int) -> bool:
     """Whether a work item loads its scales at its start (``EARLY_SCALES``: loads that run under the
-    K steps) rather than in its epilogue, which then waits for them: for row scales where tiles are
-    at most 128 columns wide, and for a tensor's two where they are at most 64 wide (the transposed
-    product's among them); not with three consumers, whose 160 registers a thread the row scales overflow (112 bytes of spills,
+    K steps) rather than in its epilogue, which then waits for them: for row scales, and for a
+    tensor's two where tiles are at most 64 columns wide (the transposed product's among them); not
+    with three consumers, whose 160 registers a thread the row scales overflow (112 bytes of spills,
     built offline; per row at M = 8192 0.98-1.00 x cuBLAS with them, s44c, 1.01-1.06 without, s44d).
     Early over late, same bits, two runs (matmul_fp8_early_scales_*_s44a.json, _s44b): per row
     1.00-1.08 wherever timed (M = 16-1024; 128 x 128 tiles at M = 128-512 with 5 and 6 slots,
     64-wide ones, the transposed product); per tensor 1.00-1.05 on 64-wide tiles at M = 128 / 256
     (8B qkv, 8B o, 70B o) and 0.996-1.02 in the transposed product at M = 16, but 0.96-1.02 on
     128-wide tiles (6 slots at M = 256 / 512: 0.96-0.98)."""
-    widest = {"row": 128, "tensor": 64}.get(scales, 0)
-    return consumers < 3 and block_n <= widest
+    return consumers < 3 and (scales == "row" or (scales == "tensor" and block_n <= 64))
 
 
 def c_block_cols(block_n: int, split_n: bool = False) -> int:
