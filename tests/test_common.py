@@ -114,10 +114,14 @@ def test_gpu_cached_launcher_keys_loose_parameters_by_type():
 # device of their inputs (ops.common.on_device_of), or the kernels would launch on cuda:0's stream
 # with cuda:1's pointers.
 # ----------------------------------------------------------------------------------------------
+_PUBLIC_OPS = ["flash_attn", "flash_attn_backward", "sdpa", "quantize", "int8_matmul", "fp8_matmul", "quantized_linear"]
+
+
 def _public_op(name: str):
     """(inputs made on the CPU from the test's seed, a call of the public op on them -> tensors)."""
     import qflash
     from qflash.nn import QuantizedLinear
+    from qflash.ops.common import on_device_of
 
     if name in ("flash_attn", "flash_attn_backward"):
         q, k, v = (torch.randn(2, 113, 4, 72, dtype=torch.float16) for _ in range(3))
@@ -146,7 +150,7 @@ def _public_op(name: str):
     linear = torch.nn.Linear(256, 96, dtype=torch.bfloat16)
 
     def call(x):
-        with torch.cuda.device(x.device):  # the layer (offline weights) as a user would have made it
+        with on_device_of(x):  # the layer (offline weights) as a user would have made it
             layer = QuantizedLinear.from_linear(linear.to(x.device), "fp8")
         return [layer(x)]
     return [torch.randn(113, 256, dtype=torch.bfloat16)], call
@@ -174,8 +178,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (tensors on a GPU not current)")
-@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_backward", "sdpa", "quantize", "int8_matmul", "fp8_matmul",
-                                  "quantized_linear"])
+@pytest.mark.parametrize("name", _PUBLIC_OPS)
 def test_gpu_ops_launch_on_their_inputs_gpu(name):
     """With cuda:0 current, each public op on tensors of cuda:1 gives the bits it gives with cuda:1
     current, in cuda:1's stream order (its inputs are written there late), and leaves cuda:0
@@ -190,3 +193,21 @@ def test_gpu_ops_launch_on_their_inputs_gpu(name):
     torch.cuda.synchronize(1)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(_bits(g), w), f"output {i}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Meta tensors: a model built on the meta device (shapes only, weights loaded later), and shape
+# inference. The ops go to their custom ops' fake implementations, as under torch.compile.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", _PUBLIC_OPS)
+def test_ops_on_meta_tensors_give_the_outputs_shapes(name):
+    """On meta tensors each public op gives what it gives on real ones, in shape, dtype and strides
+    (the backward's gradients too), without launching a kernel (it used to fail in the launch)."""
+    from conftest import DEVICE
+
+    inputs, call = _public_op(name)
+    real = call(*[t.to(DEVICE) for t in inputs])
+    meta = call(*[t.to("meta") for t in inputs])
+    assert len(meta) == len(real)
+    for i, (m, r) in enumerate(zip(meta, real)):
+        assert m.is_meta and (m.shape, m.dtype, m.stride()) == (r.shape, r.dtype, r.stride()), f"output {i}"

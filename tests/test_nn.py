@@ -64,6 +64,24 @@ def test_quantize_model_and_state_dict_round_trip(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantize_model_of_a_model_built_on_meta(mode):
+    """A model built on the meta device (no float weights ever made) is quantized to layers of the
+    quantized buffers' shapes and dtypes on meta, which a saved quantized state_dict then fills
+    (``load_state_dict(..., assign=True)``): the same outputs as the model it was saved from."""
+    model = quantize_model(_mlp(), mode)
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 256))
+    quantize_model(empty, mode)
+    for name, buf in empty.named_buffers():
+        saved = model.get_buffer(name)
+        assert buf.is_meta and (buf.shape, buf.dtype) == (saved.shape, saved.dtype), name
+    empty.load_state_dict(model.state_dict(), assign=True)
+    x = torch.randn(8, 256, device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(empty(x), model(x))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_quantize_model_replaces_a_shared_layer_everywhere(mode):
     """One nn.Linear registered under two names (a shared layer): every place gets the same
     quantized layer (the second place used to keep the float layer), and a skipped place keeps it."""

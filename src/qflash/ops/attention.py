@@ -168,7 +168,7 @@ def _backward(ctx, dout, dlse):
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
     # Traced (torch.compile's joint graph: fake, functional tensors, where torch 2.11 does not say it is
     # compiling), the backward must be the opaque op; eager, the launcher itself, without the op's dispatch.
-    traced = torch.compiler.is_compiling() or type(dout) is not torch.Tensor
+    traced = torch.compiler.is_compiling() or type(dout) is not torch.Tensor or dout.is_meta  # (meta: shapes only)
     backward = torch.ops.qflash.attention_backward if traced else _attention_backward_impl
     dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                                  cu_seqlens_q, cu_seqlens_k, *ctx.rest)
@@ -195,8 +195,9 @@ class _Attention(torch.autograd.Function):
 
 
 def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) through the custom op under torch.compile, through ``_Attention`` otherwise."""
-    if torch.compiler.is_compiling():
+    """(out, lse) through the custom op under torch.compile and on meta tensors (its fake
+    implementation: shapes only), through ``_Attention`` otherwise."""
+    if torch.compiler.is_compiling() or args[0].is_meta:
         return torch.ops.qflash.attention_forward(*args)
     differentiable = (*args[:3], args[_BIAS])
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
@@ -412,7 +413,7 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: 
         raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {batch + 1}: they must match")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, expected {device}")
-    if debug_enabled():  # contents: a host sync, so only on request
+    if debug_enabled() and not cu.is_meta:  # contents: a host sync, so only on request (meta has none)
         c = cu.cpu().long()
         if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {c.tolist()}")
@@ -483,7 +484,7 @@ def flash_attn_varlen_func(
     cu_seqlens_k, _ = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, total_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
-    if debug_enabled():
+    if debug_enabled() and not cu_seqlens_q.is_meta:
         for name, cu, given in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q),
                                 ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
             longest = int((cu[1:] - cu[:-1]).max())

@@ -25,8 +25,9 @@ def interpreter_on() -> bool:
 
 
 def require_runnable(name: str, t: torch.Tensor) -> None:
-    """The kernels run on CUDA tensors, or anywhere in Triton's interpreter."""
-    if t.device.type != "cuda" and not interpreter_on():
+    """The kernels run on CUDA tensors, or anywhere in Triton's interpreter; on meta tensors the
+    ops give their outputs' shapes and dtypes (their custom ops' fake implementations)."""
+    if t.device.type not in ("cuda", "meta") and not interpreter_on():
         raise RuntimeError(
             f"qflash kernels run on CUDA tensors; {name} is on {t.device}. On a CPU-only machine, "
             "set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter."

@@ -105,8 +105,9 @@ def _(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales):
 def launch_scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                          bias: Optional[torch.Tensor], out_dtype: torch.dtype, scales: str) -> torch.Tensor:
     """The product of validated operands (also ``QuantizedLinear``'s): the custom op under
-    torch.compile, else the launcher. ``scales``: "tensor", "row" or "block"."""
-    if torch.compiler.is_compiling():
+    torch.compile and on meta tensors (its fake implementation: shapes only), else the launcher.
+    ``scales``: "tensor", "row" or "block"."""
+    if torch.compiler.is_compiling() or a_q.is_meta:
         return torch.ops.qflash.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
     return _scaled_matmul_impl(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
 

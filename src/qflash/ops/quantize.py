@@ -115,8 +115,8 @@ def _(x, dtype, granularity, block_size, scale):
 def launch_quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[Tuple[int, int]],
                     scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The quantize of validated arguments (also ``QuantizedLinear``'s): the custom op under
-    torch.compile, else the launcher."""
-    if torch.compiler.is_compiling():
+    torch.compile and on meta tensors (its fake implementation: shapes only), else the launcher."""
+    if torch.compiler.is_compiling() or x.is_meta:
         return torch.ops.qflash.quantize(x, dtype, granularity, None if block_size is None else list(block_size),
                                          scale)
     return _quantize_impl(x, dtype, granularity, block_size, scale)
@@ -131,7 +131,7 @@ def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
                         f"{' ' + str(scale.dtype) if isinstance(scale, torch.Tensor) else ''}")
     if scale.device != device:
         raise ValueError(f"scale is on {scale.device}, expected x's device {device}")
-    if debug_enabled() and not torch.compiler.is_compiling():  # the value: a host sync, so only on request
+    if debug_enabled() and not torch.compiler.is_compiling() and not scale.is_meta:  # a host sync: on request
         value = float(scale)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"scale must be positive and finite, got {value}")
