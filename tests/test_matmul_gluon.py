@@ -731,10 +731,10 @@ def test_plan_block_group_m():
 def test_plan_early_scales():
     """Row scales load at each work item's start, and a tensor's two where tiles are at most 64
     wide (as measured); block scales come with the ring's slots; a caller's choice is kept."""
-    assert gluon.early_scales("row", 128, 2) and gluon.early_scales("row", 256, 2) and gluon.early_scales("row", 64, 1)
-    assert gluon.early_scales("tensor", 64, 2) and gluon.early_scales("tensor", 16, 1)
-    assert not gluon.early_scales("tensor", 128, 2) and not gluon.early_scales("block", 64, 2)
-    assert not gluon.early_scales("row", 128, 3)  # 192 x 128 tiles: the scales would spill
+    rule = gluon.loads_scales_early
+    assert rule("row", 128, 2) and rule("row", 256, 2) and rule("row", 64, 1)
+    assert rule("tensor", 64, 2) and rule("tensor", 16, 1) and not rule("tensor", 128, 2) and not rule("block", 64, 2)
+    assert not rule("row", 128, 3)  # 192 x 128 tiles: the scales would spill
 
     def early(m, n, k, scales, **kw):
         return _default_plan(m, k, scales, n=n, **kw).constexprs["EARLY_SCALES"]

@@ -45,9 +45,9 @@ block scales eights, or fours at long K) with two partials, so that its own next
 it adds each partial but a group's last. Scales: per tensor, or per row of A times per row of B (an
 output column), applied in the epilogue in the reference's order, with the launch's floating-point
 fusion off so that INT8 results are bit-exact (row scales, and a tensor's in tiles up to 64 wide,
-loaded at the item's start so that the epilogue need not wait for them: ``early_scales``); block
-scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in 128-wide tiles by fused
-multiply-adds). The loader brings a K step's block scales into its ring slot with A and B, by 1-D
+loaded at the item's start so that the epilogue need not wait for them: ``loads_scales_early``);
+block scales (1 x 128 for A, 128 x 128 for B) multiply each K step's partial (in 128-wide tiles by
+fused multiply-adds). The loader brings a K step's block scales into its ring slot with A and B, by 1-D
 bulk copies from flat views of the scales (A's column-major, as ``quantize`` writes (1, 128) scales,
 64 rows a part; B's in the 16-byte aligned four values that hold the block's value, since a copy
 must start aligned), so the consumers wait for nothing but their slot (the scales' global loads had
@@ -432,8 +432,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     # EARLY_SCALES: an item's tensor or row scales loaded at its start, so that the loads run under its
-    # K steps instead of holding up its epilogue (``early_scales``); tiles of one product up to 128 wide,
-    # of one or two consumers (three have 160 registers a thread: row scales would spill)
+    # K steps instead of holding up its epilogue (``loads_scales_early``); tiles of one product up to 128
+    # wide, of one or two consumers (three have 160 registers a thread: row scales would spill)
     EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
                            and CONSUMERS < 3)
     c = 0
@@ -651,7 +651,7 @@ SIX_SLOT_MIN_K = 8192
 SIX_SLOT_MAX_M = {False: 512, True: 128}  # row scales?
 
 
-def early_scales(scales: str, block_n: int, consumers: int) -> bool:
+def loads_scales_early(scales: str, block_n: int, consumers: int) -> bool:
     """Whether a work item loads its scales at its start (``EARLY_SCALES``: loads that run under the
     K steps) rather than in its epilogue, which then waits for them: for row scales, and for a
     tensor's two where tiles are at most 64 columns wide (the transposed product's among them); not
@@ -1072,7 +1072,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     constexprs = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias, GROUP_M=group_m, STAGES=stages,
                       TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers, SWAP_AB=swap_ab, TAIL_N=tail,
                       SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                      EARLY_SCALES=early_scales(scales, block_n, consumers) if early is None else early)
+                      EARLY_SCALES=loads_scales_early(scales, block_n, consumers) if early is None else early)
     grid = min(items, ctas_per_sm * sms)
     reduce_kernel = partial_dtype is not None and not swap_ab
     options = dict(_launch_options(ctas_per_sm),
@@ -1159,12 +1159,12 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     each consumer of a 256-wide tile has, one a half; ``k_group`` (2, 4 or 8; by default 8 for block
     scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
     (``_k_group``); ``early_scales`` whether a work item loads its tensor or row scales at its start
-    (by default ``early_scales``' rule); ``pdl`` whether the launch is programmatic dependent (by default
-    ``launches_early``'s choice where ``common.PDL`` is True, else not). C (or with split K, the
-    partial sums) goes out through shared memory and bulk copies where its rows are 16-byte aligned,
-    the ring leaves room and the tile has no tail. Eager calls of short kernels are bound by the
-    host: what follows from the shapes is made once (``_plan``), and the kernel launches without
-    Triton's argument binding (``CachedLauncher``)."""
+    (by default ``loads_scales_early``'s choice); ``pdl`` whether the launch is programmatic
+    dependent (by default ``launches_early``'s choice where ``common.PDL`` is True, else not). C (or
+    with split K, the partial sums) goes out through shared memory and bulk copies where its rows are
+    16-byte aligned, the ring leaves room and the tile has no tail. Eager calls of short kernels are
+    bound by the host: what follows from the shapes is made once (``_plan``), and the kernel launches
+    without Triton's argument binding (``CachedLauncher``)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
