@@ -338,6 +338,32 @@ def test_sdpa_takes_two_dims_as_pytorch():
         qflash.sdpa(q, k[None], v)
 
 
+@pytest.mark.parametrize("headdim_v", [24, 72])
+def test_sdpa_value_head_dim_of_its_own(headdim_v):
+    """PyTorch takes a value head dim apart from query's and key's (MLA: 192 / 128; it used to be
+    refused): in float16 the flash-attn rule against float64 (causal, GQA); in float64 PyTorch's
+    result and gradients (a mask's too), also with 5-D inputs."""
+    q = torch.randn(2, 4, 37, 40, device=DEVICE).half()
+    k, v = torch.randn(2, 2, 53, 40, device=DEVICE).half(), torch.randn(2, 2, 53, headdim_v, device=DEVICE).half()
+    with poisoned():
+        out = qflash.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 4, 37, headdim_v) and out.is_contiguous()
+    assert_written(out)
+    kw = dict(is_causal=True, enable_gqa=True)
+    assert_flash_rule(out, sdpa_ref(*_f64(q, k, v), **kw), sdpa_ref(q, k, v, upcast=False, **kw))
+
+    q, k = (torch.randn(2, 3, 4, 9, 16, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 4, 9, headdim_v // 2, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(9, 9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    out = qflash.sdpa(q, k, v, attn_mask=mask, scale=0.3)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert out.shape == ref.shape and rel_l2_err(out, ref) < 1e-12
+    for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v, mask)), torch.autograd.grad(ref.sum(), (q, k, v, mask))):
+        assert g.shape == r.shape and rel_l2_err(g, r) < 1e-12
+    with pytest.raises(ValueError, match="at most 256, got 16 \\(query, key\\) and 300 \\(value\\)"):
+        qflash.sdpa(q[0, 0], k[0, 0], torch.randn(2, 4, 9, 300, device=DEVICE, dtype=torch.float64)[0])
+
+
 def test_sdpa_matches_pytorch_function():
     q = torch.randn(1, 2, 33, 32, device=DEVICE)
     k, v = torch.randn(1, 2, 33, 32, device=DEVICE), torch.randn(1, 2, 33, 32, device=DEVICE)

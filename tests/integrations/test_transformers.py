@@ -142,6 +142,29 @@ def test_sliding_window_and_softcap_match_eager():
     assert rel_l2_err(uncapped, out) > 1e-3  # the soft-capping mattered
 
 
+@torch.no_grad()
+def test_value_head_dim_of_its_own_matches_sdpa():
+    """DeepSeek-V3's multi-head latent attention: query and key heads of 24 (16 + 8 rotary), value
+    heads of 16 (it used to fail without a mask: flash_attn_func takes one head dim). Both paths,
+    no mask and left padding, match SDPA in float64, where eager attention is 1e-8 off."""
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("this transformers has no DeepSeek-V3")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, rope_scaling=None)  # dense layers: no MoE
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(DEVICE, torch.float64).eval()
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    assert rel_l2_err(_logits(model, NAME, ids), ref) < 1e-12
+    assert rel_l2_err(_logits(model, "eager", ids), ref) > 1e-10
+    mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    mask[0, :3] = 0
+    real = mask.bool()
+    out, ref = _logits(model, NAME, ids, attention_mask=mask), _logits(model, "sdpa", ids, attention_mask=mask)
+    assert rel_l2_err(out[real], ref[real]) < 1e-12
+
+
 def test_sliding_window_without_a_mask():
     """Called with no mask and a window shorter than the keys (transformers passes a mask there
     itself, but a model's own code may not): query i sees keys i - window < j <= i."""

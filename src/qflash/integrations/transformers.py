@@ -11,8 +11,9 @@ SDPA, with the same arguments, and transformers builds the same masks as for "sd
 the causal flag says everything (then the kernel masks by position), else a boolean mask (True =
 attend) of padding, sliding windows or packed sequences, which the kernel reads tile by tile.
 Inference (prefill and decoding with any cache) and training (gradients and attention dropout),
-grouped-query heads, sliding windows, logit soft-capping (Gemma 2), and learned position biases
-added to the scores (T5), which get their gradients through ``qflash.sdpa``'s float mask.
+grouped-query heads, sliding windows, logit soft-capping (Gemma 2), learned position biases
+added to the scores (T5), which get their gradients through ``qflash.sdpa``'s float mask, and a
+value head dim other than the query's (DeepSeek's MLA), zero-padded to one (exact).
 
 Not taken (a clear error instead): attention sinks (``s_aux``). ``output_attentions=True``
 returns no attention weights, as with "sdpa".
@@ -61,13 +62,17 @@ def attention_forward(
 
     A single query (decoding) sees every key: transformers passes a mask wherever it must not.
     """
-    from qflash.ops.attention import flash_attn_func, sdpa
+    from qflash.ops.attention import flash_attn_func, pad_head_dims, sdpa
 
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("qflash attention takes no attention sinks (s_aux): load this model with another "
                                   "attn_implementation ('sdpa' or 'eager')")
     if kwargs.get("output_attentions", False):
         warnings.warn("qflash attention returns no attention weights (output_attentions=True)", stacklevel=2)
+    headdim_v = value.shape[-1]
+    if headdim_v != query.shape[-1]:  # MLA (DeepSeek): value's head dim of its own, zero-padded (exact)
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        query, key, value = pad_head_dims(query, key, value)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     position_bias = kwargs.get("position_bias")
@@ -82,11 +87,11 @@ def attention_forward(
         window = (sliding_window - 1, sliding_window - 1) if sliding_window and kv_len > sliding_window else (-1, -1)
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
                               softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
-        return out, None  # (batch, seqlen_q, heads, headdim)
+        return out[..., :headdim_v], None  # (batch, seqlen_q, heads, headdim_v)
     mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask.to(query.dtype)
     out = sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                enable_gqa=key.shape[1] != query.shape[1], softcap=softcap or 0.0)
-    return out.transpose(1, 2), None  # a view of the kernel's (batch, seqlen_q, heads, headdim) output
+    return out.transpose(1, 2)[..., :headdim_v], None  # a view of the kernel's (batch, seqlen_q, heads, headdim)
 
 
 def _with_position_bias(position_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], causal: bool,

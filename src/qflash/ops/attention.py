@@ -545,6 +545,8 @@ def sdpa(
         query: (batch, heads, seqlen_q, headdim), or as PyTorch (batch, ..., heads, seqlen_q,
             headdim) with any number of leading dims (none included), or (seqlen_q, headdim).
         key, value: (batch, ..., heads_kv, seqlen_k, headdim), the same leading dims as query.
+            value's head dim may differ from query's and key's, as PyTorch allows (MLA's 192 / 128):
+            the narrower side then goes to the kernel zero-padded (exact; a copy of it).
         attn_mask: boolean (True = take part in attention) or additive float, of float32 or
             query's dtype (as PyTorch), broadcastable to (batch, heads, seqlen_q, seqlen_k). A
             float mask that requires grad (a learned bias) gets its gradient, in its own dtype.
@@ -555,8 +557,8 @@ def sdpa(
             softcap)`` before the masks (Gemma 2's logit soft-capping), as ``flash_attn_func``.
 
     Returns:
-        (batch, ..., heads, seqlen_q, headdim), query's shape, in query's dtype. One difference
-        from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
+        (batch, ..., heads, seqlen_q, headdim_v), query's shape but value's head dim, in query's
+        dtype. One difference from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
     """
     if isinstance(query, torch.Tensor) and query.dim() == 2:  # (seqlen, headdim): one head, as PyTorch takes it
         for name, t in (("key", key), ("value", value)):
@@ -570,6 +572,8 @@ def sdpa(
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
+    if value.shape[-1] != headdim and value.shape[:-1] == key.shape[:-1] and key.shape[-1] == headdim:
+        return _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
     _check_heads(key, value, heads, heads_kv, headdim, names=("key", "value"))
     if key.shape[0] != batch:
         raise ValueError(f"key has batch {key.shape[0]} but query has batch {batch}")
@@ -606,6 +610,26 @@ def sdpa(
         None, seqlen_q, seqlen_k, *_dropout(dropout_p), False,
     )
     return out.transpose(1, 2)
+
+
+def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """(query, key, value) with one head dim, for a value whose head dim is not the query's and
+    key's (MLA): the kernels take one, so the narrower side is zero-padded to the wider, which is
+    exact (zero columns of q and k add nothing to the scores; zero columns of v give zero columns
+    of the output, to be cut off). The caller keeps the scale of the query's own head dim."""
+    headdim, headdim_v = query.shape[-1], value.shape[-1]
+    width = max(headdim, headdim_v)
+    if width > MAX_HEADDIM:
+        raise ValueError(f"head dimensions must be at most {MAX_HEADDIM}, got {headdim} (query, key) and "
+                         f"{headdim_v} (value)")
+    return tuple(torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
+
+
+def _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+    """``sdpa`` of a value whose head dim is not the query's (``pad_head_dims``)."""
+    out = sdpa(*pad_head_dims(query, key, value), attn_mask, dropout_p, is_causal, _scale(scale, query.shape[-1]),
+               enable_gqa, softcap=softcap)
+    return out[..., :value.shape[-1]].contiguous()
 
 
 def _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
