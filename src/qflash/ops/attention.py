@@ -622,7 +622,8 @@ def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     if width > MAX_HEADDIM:
         raise ValueError(f"head dimensions must be at most {MAX_HEADDIM}, got {headdim} (query, key) and "
                          f"{headdim_v} (value)")
-    return tuple(torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
+    return tuple(t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+                 for t in (query, key, value))  # (the wider side as it is: no copy)
 
 
 def _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
