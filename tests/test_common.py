@@ -9,6 +9,8 @@ import triton.language as tl
 
 from qflash.kernels.common import CachedLauncher, _arg_key, cdiv, next_power_of_2, tma_compatible
 
+from conftest import DEVICE
+
 
 def test_grid_arithmetic_matches_triton():
     for a in range(0, 300):
@@ -203,8 +205,6 @@ def test_gpu_ops_launch_on_their_inputs_gpu(name):
 def test_ops_on_meta_tensors_give_the_outputs_shapes(name):
     """On meta tensors each public op gives what it gives on real ones, in shape, dtype and strides
     (the backward's gradients too), without launching a kernel (it used to fail in the launch)."""
-    from conftest import DEVICE
-
     inputs, call = _public_op(name)
     real = call(*[t.to(DEVICE) for t in inputs])
     meta = call(*[t.to("meta") for t in inputs])

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor, through_custom_op
 
 __all__ = [
     "flash_attn_func",
@@ -167,8 +167,8 @@ def _backward(ctx, dout, dlse):
         raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
     # Traced (torch.compile's joint graph: fake, functional tensors, where torch 2.11 does not say it is
-    # compiling), the backward must be the opaque op; eager, the launcher itself, without the op's dispatch.
-    traced = torch.compiler.is_compiling() or type(dout) is not torch.Tensor or dout.is_meta  # (meta: shapes only)
+    # compiling) or on meta tensors, the backward is the opaque op; eager, the launcher itself.
+    traced = through_custom_op(dout) or type(dout) is not torch.Tensor
     backward = torch.ops.qflash.attention_backward if traced else _attention_backward_impl
     dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
                                  cu_seqlens_q, cu_seqlens_k, *ctx.rest)
@@ -197,7 +197,7 @@ class _Attention(torch.autograd.Function):
 def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) through the custom op under torch.compile and on meta tensors (its fake
     implementation: shapes only), through ``_Attention`` otherwise."""
-    if torch.compiler.is_compiling() or args[0].is_meta:
+    if through_custom_op(args[0]):
         return torch.ops.qflash.attention_forward(*args)
     differentiable = (*args[:3], args[_BIAS])
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):

@@ -41,6 +41,14 @@ def require_tensor(name: str, t, ndim: int, what: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(t.shape)}")
 
 
+def through_custom_op(t: torch.Tensor) -> bool:
+    """Whether a launch path goes through its ``torch.library`` custom op rather than straight to
+    the launcher: under torch.compile (the graph records the op) and on meta tensors (the op's fake
+    implementation gives the outputs' shapes, dtypes and strides without a kernel). Eager calls on
+    real tensors skip the op's dispatch, which costs as much as a short kernel."""
+    return torch.compiler.is_compiling() or t.is_meta
+
+
 def on_device_of(t: torch.Tensor):
     """A context in which t's GPU is the current CUDA device, the caller's restored after. Triton
     launches on the current device and its current stream, not on the arguments' (flash-attn sets

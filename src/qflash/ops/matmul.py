@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from qflash.ops.common import on_device_of, require_runnable, require_tensor
+from qflash.ops.common import on_device_of, require_runnable, require_tensor, through_custom_op
 
 __all__ = ["int8_matmul", "fp8_matmul"]
 
@@ -107,7 +107,7 @@ def launch_scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Te
     """The product of validated operands (also ``QuantizedLinear``'s): the custom op under
     torch.compile and on meta tensors (its fake implementation: shapes only), else the launcher.
     ``scales``: "tensor", "row" or "block"."""
-    if torch.compiler.is_compiling() or a_q.is_meta:
+    if through_custom_op(a_q):
         return torch.ops.qflash.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
     return _scaled_matmul_impl(a_q, b_q, a_scale, b_scale, bias, out_dtype, scales)
 

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor
+from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor, through_custom_op
 from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale, scale_shape
 
 __all__ = ["quantize", "dequantize"]
@@ -116,7 +116,7 @@ def launch_quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, block
                     scale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The quantize of validated arguments (also ``QuantizedLinear``'s): the custom op under
     torch.compile and on meta tensors (its fake implementation: shapes only), else the launcher."""
-    if torch.compiler.is_compiling() or x.is_meta:
+    if through_custom_op(x):
         return torch.ops.qflash.quantize(x, dtype, granularity, None if block_size is None else list(block_size),
                                          scale)
     return _quantize_impl(x, dtype, granularity, block_size, scale)
