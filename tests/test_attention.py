@@ -364,6 +364,54 @@ def test_sdpa_value_head_dim_of_its_own(headdim_v):
         qflash.sdpa(q[0, 0], k[0, 0], torch.randn(2, 4, 9, 300, device=DEVICE, dtype=torch.float64)[0])
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+def test_sdpa_takes_a_scale_of_any_sign(scale):
+    """PyTorch takes any finite scale (qflash used to refuse <= 0; the kernels rescale by each row's
+    largest raw product, so the op layer negates or zeroes a copy of query): float64 output and
+    gradients against the reference, causal with GQA and with a float mask; float16 by the
+    flash-attn rule. query itself is left as it was."""
+    q = torch.randn(2, 4, 19, 24, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 27, 24, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.randn(19, 27, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    q_before = q.detach().clone()
+    for kw in (dict(is_causal=True, enable_gqa=True), dict(attn_mask=mask, enable_gqa=True)):
+        inputs = (q, k, v, mask) if "attn_mask" in kw else (q, k, v)
+        out, ref = qflash.sdpa(q, k, v, scale=scale, **kw), sdpa_ref(q, k, v, scale=scale, **kw)
+        assert rel_l2_err(out, ref) < 1e-12
+        for g, r in zip(torch.autograd.grad(out.sum(), inputs), torch.autograd.grad(ref.sum(), inputs)):
+            assert rel_l2_err(g, r) < 1e-12 or (scale == 0 and g.abs().max() == r.abs().max() == 0)
+    assert torch.equal(q.detach(), q_before)
+    q16, k16, v16 = (t.detach().half() for t in (q, k, v))
+    with poisoned():
+        out = qflash.sdpa(q16, k16, v16, scale=scale, is_causal=True, enable_gqa=True)
+    assert_written(out)
+    kw = dict(scale=scale, is_causal=True, enable_gqa=True)
+    assert_flash_rule(out, sdpa_ref(*_f64(q16, k16, v16), **kw), sdpa_ref(q16, k16, v16, upcast=False, **kw))
+    with pytest.raises(ValueError, match="scale must be a finite number, got inf"):
+        qflash.sdpa(q16, k16, v16, scale=float("inf"), enable_gqa=True)
+
+
+def test_sdpa_under_autocast_casts_as_pytorch():
+    """Under torch.autocast PyTorch's SDPA takes its floating inputs in autocast's dtype (float16
+    here), masks included, whatever mix they came in (float32 query and key beside a float16 value,
+    as rotary embeddings leave them in a model with float32 weights); qflash.sdpa used to run such
+    inputs in float32, or refuse the mix. Output dtype and values as PyTorch's, gradients back in
+    the inputs' dtypes; float64 stays float64, as under autocast."""
+    q, k = (torch.randn(2, 3, 21, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 21, 32, device=DEVICE).half().requires_grad_()
+    mask = torch.randn(21, 21, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        out = qflash.sdpa(q, k, v, attn_mask=mask)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out64 = qflash.sdpa(*(t.detach().double() for t in (q, k, v)), attn_mask=mask.double())
+    assert out.dtype == ref.dtype == torch.float16 and out64.dtype == torch.float64
+    q16, k16, v16, m16 = (t.detach().half() for t in (q, k, v, mask))
+    assert_flash_rule(out, sdpa_ref(*_f64(q16, k16, v16, m16)[:3], attn_mask=m16.double()),
+                      sdpa_ref(q16, k16, v16, attn_mask=m16, upcast=False))
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.float16]
+
+
 def test_sdpa_matches_pytorch_function():
     q = torch.randn(1, 2, 33, 32, device=DEVICE)
     k, v = torch.randn(1, 2, 33, 32, device=DEVICE), torch.randn(1, 2, 33, 32, device=DEVICE)

@@ -119,6 +119,38 @@ def test_training_gradients_match_sdpa():
         assert rel_l2_err(grads[NAME][name], g) < 1e-10, name
 
 
+def test_autocast_with_float32_weights_matches_sdpa():
+    """Mixed-precision training as Trainer runs it: float32 weights under torch.autocast (float16
+    here). Rotary embeddings leave query and key in float32 beside a float16 value, which SDPA
+    takes in autocast's dtype; qflash used to refuse the mix. Logits (with and without padding)
+    and every parameter's gradient against the float64 model, within twice (gradients: three
+    times) SDPA's own error under the same autocast, plus a rounding floor."""
+    model = _llama(torch.float32)
+    model.train()
+    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
+    mask = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
+    mask[1, :3] = 0
+    real = mask.bool()
+
+    def run(impl, autocast):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
+            logits = model(ids).logits
+            padded = model(ids, attention_mask=mask).logits[real]
+        (logits.float().logsumexp(-1).mean() + padded.float().logsumexp(-1).mean()).backward()
+        return logits.double(), padded.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    out, out_padded, out_grads = run(NAME, True)
+    pt, pt_padded, pt_grads = run("sdpa", True)
+    model.double()
+    ref, ref_padded, ref_grads = run("sdpa", False)
+    assert rel_l2_err(out, ref) <= 2 * rel_l2_err(pt, ref) + 1e-3
+    assert rel_l2_err(out_padded, ref_padded) <= 2 * rel_l2_err(pt_padded, ref_padded) + 1e-3
+    for name, g in ref_grads.items():
+        assert rel_l2_err(out_grads[name], g) <= 3 * rel_l2_err(pt_grads[name], g) + 1e-3, name
+
+
 @torch.no_grad()
 def test_sliding_window_and_softcap_match_eager():
     """Gemma 2: scores soft-capped (tanh) and every other layer on a sliding window shorter than

@@ -62,13 +62,16 @@ def attention_forward(
 
     A single query (decoding) sees every key: transformers passes a mask wherever it must not.
     """
-    from qflash.ops.attention import flash_attn_func, pad_head_dims, sdpa
+    from qflash.ops.attention import autocast_inputs, flash_attn_func, pad_head_dims, sdpa
 
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("qflash attention takes no attention sinks (s_aux): load this model with another "
                                   "attn_implementation ('sdpa' or 'eager')")
     if kwargs.get("output_attentions", False):
         warnings.warn("qflash attention returns no attention weights (output_attentions=True)", stacklevel=2)
+    # Under autocast with float32 weights, rotary embeddings leave query and key in float32 beside a
+    # 16-bit value; SDPA gets all three in autocast's dtype, and so do the kernels.
+    query, key, value = autocast_inputs(query, key, value)
     headdim_v = value.shape[-1]
     if headdim_v != query.shape[-1]:  # MLA (DeepSeek): value's head dim of its own, zero-padded (exact)
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -270,6 +270,36 @@ def _scale(softmax_scale, headdim: int) -> float:
     return scale
 
 
+def _sdpa_scale(query: torch.Tensor, scale, headdim: int) -> Tuple[torch.Tensor, float]:
+    """(query, scale) for the kernels, which take a positive scale (they subtract each row's
+    maximum of the raw products before scaling). PyTorch takes any finite scale: a negative one is
+    its magnitude on -query, and zero makes every score 0 before the mask: query * 0 at scale 1.
+    Either costs a copy of query; the gradient reaches the original through it."""
+    if scale is None:
+        return query, 1.0 / math.sqrt(headdim)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if value > 0:
+        return query, value
+    return (-query, -value) if value < 0 else (query * 0, 1.0)
+
+
+def autocast_inputs(*tensors: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    """The tensors as PyTorch's autocast hands them to ``F.scaled_dot_product_attention`` (one of
+    its lower-precision ops): where autocast is on for the first one's device type, floating tensors other
+    than float64 go in its dtype (a copy where they are not already); otherwise as they are."""
+    device_type = tensors[0].device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
+
+
 def _dropout(dropout_p) -> Tuple[float, int]:
     """Validated dropout probability and a fresh seed for its mask.
 
@@ -551,15 +581,21 @@ def sdpa(
             query's dtype (as PyTorch), broadcastable to (batch, heads, seqlen_q, seqlen_k). A
             float mask that requires grad (a learned bias) gets its gradient, in its own dtype.
         is_causal: top-left causal mask (query i sees keys j <= i); exclusive with attn_mask.
-        scale: defaults to 1 / sqrt(headdim).
+        scale: defaults to 1 / sqrt(headdim); any finite number, as PyTorch (negative or zero:
+            on a copy of query, see ``_sdpa_scale``).
         enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
         softcap: qflash's extension: > 0 makes the scaled scores ``softcap * tanh(scores /
             softcap)`` before the masks (Gemma 2's logit soft-capping), as ``flash_attn_func``.
+
+    Under ``torch.autocast`` the floating inputs (mask included) go in autocast's dtype first, as
+    PyTorch casts them for its own SDPA (float64 excepted).
 
     Returns:
         (batch, ..., heads, seqlen_q, headdim_v), query's shape but value's head dim, in query's
         dtype. One difference from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
     """
+    if isinstance(query, torch.Tensor):
+        query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
     if isinstance(query, torch.Tensor) and query.dim() == 2:  # (seqlen, headdim): one head, as PyTorch takes it
         for name, t in (("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -604,9 +640,10 @@ def sdpa(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                 f"(batch, heads, seqlen_q, seqlen_k) = {(batch, heads, seqlen_q, seqlen_k)}"
             ) from None
+    query, scale = _sdpa_scale(query, scale, headdim)
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
-        q, k, v, _scale(scale, headdim), -1, 0 if is_causal else -1, False, _check_softcap(softcap), None, bias, None,
+        q, k, v, scale, -1, 0 if is_causal else -1, False, _check_softcap(softcap), None, bias, None,
         None, seqlen_q, seqlen_k, *_dropout(dropout_p), False,
     )
     return out.transpose(1, 2)
@@ -628,8 +665,8 @@ def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
 
 def _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
     """``sdpa`` of a value whose head dim is not the query's (``pad_head_dims``)."""
-    out = sdpa(*pad_head_dims(query, key, value), attn_mask, dropout_p, is_causal, _scale(scale, query.shape[-1]),
-               enable_gqa, softcap=softcap)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])  # the query's own head dim
+    out = sdpa(*pad_head_dims(query, key, value), attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=softcap)
     return out[..., :value.shape[-1]].contiguous()
 
 
