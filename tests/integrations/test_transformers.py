@@ -197,6 +197,72 @@ def test_value_head_dim_of_its_own_matches_sdpa():
     assert rel_l2_err(out[real], ref[real]) < 1e-12
 
 
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+_DECODER = dict(vocab_size=97, num_key_value_heads=2, max_position_embeddings=64, **_SMALL)
+_ARCHITECTURES = {  # name: (model class, config class, config arguments); tiny, random weights
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    "bert": ("BertModel", "BertConfig", dict(vocab_size=97, max_position_embeddings=64, **_SMALL)),
+    "modernbert": ("ModernBertModel", "ModernBertConfig",
+                   dict(vocab_size=97, max_position_embeddings=64, local_attention=8, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, cls_token_id=1, sep_token_id=2, **_SMALL)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", _DECODER),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16, **_DECODER)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=5, **_DECODER)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0, **_DECODER)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=5, **_DECODER)),
+    "vit": ("ViTModel", "ViTConfig", dict(image_size=32, patch_size=8, **_SMALL)),
+    "whisper": ("WhisperForConditionalGeneration", "WhisperConfig",
+                dict(vocab_size=97, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8,
+                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, decoder_start_token_id=1)),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", sorted(_ARCHITECTURES))
+def test_more_architectures_match_sdpa(arch):
+    """Encoders (BERT, ModernBERT's local windows, ViT), decoders (sliding windows, QK norms, GQA)
+    and an encoder-decoder (Whisper: cross-attention): their outputs on qflash match SDPA's in
+    float64, with a padded batch where the model takes text; every attention layer goes through
+    qflash."""
+    model_name, config_name, kwargs = _ARCHITECTURES[arch]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"this transformers has no {model_name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny vocabularies next to the real models' special tokens
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs))
+    model = model.to(DEVICE, torch.float64).eval()
+    ids = torch.randint(3, 97, (2, 13), device=DEVICE)
+    mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    mask[0, :3] = 0
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    if arch == "vit":
+        inputs = [dict(pixel_values=torch.randn(2, 3, 32, 32, device=DEVICE, dtype=torch.float64, generator=gen))]
+    elif arch == "whisper":
+        features = torch.randn(2, 8, 32, device=DEVICE, dtype=torch.float64, generator=gen)
+        inputs = [dict(input_features=features, decoder_input_ids=ids)]
+    else:
+        inputs = [dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)]
+
+    def run(impl, kw):
+        model.set_attn_implementation(impl)
+        out = model(**kw)
+        out = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        return out[mask.bool()] if "attention_mask" in kw else out
+
+    for kw in inputs:
+        calls = []
+        forward = qhf.attention_forward
+        transformers.AttentionInterface.register(NAME, lambda *a, **k: calls.append(1) or forward(*a, **k))
+        try:
+            out = run(NAME, kw)
+        finally:
+            qhf.register()
+        assert len(calls) >= 2
+        assert rel_l2_err(out, run("sdpa", kw)) < 1e-12
+
+
 def test_sliding_window_without_a_mask():
     """Called with no mask and a window shorter than the keys (transformers passes a mask there
     itself, but a model's own code may not): query i sees keys i - window < j <= i."""
