@@ -420,6 +420,86 @@ def test_sdpa_matches_pytorch_function():
 
 
 # ----------------------------------------------------------------------------------------------
+# Keys split into shares (flash-decoding): where (batch, head, row block) programs are too few.
+# ----------------------------------------------------------------------------------------------
+def _split_keys(monkeypatch, num_splits):
+    """Make the public functions split the keys into ``num_splits`` shares here (on the GPU the
+    launcher chooses; in the interpreter it never splits on its own)."""
+    default = attention_kernels.default_config
+    monkeypatch.setattr(attention_kernels, "default_config",
+                        lambda *a, **kw: dataclasses.replace(default(*a, **kw), num_splits=num_splits))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 40])
+@pytest.mark.parametrize("sq,sk,kw", [
+    (1, 239, {}), (1, 1023, {"causal": True}), (3, 113, {"causal": True}), (63, 63, {"causal": True}),
+    (1, 1, {}), (7, 200, {"window_size": (50, 0)}), (2, 150, {"softcap": 5.0, "alibi_slopes": "yes"}),
+])
+def test_split_keys_match_the_reference(monkeypatch, num_splits, sq, sk, kw):
+    """Decoding sizes (one or a few query rows, bottom-right causal), ragged key counts, more
+    shares than key blocks (40: most shares empty), windows, soft-capping, ALiBi; output and lse
+    by the flash-attn rule, every element written; the gradients through a split forward."""
+    _split_keys(monkeypatch, num_splits)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(4, device=DEVICE)
+    q, k, v = _qkv(2, sq, sk, 4, 2, 40)
+    out, _ = check_flash(q, k, v, **kw)
+    for t in (q, k, v):
+        t.requires_grad_()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(qflash.flash_attn_func(q, k, v, **kw), (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(attention_ref(q64, k64, v64, **kw)[0], (q64, k64, v64), dout.double())
+    pt = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)[0]
+    pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
+    for g, r, p, name in zip(grads, ref_grads, pt_grads, "qkv"):
+        assert_flash_rule(g, r, p, factor=3, what=f"d{name}")
+
+
+def test_split_keys_varlen_and_mask(monkeypatch):
+    """Packed sequences (an empty one, one key, one query) and sdpa's float mask, split in 3."""
+    _split_keys(monkeypatch, 3)
+    lens_q, lens_k = [1, 4, 0, 1], [300, 1, 9, 129]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+    with poisoned():
+        out = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    assert_written(out)
+    ref, _ = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, causal=True)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False, reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+    query, key = torch.randn(2, 4, 2, 32, device=DEVICE).half(), torch.randn(2, 4, 333, 32, device=DEVICE).half()
+    mask = torch.randn(2, 1, 2, 333, device=DEVICE)
+    _check_sdpa(query, key, key.flip(2), attn_mask=mask)
+
+
+def test_split_keys_with_dropout_keep_the_same_mask(monkeypatch):
+    """Dropout draws by (row, key), wherever a share starts: split and unsplit forwards agree."""
+    q, k, v = _qkv(1, 2, 300, 2, 1, 32)
+    torch.manual_seed(5)
+    whole = qflash.flash_attn_func(q, k, v, dropout_p=0.3)
+    _split_keys(monkeypatch, 4)
+    torch.manual_seed(5)
+    split = qflash.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.testing.assert_close(split, whole, rtol=2e-3, atol=2e-3)
+
+
+def test_kv_splits_fill_the_sms_once():
+    """The launcher's choice: no split where programs fill the SMs or keys are short, else enough
+    shares to fill them once, each of at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_KV_SPLITS."""
+    ks = attention_kernels.kv_splits
+    assert ks(programs=132, key_blocks=10_000, sms=132) == 1
+    assert ks(programs=32, key_blocks=15, sms=132) == 1  # 15 blocks: not two shares of 8
+    assert ks(programs=32, key_blocks=64, sms=132) == 5  # 160 programs: one round of 132 SMs and a part
+    assert ks(programs=32, key_blocks=24, sms=132) == 3  # the blocks bound it
+    assert ks(programs=1, key_blocks=10_000, sms=132) == attention_kernels.MAX_KV_SPLITS
+    cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
+    assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
+    assert attention_kernels.decode_config(cfg, rows=40).block_m == 64
+    assert attention_kernels.decode_config(cfg, rows=65) is cfg
+
+
+# ----------------------------------------------------------------------------------------------
 # torch.compile: the custom op traces with its fake implementation.
 # ----------------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph_traces():
@@ -582,6 +662,23 @@ def test_gpu_options(dtype, kw):
         kw["alibi_slopes"] = torch.rand(4, device="cuda")
     q, k, v = _qkv(2, 1500, 2100, 4, 2, 128, dtype=dtype)
     check_flash(q, k, v, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("b,sk", [(1, 4097), (3, 30000)])
+def test_gpu_decode_splits_the_keys(d, b, sk):
+    """Decoding on the H200: the launcher splits these calls' keys (checked, not assumed); one
+    query row, and two with the causal mask aligned bottom-right, by the flash-attn rule; a boolean
+    mask through sdpa, as transformers decodes."""
+    q, k, v = _qkv(b, 2, sk, 8, 2, d, dtype=torch.bfloat16)
+    cfg = attention_kernels.decode_config(attention_kernels.default_config(d, q.dtype, q.device, seqlen_k=sk), 1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert attention_kernels.kv_splits(b * 8, -(-sk // cfg.block_n), sms) > 1
+    check_flash(q[:, :1], k, v)
+    check_flash(q, k, v, causal=True)
+    mask = torch.rand(b, 1, 1, sk, device="cuda") > 0.1
+    _check_sdpa(q[:, :1].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
 
 
 @gpu

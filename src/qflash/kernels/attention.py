@@ -18,6 +18,11 @@ the key range of a program is split into
 
 and blocks outside [lo, hi) are never loaded.
 
+Where the (batch, head, row block) programs are too few to fill the GPU (decoding: one query
+row a sequence), the key range is also cut into ``num_splits`` shares, one program each
+(flash-decoding): each writes its share's normalized output and log-sum-exp in float32, and
+``_attn_fwd_combine_kernel`` weighs them together, exactly, as the online softmax would have.
+
 The backward pass recomputes the probabilities from the saved log-sum-exp instead
 of storing them (FlashAttention-2): a preprocess pass computes
 ``delta = rowsum(dO * O)``, one kernel holds a K/V block and sweeps the query
@@ -29,6 +34,7 @@ Gluon kernels instead, ``attention_gluon.py``, unless determinism is asked for.)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +43,7 @@ import triton
 import triton.language as tl
 
 from qflash.kernels.common import (CachedLauncher, cdiv, ensure_descriptor_allocator, gluon_enabled, has_tma,
-                                   next_power_of_2, tma_compatible)
+                                   next_power_of_2, sm_count, tma_compatible)
 from qflash.testing import new_output
 
 RCP_LN2 = tl.constexpr(1.4426950408889634)  # 1 / ln(2) = log2(e): exp(x) == exp2(x * RCP_LN2)
@@ -205,6 +211,15 @@ def _stretch(part: tl.constexpr, lo, full_lo, full_hi, hi, EDGES_LAST: tl.conste
 
 
 @triton.jit
+def _split_share(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
+    """Keys [s_lo, s_hi) of share ``split`` of [lo, hi): whole BLOCK_N blocks from lo, as even as
+    they come; the last shares may be empty."""
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    s_lo = tl.minimum(lo + split * per_split, hi)
+    return s_lo, tl.minimum(s_lo + per_split, hi)
+
+
+@triton.jit
 def _scores_log2(
     qk, rows, cols, bias_base, stride_bm, stride_bn,
     seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -365,7 +380,8 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb, stride_sh,
-    seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks,
+    stride_o_split, stride_l_split,
+    seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks, num_splits,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
     dropout_p, dropout_seed, rng_rows, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -374,14 +390,20 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
+    SPLIT_KV: tl.constexpr = False,
 ):
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
+    if SPLIT_KV:  # and which share of its keys: Out / Lse are then the float32 partials
+        split = pid % num_splits
+        pid = pid // num_splits
+        Out += split.to(tl.int64) * stride_o_split
+        Lse += split.to(tl.int64) * stride_l_split
     # Float arguments arrive in float64 (a plain Python float would be rounded to float32,
     # which float64 inputs would notice); compute in the accumulator's precision.
     qk_scale = tl.full([], qk_scale, ACC)
     softcap_log2 = tl.full([], softcap_log2, ACC)
-    num_bh = tl.num_programs(0) // num_m_blocks
+    num_bh = tl.num_programs(0) // (num_m_blocks * num_splits)
     if HEAVY_FIRST:
         # Causal-like masks make late row blocks the most expensive: launch them first,
         # across every head, so the last wave is made of cheap blocks.
@@ -435,6 +457,8 @@ def _attn_fwd_kernel(
     # ---- the range of key blocks this row block can see ---------------------------------
     lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if SPLIT_KV:
+        s_lo, s_hi = _split_share(lo, hi, split, num_splits, BLOCK_N)
 
     # ---- the Q tile stays resident -------------------------------------------------------
     if USE_TMA:
@@ -451,6 +475,8 @@ def _attn_fwd_kernel(
     # first, ptxas serialized the D = 64 build's wgmma (C7515), as it did the backward's dK/dV.
     for i in tl.static_range(3):
         start, end = _stretch(i, lo, full_lo, full_hi, hi, EDGES_LAST)
+        if SPLIT_KV:  # this share's part of the stretch (block-aligned: the mask-free one stays so)
+            start, end = tl.maximum(start, s_lo), tl.minimum(end, s_hi)
         acc, m_i, l_i = _attn_fwd_stretch(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -459,13 +485,15 @@ def _attn_fwd_kernel(
             HAS_DROPOUT, DOT_PRECISION, USE_TMA)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
+    # (a share with no visible key: lse = -inf, so that the combine gives it no weight)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * tl.full([], LN2, ACC))
+    lse = tl.where(empty, float("-inf") if SPLIT_KV else float("inf"),
+                   (m_i + tl.math.log2(l_safe)) * tl.full([], LN2, ACC))
     row_ok = rows < seqlen_q
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
-    if USE_TMA:
+    if USE_TMA and not SPLIT_KV:
         o_desc = _tile_source(o_base, seqlen_q, stride_os, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
     else:
@@ -473,6 +501,45 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows) * stride_ls
     tl.store(l_ptrs, lse.to(Lse.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _attn_fwd_combine_kernel(
+    OutPart, LsePart, Out, Lse,
+    stride_o_split, stride_l_split,
+    num_rows, num_heads, rows_per_batch, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s)): the key shares of
+    a split forward weighed together, one (row, head) pair a row of the block. Out (rows, heads,
+    HEAD_DIM) and the partials are contiguous; Lse is (batch, heads, rows_per_batch), or (heads,
+    rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf."""
+    pid = tl.program_id(0)
+    pairs = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] (row, head) pairs
+    ok = pairs < num_rows * num_heads
+    row = pairs // num_heads
+    h = pairs % num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    o_offs = pairs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
+    o_ok = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    l_offs = ((row // rows_per_batch) * num_heads + h).to(tl.int64) * rows_per_batch + row % rows_per_batch
+    m = tl.full([BLOCK_R], float("-inf"), LsePart.dtype.element_ty)
+    weight = tl.zeros([BLOCK_R], LsePart.dtype.element_ty)  # sum of exp(lse_s - m)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], LsePart.dtype.element_ty)
+    for split in range(num_splits):  # the online softmax again, one share a step
+        lse_s = tl.load(LsePart + split * stride_l_split + l_offs, mask=ok, other=float("-inf"))
+        o_s = tl.load(OutPart + split * stride_o_split + o_offs, mask=o_ok, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        weight = weight * alpha + w
+        m = m_new
+    empty = weight == 0.0
+    w_safe = tl.where(empty, 1.0, weight)
+    tl.store(Out + o_offs, (acc / w_safe[:, None]).to(Out.dtype.element_ty), mask=o_ok)
+    tl.store(Lse + l_offs, tl.where(empty, float("inf"), m + tl.log(w_safe)).to(Lse.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,6 +552,7 @@ class AttnFwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
+    num_splits: int = 0  # key shares a row block (split_kv); 0: chosen by kv_splits
 
 
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
@@ -520,6 +588,31 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
     short = seqlen_k is not None and seqlen_k <= SHORT_KEYS
     return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
+
+
+# Split the keys only where each share keeps at least this many key blocks (a share's fixed
+# cost, the Q tile and the float32 partial it writes, is then a small part), into at most
+# MAX_KV_SPLITS shares.
+MIN_BLOCKS_PER_SPLIT = 8
+MAX_KV_SPLITS = 64
+
+
+def kv_splits(programs: int, key_blocks: int, sms: int) -> int:
+    """Key shares a row block for a call of ``programs`` (batch x heads x row blocks) whose rows
+    see ``key_blocks`` blocks: 1 where the programs fill the SMs, else enough shares to fill them
+    once, each at least MIN_BLOCKS_PER_SPLIT blocks long."""
+    if programs >= sms:
+        return 1
+    return max(1, min(cdiv(sms, programs), key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_KV_SPLITS))
+
+
+def decode_config(cfg: AttnFwdConfig, rows: int) -> AttnFwdConfig:
+    """``cfg`` for calls of at most 64 query rows a sequence (decoding: one): row blocks of the next
+    power of two from 16 (tl.dot's least), not 128 of mostly padding, whose products would bound
+    a key block's time instead of its loads."""
+    if rows > 64 or cfg.block_m <= 16:
+        return cfg
+    return dataclasses.replace(cfg, block_m=min(cfg.block_m, max(16, next_power_of_2(rows))))
 
 
 _TL_ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -656,6 +749,7 @@ def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 _fwd_launcher = CachedLauncher(_attn_fwd_kernel)
+_combine_launcher = CachedLauncher(_attn_fwd_combine_kernel)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
@@ -687,28 +781,39 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         seqlen_k = k.shape[1]
         grid_rows = seqlen_q
         lse_shape = (batch, num_heads, seqlen_q)
-    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
-                                   seqlen_k=opts.max_seqlen_k if varlen else seqlen_k, dropout=opts.dropout_p > 0)
+    keys = opts.max_seqlen_k if varlen else seqlen_k
+    cfg = config or decode_config(default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
+                                                 seqlen_k=keys, dropout=opts.dropout_p > 0), grid_rows)
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
+    num_m_blocks = cdiv(max(grid_rows, 1), cfg.block_m)
+    programs = num_m_blocks * batch * num_heads
+    if programs == 0:
+        return out, lse
+    num_splits = cfg.num_splits or (kv_splits(programs, cdiv(keys, cfg.block_n), sm_count(q.device))
+                                    if q.is_cuda else 1)
+    if num_splits > 1:  # the kernel writes float32 shares, which the combine kernel weighs together
+        out_part = new_output((num_splits, *q.shape), dtype=lse.dtype, device=q.device)
+        lse_part = new_output((num_splits, *lse_shape), dtype=lse.dtype, device=q.device)
+    else:
+        out_part, lse_part = out, lse.unsqueeze(0)
     use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
     if use_tma:
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
 
-    num_m_blocks = cdiv(max(grid_rows, 1), cfg.block_m)
-    grid = (num_m_blocks * batch * num_heads,)
-    if grid[0] == 0:
-        return out, lse
+    grid = (programs * num_splits,)
     _fwd_launcher[grid](
-        q, k, v, out, lse, *pointers,
+        q, k, v, out_part if num_splits > 1 else out, lse_part[0], *pointers,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen), *bias_strides, *slope_strides,
+        *_bshd_strides(out_part[0] if num_splits > 1 else out, varlen), *_lse_strides(lse_part[0], varlen),
+        *bias_strides, *slope_strides, out_part.stride(0), lse_part.stride(0),
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
         num_heads=num_heads,
         kv_group=num_heads // k.shape[-2],
         num_m_blocks=num_m_blocks,
+        num_splits=num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m,
@@ -718,8 +823,23 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        SPLIT_KV=num_splits > 1,
         **variant,
     )
+    if num_splits > 1:
+        block_r = 16
+        pairs = q.shape[0] * q.shape[1] * num_heads if not varlen else q.shape[0] * num_heads
+        _combine_launcher[(cdiv(pairs, block_r),)](
+            out_part, lse_part, out, lse, out_part.stride(0), lse_part.stride(0),
+            num_rows=pairs // num_heads,
+            num_heads=num_heads,
+            rows_per_batch=q.shape[0] if varlen else seqlen_q,
+            num_splits=num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
     return out, lse
 
 
@@ -1220,8 +1340,11 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                 window_left=window_left if has_left else -1, window_right=0 if causal else -1,
                 rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
-                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32")
+                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", num_splits=1,
+                stride_o_split=seqlen * heads * head_dim, stride_l_split=heads * seqlen)  # (keys not split)
     for name in fn.arg_names:
+        if name in args:
+            continue
         if name.startswith("stride_l"):
             args[name] = lse_strides[name[-1]]
         elif name.startswith(("stride_b", "stride_s", "stride_db")):  # bias, slopes, dbias: none
@@ -1235,7 +1358,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=varlen, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
-        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left)
+        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:

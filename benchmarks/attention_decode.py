@@ -1,0 +1,98 @@
+"""Decoding attention (one query row a sequence against a long cache), side by side with SDPA.
+
+A decode step reads the whole K/V cache for one query row, so its time is the cache's bytes over
+the memory's speed, if enough programs read at once: one (batch, head) program each gives
+batch x heads programs, 32 at batch 1 for 132 SMs. qflash then splits the keys into shares
+(``kv_splits``, flash-decoding) and weighs them together in a second kernel. Timed from CUDA
+graphs (and eagerly): the public ``flash_attn_func`` (split as the launcher chooses), the same
+tiles without a split, the tiles the forward took before decoding had its own (128 query rows a
+block, no split), and PyTorch's SDPA backends with ``enable_gqa``. Also a few short prefill sizes
+that the launcher now splits (programs under the SM count), against no split.
+
+    python3 benchmarks/attention_decode.py --out decode.json
+"""
+
+import argparse
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+import qflash
+from qflash.bench.harness import environment, graph_ms, save_json, time_ms
+from qflash.kernels import attention as kernels
+
+
+def qflash_tiles(q, k, v, causal, config):
+    opts = kernels.AttnOptions(1 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
+    return lambda: kernels.attention_forward(q, k, v, opts, config=config)[0]
+
+
+def providers(q, k, v, causal):
+    d = q.shape[-1]
+    base = kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
+    decode = kernels.decode_config(base, q.shape[1])
+    out = {
+        "qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal),
+        "qflash no split": qflash_tiles(q, k, v, causal, dataclasses.replace(decode, num_splits=1)),
+        "qflash before (128-row blocks, no split)": qflash_tiles(q, k, v, causal,
+                                                                 dataclasses.replace(base, num_splits=1)),
+    }
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        def run(backend=getattr(SDPBackend, name)):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal and q.shape[1] > 1,
+                                                      enable_gqa=kt.shape[1] != qt.shape[1])
+        out[f"sdpa {name.lower()}"] = run
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--cache", default="1024,4096,16384,65536")
+    p.add_argument("--heads", default="32,8", help="query heads, key/value heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    heads, heads_kv = map(int, args.heads.split(","))
+    d = args.head_dim
+    rows = []
+    cases = [(b, 1, s, heads, heads_kv, False) for b in map(int, args.batches.split(","))
+             for s in map(int, args.cache.split(","))]
+    cases += [(2, 1023, 1023, 6, 2, True), (1, 2000, 2000, 4, 4, True), (4, 700, 700, 8, 2, False)]  # short prefill
+    for b, sq, sk, h, hkv, causal in cases:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), sq)
+        programs = kernels.cdiv(sq, cfg.block_m) * b * h
+        splits = kernels.kv_splits(programs, kernels.cdiv(sk, cfg.block_n), torch.cuda.get_device_properties(0)
+                                   .multi_processor_count)
+        ref = qflash.flash_attn_func(q, k, v, causal=causal).float()
+        cache_bytes = 2 * b * sk * hkv * d * 2
+        for name, fn in providers(q, k, v, causal).items():
+            row = dict(provider=name, batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d,
+                       causal=causal, splits=splits if name == "qflash" else None)
+            try:
+                got = fn().float()
+                row["max_diff_vs_qflash"] = (got - ref).abs().max().item()
+                row.update(time_ms(fn))
+                row["ms_graph"] = graph_ms(fn)
+                if row["ms_graph"]:
+                    row["cache_TBps_graph"] = cache_bytes / (row["ms_graph"] * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001 - a backend that refuses the shape
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    if args.out:
+        save_json(args.out, {"env": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
