@@ -3,11 +3,13 @@
 A decode step reads the whole K/V cache for one query row, so its time is the cache's bytes over
 the memory's speed, if enough programs read at once: one (batch, head) program each gives
 batch x heads programs, 32 at batch 1 for 132 SMs. qflash then splits the keys into shares
-(``kv_splits``, flash-decoding) and weighs them together in a second kernel. Timed from CUDA
-graphs (and eagerly): the public ``flash_attn_func`` (split as the launcher chooses), the same
-tiles without a split, the tiles the forward took before decoding had its own (128 query rows a
-block, no split), and PyTorch's SDPA backends with ``enable_gqa``. Also a few short prefill sizes
-that the launcher now splits (programs under the SM count), against no split.
+(``kv_splits``, flash-decoding) and weighs them together in a second kernel; with grouped heads
+the query heads of a key/value head share one row block (``PACK_GQA``), which reads the cache once
+for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_func`` (as the
+launcher chooses), without packing, without packing or split, with 128-key blocks, the tiles the
+forward took before decoding had its own (128 query rows a block, neither), and PyTorch's SDPA
+backends with ``enable_gqa``. Also a few short prefill sizes that the launcher now splits
+(programs under the SM count).
 
     python3 benchmarks/attention_decode.py --out decode.json
 """
@@ -32,21 +34,26 @@ def qflash_tiles(q, k, v, causal, config):
 def providers(q, k, v, causal):
     d = q.shape[-1]
     base = kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
-    decode = kernels.decode_config(base, q.shape[1])
+    group = q.shape[2] // k.shape[2]
+    packed = kernels.decode_config(base, q.shape[1] * group)
+    unpacked = kernels.decode_config(base, q.shape[1])
     out = {
         "qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal),
-        "qflash no split": qflash_tiles(q, k, v, causal, dataclasses.replace(decode, num_splits=1)),
-        "qflash before (128-row blocks, no split)": qflash_tiles(q, k, v, causal,
-                                                                 dataclasses.replace(base, num_splits=1)),
+        "qflash no pack": qflash_tiles(q, k, v, causal, dataclasses.replace(unpacked, pack_gqa=False)),
+        "qflash no pack, no split": qflash_tiles(q, k, v, causal,
+                                                 dataclasses.replace(unpacked, pack_gqa=False, num_splits=1)),
+        "qflash 128-key blocks": qflash_tiles(q, k, v, causal, dataclasses.replace(packed, block_n=128)),
+        "qflash before (128-row blocks, neither)": qflash_tiles(
+            q, k, v, causal, dataclasses.replace(base, num_splits=1, pack_gqa=False)),
     }
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
         def run(backend=getattr(SDPBackend, name)):
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal and q.shape[1] > 1,
-                                                      enable_gqa=kt.shape[1] != qt.shape[1])
+                                                      enable_gqa=kt.shape[1] != qt.shape[1]).transpose(1, 2)
         out[f"sdpa {name.lower()}"] = run
     return out
 
@@ -70,15 +77,20 @@ def main():
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), sq)
-        programs = kernels.cdiv(sq, cfg.block_m) * b * h
+        opts = kernels.AttnOptions(1.0)
+        pack = kernels.packs_gqa(q, k, opts)
+        rows = sq * (h // hkv) if pack else sq
+        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), rows)
+        pack = pack and cfg.block_m >= rows
+        programs = (1 if pack else kernels.cdiv(sq, cfg.block_m)) * b * (hkv if pack else h)
         splits = kernels.kv_splits(programs, kernels.cdiv(sk, cfg.block_n), torch.cuda.get_device_properties(0)
                                    .multi_processor_count)
         ref = qflash.flash_attn_func(q, k, v, causal=causal).float()
         cache_bytes = 2 * b * sk * hkv * d * 2
         for name, fn in providers(q, k, v, causal).items():
             row = dict(provider=name, batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d,
-                       causal=causal, splits=splits if name == "qflash" else None)
+                       causal=causal, splits=splits if name == "qflash" else None,
+                       packed=pack if name == "qflash" else None)
             try:
                 got = fn().float()
                 row["max_diff_vs_qflash"] = (got - ref).abs().max().item()

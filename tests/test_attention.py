@@ -457,6 +457,22 @@ def test_split_keys_match_the_reference(monkeypatch, num_splits, sq, sk, kw):
         assert_flash_rule(g, r, p, factor=3, what=f"d{name}")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sq,kw", [(1, {}), (3, {"causal": True}), (8, {"window_size": (9, 0)}),
+                                   (2, {"softcap": 4.0, "causal": True})])
+def test_grouped_heads_share_a_row_block(monkeypatch, num_splits, sq, kw):
+    """Decoding with grouped heads: the four query heads of a key/value head as the rows of one
+    block (4 x 8 = 32 rows here), which reads the keys and values once for all four; by the
+    flash-attn rule against the reference, query heads kept apart (they see different queries)."""
+    _split_keys(monkeypatch, num_splits)
+    q, k, v = _qkv(2, sq, 77, 8, 2, 24)
+    assert attention_kernels.packs_gqa(q, k, attention_kernels.AttnOptions(1.0))
+    check_flash(q, k, v, **kw)
+    q[:, :, 1::4] += 1.0  # one head of each group changes: only its rows may move
+    out, _ = check_flash(q, k, v, **kw)
+    assert attention_kernels.packs_gqa(q, k, attention_kernels.AttnOptions(1.0, alibi_slopes=q)) is False
+
+
 def test_split_keys_varlen_and_mask(monkeypatch):
     """Packed sequences (an empty one, one key, one query) and sdpa's float mask, split in 3."""
     _split_keys(monkeypatch, 3)

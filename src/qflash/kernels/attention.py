@@ -390,8 +390,12 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
-    SPLIT_KV: tl.constexpr = False,
+    SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
 ):
+    # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
+    # head of one key/value head, which it then reads once for all of them; num_heads counts
+    # key/value heads, and one row block holds them all.
+    tl.static_assert(not (PACK_GQA and (HAS_ALIBI or BIAS_KIND != 0 or HAS_DROPOUT or IS_VARLEN)))
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
     if SPLIT_KV:  # and which share of its keys: Out / Lse are then the float32 partials
@@ -416,6 +420,9 @@ def _attn_fwd_kernel(
     b = bh // num_heads
     h = bh % num_heads
     h_kv = h // kv_group
+    if PACK_GQA:
+        h_kv = h
+        h = h * kv_group  # the group's first query head; each row adds its own below
 
     total_q = seqlen_q  # varlen: the packed rows
     q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
@@ -434,12 +441,24 @@ def _attn_fwd_kernel(
     # ---- pointers (int64: batch*seqlen*heads*headdim may pass 2^31) ----------------------
     b64 = b.to(tl.int64)
     rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    if PACK_GQA:  # row r is query row r % seqlen_q of the group's query head r // seqlen_q
+        head_of_row = (rows // seqlen_q).to(tl.int64)  # [BLOCK_M]
+        row_ok = rows < seqlen_q * kv_group
+        rows = rows % seqlen_q  # query positions: what the masks compare
+        q_rows = rows.to(tl.int64) * stride_qs + head_of_row * stride_qh  # [BLOCK_M] offsets
+        o_rows = rows.to(tl.int64) * stride_os + head_of_row * stride_oh
+        l_rows = rows.to(tl.int64) * stride_ls + head_of_row * stride_lh
+    else:
+        row_ok = rows < seqlen_q
+        q_rows = rows.to(tl.int64) * stride_qs
+        o_rows = rows.to(tl.int64) * stride_os
+        l_rows = rows.to(tl.int64) * stride_ls
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qs
     k_base = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
     v_base = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
-    q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
+    q_ptrs = q_base + q_rows[:, None] + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     # Tensor descriptors of this (batch, head) when USE_TMA, else the base pointers.
@@ -461,10 +480,10 @@ def _attn_fwd_kernel(
         s_lo, s_hi = _split_share(lo, hi, split, num_splits, BLOCK_N)
 
     # ---- the Q tile stays resident -------------------------------------------------------
-    if USE_TMA:
+    if USE_TMA and not PACK_GQA:
         q = q_desc.load([m0, 0])  # [BLOCK_M, BLOCK_D]
     else:
-        q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
@@ -491,15 +510,14 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf") if SPLIT_KV else float("inf"),
                    (m_i + tl.math.log2(l_safe)) * tl.full([], LN2, ACC))
-    row_ok = rows < seqlen_q
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
-    if USE_TMA and not SPLIT_KV:
+    if USE_TMA and not (SPLIT_KV or PACK_GQA):
         o_desc = _tile_source(o_base, seqlen_q, stride_os, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         o_desc.store([m0, 0], out.to(Out.dtype.element_ty))
     else:
-        o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :]
+        o_ptrs = o_base + o_rows[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + rows) * stride_ls
+    l_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start * stride_ls + l_rows
     tl.store(l_ptrs, lse.to(Lse.dtype.element_ty), mask=row_ok)
 
 
@@ -553,6 +571,7 @@ class AttnFwdConfig:
     num_stages: int
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
     num_splits: int = 0  # key shares a row block (split_kv); 0: chosen by kv_splits
+    pack_gqa: bool = True  # where packs_gqa allows: a key/value head's query heads in one row block
 
 
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
@@ -604,6 +623,18 @@ def kv_splits(programs: int, key_blocks: int, sms: int) -> int:
     if programs >= sms:
         return 1
     return max(1, min(cdiv(sms, programs), key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_KV_SPLITS))
+
+
+PACK_MAX_ROWS = 64  # query rows x group size that one packed row block holds
+
+
+def packs_gqa(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions) -> bool:
+    """Whether a call's query heads may share their key/value head's row block (``PACK_GQA``):
+    grouped heads, dense, at most PACK_MAX_ROWS rows together, and nothing that differs by query
+    head (ALiBi slopes, a mask or bias plane, dropout's counters)."""
+    group = q.shape[-2] // k.shape[-2]
+    return (group > 1 and not opts.varlen and group * q.shape[1] <= PACK_MAX_ROWS and opts.alibi_slopes is None
+            and opts.bias is None and opts.dropout_p == 0)
 
 
 def decode_config(cfg: AttnFwdConfig, rows: int) -> AttnFwdConfig:
@@ -781,17 +812,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         seqlen_k = k.shape[1]
         grid_rows = seqlen_q
         lse_shape = (batch, num_heads, seqlen_q)
+    kv_group = num_heads // k.shape[-2]
+    packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
     keys = opts.max_seqlen_k if varlen else seqlen_k
     cfg = config or decode_config(default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
-                                                 seqlen_k=keys, dropout=opts.dropout_p > 0), grid_rows)
+                                                 seqlen_k=keys, dropout=opts.dropout_p > 0),
+                                  grid_rows * kv_group if packable else grid_rows)
+    pack = packable and cfg.block_m >= grid_rows * kv_group  # one row block holds a whole group
+    grid_heads = num_heads // kv_group if pack else num_heads
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
-    num_m_blocks = cdiv(max(grid_rows, 1), cfg.block_m)
-    programs = num_m_blocks * batch * num_heads
+    num_m_blocks = 1 if pack else cdiv(max(grid_rows, 1), cfg.block_m)
+    programs = num_m_blocks * batch * grid_heads
     if programs == 0:
         return out, lse
     num_splits = cfg.num_splits or (kv_splits(programs, cdiv(keys, cfg.block_n), sm_count(q.device))
-                                    if q.is_cuda else 1)
+                                    if q.is_cuda and grid_rows > 0 else 1)
     if num_splits > 1:  # the kernel writes float32 shares, which the combine kernel weighs together
         out_part = new_output((num_splits, *q.shape), dtype=lse.dtype, device=q.device)
         lse_part = new_output((num_splits, *lse_shape), dtype=lse.dtype, device=q.device)
@@ -810,8 +846,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         *bias_strides, *slope_strides, out_part.stride(0), lse_part.stride(0),
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        num_heads=num_heads,
-        kv_group=num_heads // k.shape[-2],
+        num_heads=grid_heads,
+        kv_group=kv_group,
         num_m_blocks=num_m_blocks,
         num_splits=num_splits,
         HEAD_DIM=head_dim,
@@ -824,6 +860,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         SPLIT_KV=num_splits > 1,
+        PACK_GQA=pack,
         **variant,
     )
     if num_splits > 1:
@@ -1358,7 +1395,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=varlen, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
-        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False)
+        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:
