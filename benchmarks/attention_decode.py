@@ -79,9 +79,9 @@ def main():
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         opts = kernels.AttnOptions(1.0)
         pack = kernels.packs_gqa(q, k, opts)
-        rows = sq * (h // hkv) if pack else sq
-        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), rows)
-        pack = pack and cfg.block_m >= rows
+        block_rows = sq * (h // hkv) if pack else sq
+        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), block_rows)
+        pack = pack and cfg.block_m >= block_rows
         programs = (1 if pack else kernels.cdiv(sq, cfg.block_m)) * b * (hkv if pack else h)
         splits = kernels.kv_splits(programs, kernels.cdiv(sk, cfg.block_n), torch.cuda.get_device_properties(0)
                                    .multi_processor_count)
