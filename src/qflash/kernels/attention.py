@@ -638,9 +638,10 @@ def packs_gqa(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions) -> bool:
 
 
 def decode_config(cfg: AttnFwdConfig, rows: int) -> AttnFwdConfig:
-    """``cfg`` for calls of at most 64 query rows a sequence (decoding: one): row blocks of the next
-    power of two from 16 (tl.dot's least), not 128 of mostly padding, whose products would bound
-    a key block's time instead of its loads."""
+    """``cfg`` for calls whose row blocks need at most 64 rows (decoding: one query row a sequence,
+    times the group where heads are packed): row blocks of the next power of two from 16 (tl.dot's
+    least), not 128 of mostly padding, whose products would bound a key block's time instead of
+    its loads."""
     if rows > 64 or cfg.block_m <= 16:
         return cfg
     return dataclasses.replace(cfg, block_m=min(cfg.block_m, max(16, next_power_of_2(rows))))
@@ -831,8 +832,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     if num_splits > 1:  # the kernel writes float32 shares, which the combine kernel weighs together
         out_part = new_output((num_splits, *q.shape), dtype=lse.dtype, device=q.device)
         lse_part = new_output((num_splits, *lse_shape), dtype=lse.dtype, device=q.device)
+        out_dst, lse_dst = out_part[0], lse_part[0]  # share 0; share s lies s split strides on
+        split_strides = (out_part.stride(0), lse_part.stride(0))
     else:
-        out_part, lse_part = out, lse.unsqueeze(0)
+        out_dst, lse_dst, split_strides = out, lse, (0, 0)
     use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
     if use_tma:
         ensure_descriptor_allocator(q.device)
@@ -840,10 +843,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
 
     grid = (programs * num_splits,)
     _fwd_launcher[grid](
-        q, k, v, out_part if num_splits > 1 else out, lse_part[0], *pointers,
+        q, k, v, out_dst, lse_dst, *pointers,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
-        *_bshd_strides(out_part[0] if num_splits > 1 else out, varlen), *_lse_strides(lse_part[0], varlen),
-        *bias_strides, *slope_strides, out_part.stride(0), lse_part.stride(0),
+        *_bshd_strides(out_dst, varlen), *_lse_strides(lse_dst, varlen), *bias_strides, *slope_strides,
+        *split_strides,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
         num_heads=grid_heads,
@@ -865,9 +868,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     )
     if num_splits > 1:
         block_r = 16
-        pairs = q.shape[0] * q.shape[1] * num_heads if not varlen else q.shape[0] * num_heads
+        pairs = q.numel() // head_dim  # (query row, head) pairs
         _combine_launcher[(cdiv(pairs, block_r),)](
-            out_part, lse_part, out, lse, out_part.stride(0), lse_part.stride(0),
+            out_part, lse_part, out, lse, *split_strides,
             num_rows=pairs // num_heads,
             num_heads=num_heads,
             rows_per_batch=q.shape[0] if varlen else seqlen_q,
