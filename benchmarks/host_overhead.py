@@ -25,8 +25,8 @@ from qflash.kernels import attention_gluon
 from qflash.kernels.attention import AttnOptions, attention_forward, default_config
 
 
-def per_call_us(fn, calls: int = 500) -> float:
-    for _ in range(20):
+def per_call_us(fn, calls: int = 500, warmup: int = 20) -> float:
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
