@@ -77,14 +77,8 @@ def main():
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        opts = kernels.AttnOptions(1.0)
-        pack = kernels.packs_gqa(q, k, opts)
-        block_rows = sq * (h // hkv) if pack else sq
-        cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=sk), block_rows)
-        pack = pack and cfg.block_m >= block_rows
-        programs = (1 if pack else kernels.cdiv(sq, cfg.block_m)) * b * (hkv if pack else h)
-        splits = kernels.kv_splits(programs, kernels.cdiv(sk, cfg.block_n), torch.cuda.get_device_properties(0)
-                                   .multi_processor_count)
+        plan = kernels.forward_plan(q, k, kernels.AttnOptions(1 / math.sqrt(d), window_right=0 if causal else -1))
+        splits, pack = plan.num_splits, plan.pack
         ref = qflash.flash_attn_func(q, k, v, causal=causal).float()
         cache_bytes = 2 * b * sk * hkv * d * 2
         for name, fn in providers(q, k, v, causal).items():

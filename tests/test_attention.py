@@ -500,6 +500,19 @@ def test_split_keys_with_dropout_keep_the_same_mask(monkeypatch):
     torch.testing.assert_close(split, whole, rtol=2e-3, atol=2e-3)
 
 
+def test_forward_plan_packs_grouped_heads_and_splits_only_where_asked():
+    """The plan the launcher runs by: a decode call of 8 query heads on 2 packs them (one 16-row
+    block a key/value head); without a GPU the keys split only where a config asks."""
+    q, k, _ = _qkv(3, 1, 500, 8, 2, 64)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
+    assert plan.pack and plan.grid_heads == 2 and plan.programs == 6 and plan.config.block_m == 16
+    if not HAS_CUDA:
+        assert plan.num_splits == 1
+    cfg = dataclasses.replace(plan.config, num_splits=5, pack_gqa=False)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0), cfg)
+    assert not plan.pack and plan.programs == 24 and plan.num_splits == 5
+
+
 def test_kv_splits_fill_the_sms_once():
     """The launcher's choice: no split where programs fill the SMs or keys are short, else enough
     shares to fill them once, each of at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_KV_SPLITS."""
@@ -688,9 +701,8 @@ def test_gpu_decode_splits_the_keys(d, b, sk):
     query row, and two with the causal mask aligned bottom-right, by the flash-attn rule; a boolean
     mask through sdpa, as transformers decodes."""
     q, k, v = _qkv(b, 2, sk, 8, 2, d, dtype=torch.bfloat16)
-    cfg = attention_kernels.decode_config(attention_kernels.default_config(d, q.dtype, q.device, seqlen_k=sk), 1)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert attention_kernels.kv_splits(b * 8, -(-sk // cfg.block_n), sms) > 1
+    plan = attention_kernels.forward_plan(q[:, :1], k, attention_kernels.AttnOptions(1.0))
+    assert plan.num_splits > 1 and plan.pack
     check_flash(q[:, :1], k, v)
     check_flash(q, k, v, causal=True)
     mask = torch.rand(b, 1, 1, sk, device="cuda") > 0.1

@@ -784,6 +784,42 @@ _fwd_launcher = CachedLauncher(_attn_fwd_kernel)
 _combine_launcher = CachedLauncher(_attn_fwd_combine_kernel)
 
 
+@dataclass(frozen=True)
+class FwdPlan:
+    """How the tl forward runs a call: its tiles, whether grouped heads share a row block
+    (``PACK_GQA``), the (batch, head, row block) programs and the key shares of each."""
+    config: AttnFwdConfig
+    pack: bool
+    grid_heads: int  # key/value heads where packed, else query heads
+    num_m_blocks: int
+    programs: int
+    num_splits: int
+
+
+def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
+                 config: Optional[AttnFwdConfig] = None) -> FwdPlan:
+    """The tl forward's plan for a call (``attention_forward`` launches by it; the tests and the
+    decode benchmark read it): ``config`` or the default tiles, made for decoding where rows are few."""
+    if opts.varlen:  # rows and keys: the longest sequence's
+        _, num_heads, head_dim = q.shape
+        batch, rows, keys = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, opts.max_seqlen_k
+    else:
+        batch, rows, num_heads, head_dim = q.shape
+        keys = k.shape[1]
+    kv_group = num_heads // k.shape[-2]
+    packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
+    cfg = config or decode_config(default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
+                                                 seqlen_k=keys, dropout=opts.dropout_p > 0),
+                                  rows * kv_group if packable else rows)
+    pack = packable and cfg.block_m >= rows * kv_group  # one row block holds a whole group
+    grid_heads = num_heads // kv_group if pack else num_heads
+    num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
+    programs = num_m_blocks * batch * grid_heads
+    num_splits = cfg.num_splits or (kv_splits(programs, cdiv(keys, cfg.block_n), sm_count(q.device))
+                                    if q.is_cuda and rows > 0 and programs > 0 else 1)
+    return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions,
                       config: Optional[AttnFwdConfig] = None):
     """Launch the forward kernel. Inputs are already validated by the public op.
@@ -803,32 +839,19 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape
-        batch = opts.cu_seqlens_q.numel() - 1
-        grid_rows = opts.max_seqlen_q
         # Per sequence, read in the kernel, which bounds the sequences by the packed rows.
         seqlen_q, seqlen_k = total_q, k.shape[0]
         lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k = k.shape[1]
-        grid_rows = seqlen_q
         lse_shape = (batch, num_heads, seqlen_q)
-    kv_group = num_heads // k.shape[-2]
-    packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
-    keys = opts.max_seqlen_k if varlen else seqlen_k
-    cfg = config or decode_config(default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
-                                                 seqlen_k=keys, dropout=opts.dropout_p > 0),
-                                  grid_rows * kv_group if packable else grid_rows)
-    pack = packable and cfg.block_m >= grid_rows * kv_group  # one row block holds a whole group
-    grid_heads = num_heads // kv_group if pack else num_heads
+    plan = forward_plan(q, k, opts, config)
+    cfg, num_splits = plan.config, plan.num_splits
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
     lse = new_output(lse_shape, dtype=_acc_dtype(q.dtype), device=q.device)
-    num_m_blocks = 1 if pack else cdiv(max(grid_rows, 1), cfg.block_m)
-    programs = num_m_blocks * batch * grid_heads
-    if programs == 0:
+    if plan.programs == 0:
         return out, lse
-    num_splits = cfg.num_splits or (kv_splits(programs, cdiv(keys, cfg.block_n), sm_count(q.device))
-                                    if q.is_cuda and grid_rows > 0 else 1)
     if num_splits > 1:  # the kernel writes float32 shares, which the combine kernel weighs together
         out_part = new_output((num_splits, *q.shape), dtype=lse.dtype, device=q.device)
         lse_part = new_output((num_splits, *lse_shape), dtype=lse.dtype, device=q.device)
@@ -841,7 +864,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
 
-    grid = (programs * num_splits,)
+    grid = (plan.programs * num_splits,)
     _fwd_launcher[grid](
         q, k, v, out_dst, lse_dst, *pointers,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
@@ -849,9 +872,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         *split_strides,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        num_heads=grid_heads,
-        kv_group=kv_group,
-        num_m_blocks=num_m_blocks,
+        num_heads=plan.grid_heads,
+        kv_group=num_heads // k.shape[-2],
+        num_m_blocks=plan.num_m_blocks,
         num_splits=num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
@@ -863,7 +886,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         SPLIT_KV=num_splits > 1,
-        PACK_GQA=pack,
+        PACK_GQA=plan.pack,
         **variant,
     )
     if num_splits > 1:
