@@ -22,13 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import qflash
+from qflash.bench.attention import _qflash_provider
 from qflash.bench.harness import environment, graph_ms, save_json, time_ms
 from qflash.kernels import attention as kernels
-
-
-def qflash_tiles(q, k, v, causal, config):
-    opts = kernels.AttnOptions(1 / math.sqrt(q.shape[-1]), window_right=0 if causal else -1)
-    return lambda: kernels.attention_forward(q, k, v, opts, config=config)[0]
 
 
 def providers(q, k, v, causal):
@@ -37,15 +33,14 @@ def providers(q, k, v, causal):
     group = q.shape[2] // k.shape[2]
     packed = kernels.decode_config(base, q.shape[1] * group)
     unpacked = kernels.decode_config(base, q.shape[1])
-    out = {
-        "qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal),
-        "qflash no pack": qflash_tiles(q, k, v, causal, dataclasses.replace(unpacked, pack_gqa=False)),
-        "qflash no pack, no split": qflash_tiles(q, k, v, causal,
-                                                 dataclasses.replace(unpacked, pack_gqa=False, num_splits=1)),
-        "qflash 128-key blocks": qflash_tiles(q, k, v, causal, dataclasses.replace(packed, block_n=128)),
-        "qflash before (128-row blocks, neither)": qflash_tiles(
-            q, k, v, causal, dataclasses.replace(base, num_splits=1, pack_gqa=False)),
+    configs = {  # the tl forward with these tiles
+        "qflash no pack": dataclasses.replace(unpacked, pack_gqa=False),
+        "qflash no pack, no split": dataclasses.replace(unpacked, pack_gqa=False, num_splits=1),
+        "qflash 128-key blocks": dataclasses.replace(packed, block_n=128),
+        "qflash before (128-row blocks, neither)": dataclasses.replace(base, num_splits=1, pack_gqa=False),
     }
+    out = {"qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal)}
+    out.update({name: _qflash_provider(cfg)(q, k, v, causal) for name, cfg in configs.items()})
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -258,13 +258,18 @@ def _window(window_size, causal: bool) -> Tuple[int, int]:
     return left, right
 
 
+def _as_float(value) -> float:
+    """``float(value)``, or NaN where it has none (which the callers' finiteness checks refuse)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _scale(softmax_scale, headdim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        scale = math.nan
+    scale = _as_float(softmax_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return scale
@@ -277,10 +282,7 @@ def _sdpa_scale(query: torch.Tensor, scale, headdim: int) -> Tuple[torch.Tensor,
     Either costs a copy of query; the gradient reaches the original through it."""
     if scale is None:
         return query, 1.0 / math.sqrt(headdim)
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        value = math.nan
+    value = _as_float(scale)
     if not math.isfinite(value):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if value > 0:
