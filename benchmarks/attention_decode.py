@@ -6,8 +6,9 @@ batch x heads programs, 32 at batch 1 for 132 SMs. qflash then splits the keys i
 (``kv_splits``, flash-decoding) and weighs them together in a second kernel; with grouped heads
 the query heads of a key/value head share one row block (``PACK_GQA``), which reads the cache once
 for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_func`` (as the
-launcher chooses), without packing, without packing or split, with 128-key blocks, the tiles the
-forward took before decoding had its own (128 query rows a block, neither), and PyTorch's SDPA
+launcher chooses), without packing, without packing or split, with session 45's tiles and shares
+(the prefill tiles with row blocks cut to the rows), the tiles the forward took before decoding
+had any of this (128 query rows a block, neither), and PyTorch's SDPA
 backends with ``enable_gqa``. Also a few short prefill sizes that the launcher now splits
 (programs under the SM count).
 
@@ -27,16 +28,29 @@ from qflash.bench.harness import environment, graph_ms, save_json, time_ms
 from qflash.kernels import attention as kernels
 
 
+def round45_config(q, k, causal):
+    """The tiles and key shares session 45's launcher gave a call (before decoding had tiles of its
+    own): the prefill tiles with row blocks cut to the rows, shares of at least 8 key blocks."""
+    d = q.shape[-1]
+    opts = kernels.AttnOptions(1 / math.sqrt(d), window_right=0 if causal else -1)
+    rows = q.shape[1] * (q.shape[2] // k.shape[2] if kernels.packs_gqa(q, k, opts) else 1)
+    cfg = kernels.decode_config(kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=k.shape[1]),
+                                rows)
+    programs = kernels.forward_plan(q, k, opts, dataclasses.replace(cfg, num_splits=1)).programs
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = 1 if programs >= sms else max(1, min(math.ceil(sms / programs), math.ceil(k.shape[1] / cfg.block_n) // 8,
+                                                  kernels.MAX_KV_SPLITS))
+    return dataclasses.replace(cfg, num_splits=splits)
+
+
 def providers(q, k, v, causal):
     d = q.shape[-1]
     base = kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=k.shape[1])
-    group = q.shape[2] // k.shape[2]
-    packed = kernels.decode_config(base, q.shape[1] * group)
-    unpacked = kernels.decode_config(base, q.shape[1])
+    unpacked = kernels.default_config(d, q.dtype, q.device, causal=causal, seqlen_k=k.shape[1], rows=q.shape[1])
     configs = {  # the tl forward with these tiles
         "qflash no pack": dataclasses.replace(unpacked, pack_gqa=False),
         "qflash no pack, no split": dataclasses.replace(unpacked, pack_gqa=False, num_splits=1),
-        "qflash 128-key blocks": dataclasses.replace(packed, block_n=128),
+        "qflash round 45 (prefill tiles, shares of 8 blocks)": round45_config(q, k, causal),
         "qflash before (128-row blocks, neither)": dataclasses.replace(base, num_splits=1, pack_gqa=False),
     }
     out = {"qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal)}

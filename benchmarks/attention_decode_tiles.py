@@ -1,6 +1,6 @@
-"""Tiles for decoding: the tl forward's key block, pipeline depth, warps, copy path and key shares
-at decode sizes (one query row a sequence against a long cache), each timed from CUDA graphs
-against the launcher's own plan in the same run.
+"""Tiles for decoding: the tl forward's key block, pipeline depth and key shares at decode sizes
+(one query row a sequence against a long cache), each timed from CUDA graphs against the
+launcher's own plan and session 45's in the same run.
 
 A decode step is bound by how fast its programs pull the cache: with a program an SM, each SM
 must keep enough bytes in flight to cover the memory's latency, which the key block and the
@@ -17,18 +17,17 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import attention as kernels
+from attention_decode import round45_config
 
 
 def variants(plan):
-    """Name -> tiles: the plan's own, and the same with one or two things changed."""
+    """Name -> tiles: the plan's own, and other key blocks and pipeline depths."""
     cfg = plan.config
     out = {"plan": cfg}
     for block_n in (64, 128):
         for stages in (2, 3, 4):
-            out[f"n{block_n} s{stages}"] = dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
-    out["n128 s3 w8"] = dataclasses.replace(cfg, block_n=128, num_stages=3, num_warps=8)
-    out["n128 s3 tma flipped"] = dataclasses.replace(cfg, block_n=128, num_stages=3, use_tma=not cfg.use_tma)
-    out["n64 s3 tma flipped"] = dataclasses.replace(cfg, block_n=64, num_stages=3, use_tma=not cfg.use_tma)
+            if (block_n, stages) != (128, 4):
+                out[f"n{block_n} s{stages}"] = dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
     return out
 
 
@@ -53,25 +52,26 @@ def main():
                 plan = kernels.forward_plan(q, k, opts)
                 ref = kernels.attention_forward(q, k, v, opts)[0].float()
                 cache_bytes = 2 * b * s * heads_kv * d * 2
-                for name, cfg in variants(plan).items():
-                    for split_factor in (1, 2) if name in ("plan", "n128 s3") else (1,):
-                        # the plan's share count for these tiles (auto), or twice it
-                        auto = kernels.forward_plan(q, k, opts, cfg).num_splits
-                        run_cfg = dataclasses.replace(cfg, num_splits=min(auto * split_factor, 128))
-                        row = dict(variant=name + (" x2 shares" if split_factor > 1 else ""), batch=b, seqlen_k=s,
-                                   heads=heads, heads_kv=heads_kv, head_dim=d, block_m=cfg.block_m,
-                                   block_n=cfg.block_n, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-                                   use_tma=cfg.use_tma, num_splits=run_cfg.num_splits)
-                        try:
-                            fn = lambda c=run_cfg: kernels.attention_forward(q, k, v, opts, config=c)[0]  # noqa: E731
-                            row["max_diff"] = (fn().float() - ref).abs().max().item()
-                            row["ms_graph"] = graph_ms(fn)
-                            row["cache_TBps"] = cache_bytes / (row["ms_graph"] * 1e-3) / 1e12
-                        except Exception as e:  # noqa: BLE001 - tiles that do not fit shared memory
-                            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                        rows.append(row)
-                        print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
-                              flush=True)
+                runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
+                runs.append(("round 45", round45_config(q, k, False), 1))
+                for name, cfg, split_factor in runs:
+                    # the plan's share count for these tiles (auto), or twice it (two programs an SM where they fit)
+                    auto = cfg.num_splits or kernels.forward_plan(q, k, opts, cfg).num_splits
+                    run_cfg = dataclasses.replace(cfg, num_splits=min(auto * split_factor, 128))
+                    row = dict(variant=name + (" x2 shares" if split_factor > 1 else ""), batch=b, seqlen_k=s,
+                               heads=heads, heads_kv=heads_kv, head_dim=d, block_m=cfg.block_m,
+                               block_n=cfg.block_n, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+                               use_tma=cfg.use_tma, num_splits=run_cfg.num_splits)
+                    try:
+                        fn = lambda c=run_cfg: kernels.attention_forward(q, k, v, opts, config=c)[0]  # noqa: E731
+                        row["max_diff"] = (fn().float() - ref).abs().max().item()
+                        row["ms_graph"] = graph_ms(fn)
+                        row["cache_TBps"] = cache_bytes / (row["ms_graph"] * 1e-3) / 1e12
+                    except Exception as e:  # noqa: BLE001 - tiles that do not fit shared memory
+                        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                    rows.append(row)
+                    print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
+                          flush=True)
     if args.out:
         save_json(args.out, {"env": environment(), "rows": rows})
 

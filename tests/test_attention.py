@@ -515,17 +515,43 @@ def test_forward_plan_packs_grouped_heads_and_splits_only_where_asked():
 
 def test_kv_splits_fill_the_sms_once():
     """The launcher's choice: no split where programs fill the SMs or keys are short, else enough
-    shares to fill them once, each of at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_KV_SPLITS."""
+    shares to fill them once, each of whole key blocks and at least MIN_KEYS_PER_SPLIT keys, at
+    most MAX_KV_SPLITS."""
     ks = attention_kernels.kv_splits
-    assert ks(programs=132, key_blocks=10_000, sms=132) == 1
-    assert ks(programs=32, key_blocks=15, sms=132) == 1  # 15 blocks: not two shares of 8
-    assert ks(programs=32, key_blocks=64, sms=132) == 5  # 160 programs: one round of 132 SMs and a part
-    assert ks(programs=32, key_blocks=24, sms=132) == 3  # the blocks bound it
-    assert ks(programs=1, key_blocks=10_000, sms=132) == attention_kernels.MAX_KV_SPLITS
+    assert attention_kernels.MIN_KEYS_PER_SPLIT == 256
+    assert ks(programs=132, keys=10**6, block_n=64, sms=132) == 1
+    assert ks(programs=32, keys=448, block_n=64, sms=132) == 1  # 7 blocks: not two shares of 4
+    assert ks(programs=32, keys=512, block_n=64, sms=132) == 2
+    assert ks(programs=32, keys=4096, block_n=64, sms=132) == 5  # 160 programs: one round of 132 SMs and a part
+    assert ks(programs=32, keys=768, block_n=128, sms=132) == 3  # the blocks bound it: 6 of 128 keys, 2 a share
+    assert ks(programs=32, keys=100, block_n=512, sms=132) == 1  # a block longer than the least share
+    assert ks(programs=8, keys=4096, block_n=512, sms=132) == 8
+    assert ks(programs=1, keys=10**6, block_n=64, sms=132) == attention_kernels.MAX_KV_SPLITS
     cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
     assert attention_kernels.decode_config(cfg, rows=40).block_m == 64
     assert attention_kernels.decode_config(cfg, rows=65) is cfg
+
+
+def test_decode_tiles(monkeypatch):
+    """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
+    pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two; D = 256,
+    float32 and dropout keep their tiles with the rows cut."""
+    from qflash.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "has_tma", lambda device: True)
+    cuda = torch.device("cuda")
+
+    def cfg(d, rows, dtype=torch.bfloat16, **kw):
+        return kernels.default_config(d, dtype, cuda, seqlen_k=4096, rows=rows, **kw)
+
+    assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=True)
+    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=True)
+    assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
+    assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)
+    assert cfg(64, 1, torch.float32) == dataclasses.replace(cfg(64, None, torch.float32), block_m=16)
+    assert cfg(64, 1, dropout=True) == dataclasses.replace(cfg(64, None, dropout=True), block_m=16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -581,17 +581,22 @@ SHORT_KEYS = 512
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False,
-                   seqlen_k: Optional[int] = None, dropout: bool = False) -> AttnFwdConfig:
+                   seqlen_k: Optional[int] = None, dropout: bool = False, rows: Optional[int] = None) -> AttnFwdConfig:
     """Tile shapes searched on the H200 (benchmarks/results/), by head-dim bucket and, for D = 256,
     by length bucket (``seqlen_k``: keys per sequence, the longest for varlen), and for dropout;
-    small and quick to interpret on CPU."""
+    small and quick to interpret on CPU. ``rows``: the query rows one row block must hold (the
+    group's heads times the query rows where heads are packed); up to DECODE_ROWS, decoding's tiles
+    (``decode_config``)."""
+    decoding = rows is not None and rows <= DECODE_ROWS
     if device.type != "cuda":
-        return AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    return _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout)
+        cfg = AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    else:
+        cfg = _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout, decoding)
+    return decode_config(cfg, rows) if decoding else cfg
 
 
 def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int],
-               dropout: bool = False) -> AttnFwdConfig:
+               dropout: bool = False, decoding: bool = False) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
@@ -601,6 +606,13 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # 128 (attention_dropout_h200_2026-11-30_s16a.json).
         return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2 if block_d > 64 else 3,
                              use_tma=hopper and block_d > 64)
+    if decoding and block_d <= 128:
+        # A few rows against many keys: the time is the cache's bytes, which one program an SM
+        # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
+        # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json).
+        # block_m is decode_config's.
+        return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
+                             use_tma=hopper and block_d > 64)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
@@ -609,23 +621,25 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
     return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
 
 
-# Split the keys only where each share keeps at least this many key blocks (a share's fixed
-# cost, the Q tile and the float32 partial it writes, is then a small part), into at most
-# MAX_KV_SPLITS shares.
-MIN_BLOCKS_PER_SPLIT = 8
+# Split the keys only where each share keeps at least this many keys (a share's fixed cost, the
+# Q tile and the float32 partial it writes, is then a small part), into at most MAX_KV_SPLITS
+# shares.
+MIN_KEYS_PER_SPLIT = 256
 MAX_KV_SPLITS = 64
 
 
-def kv_splits(programs: int, key_blocks: int, sms: int) -> int:
+def kv_splits(programs: int, keys: int, block_n: int, sms: int) -> int:
     """Key shares a row block for a call of ``programs`` (batch x heads x row blocks) whose rows
-    see ``key_blocks`` blocks: 1 where the programs fill the SMs, else enough shares to fill them
-    once, each at least MIN_BLOCKS_PER_SPLIT blocks long."""
+    see ``keys`` keys in blocks of ``block_n``: 1 where the programs fill the SMs, else enough
+    shares to fill them once, each of whole blocks and at least MIN_KEYS_PER_SPLIT keys."""
     if programs >= sms:
         return 1
-    return max(1, min(cdiv(sms, programs), key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_KV_SPLITS))
+    min_blocks = max(1, MIN_KEYS_PER_SPLIT // block_n)
+    return max(1, min(cdiv(sms, programs), cdiv(keys, block_n) // min_blocks, MAX_KV_SPLITS))
 
 
 PACK_MAX_ROWS = 64  # query rows x group size that one packed row block holds
+DECODE_ROWS = 64  # row blocks of at most this many rows take decoding's tiles
 
 
 def packs_gqa(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions) -> bool:
@@ -642,7 +656,7 @@ def decode_config(cfg: AttnFwdConfig, rows: int) -> AttnFwdConfig:
     times the group where heads are packed): row blocks of the next power of two from 16 (tl.dot's
     least), not 128 of mostly padding, whose products would bound a key block's time instead of
     its loads."""
-    if rows > 64 or cfg.block_m <= 16:
+    if rows > DECODE_ROWS or cfg.block_m <= 16:
         return cfg
     return dataclasses.replace(cfg, block_m=min(cfg.block_m, max(16, next_power_of_2(rows))))
 
@@ -808,14 +822,13 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
         keys = k.shape[1]
     kv_group = num_heads // k.shape[-2]
     packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
-    cfg = config or decode_config(default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
-                                                 seqlen_k=keys, dropout=opts.dropout_p > 0),
-                                  rows * kv_group if packable else rows)
+    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0, seqlen_k=keys,
+                                   dropout=opts.dropout_p > 0, rows=rows * kv_group if packable else rows)
     pack = packable and cfg.block_m >= rows * kv_group  # one row block holds a whole group
     grid_heads = num_heads // kv_group if pack else num_heads
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
     programs = num_m_blocks * batch * grid_heads
-    num_splits = cfg.num_splits or (kv_splits(programs, cdiv(keys, cfg.block_n), sm_count(q.device))
+    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device))
                                     if q.is_cuda and rows > 0 and programs > 0 else 1)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
