@@ -8,9 +8,10 @@ the query heads of a key/value head share one row block (``PACK_GQA``), which re
 for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_func`` (as the
 launcher chooses), without packing, without packing or split, with session 45's tiles and shares
 (the prefill tiles with row blocks cut to the rows), the tiles the forward took before decoding
-had any of this (128 query rows a block, neither), and PyTorch's SDPA
-backends with ``enable_gqa``. Also a few short prefill sizes that the launcher now splits
-(programs under the SM count).
+had any of this (128 query rows a block, neither), and PyTorch's SDPA backends with
+``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
+``qflash.sdpa``, beside SDPA with it) and from packed sequences (``flash_attn_varlen_func``).
+Also a few short prefill sizes that the launcher now splits (programs under the SM count).
 
     python3 benchmarks/attention_decode.py --out decode.json
 """
@@ -67,6 +68,69 @@ def providers(q, k, v, causal):
     return out
 
 
+def masked_providers(q, k, v):
+    """A decode step of a padded batch as transformers runs it: a boolean mask (B, 1, 1, Sk), here
+    all True but the first key of each sequence, through ``qflash.sdpa`` (the heads packed, as the
+    plane is every head's) and without packing, beside PyTorch's SDPA with the same mask."""
+    b, sk = q.shape[0], k.shape[1]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    mask = torch.ones(b, 1, 1, sk, dtype=torch.bool, device=q.device)
+    mask[..., 0] = False
+    opts = kernels.AttnOptions(1 / math.sqrt(q.shape[-1]), bias=mask.expand(b, q.shape[2], 1, sk))
+    cfg = kernels.default_config(q.shape[-1], q.dtype, q.device, seqlen_k=sk, rows=1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pt(backends):
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+    return {
+        "qflash sdpa mask": lambda: qflash.sdpa(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2),
+        "qflash mask no pack": lambda: kernels.attention_forward(q, k, v, opts,
+                                                                 config=dataclasses.replace(cfg, pack_gqa=False))[0],
+        "sdpa mask (PyTorch's choice)": lambda: pt([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                    SDPBackend.MATH]),
+        "sdpa mask cudnn_attention": lambda: pt([SDPBackend.CUDNN_ATTENTION]),
+    }
+
+
+def varlen_providers(q, k, v):
+    """The same step with the sequences packed (``flash_attn_varlen_func``, one row each, as
+    serving stacks call it), packed heads and not."""
+    b, sk, d = q.shape[0], k.shape[1], q.shape[-1]
+    qv, kv_, vv = q.reshape(b, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]), v.reshape(b * sk, *v.shape[2:])
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    cu_k = cu_q * sk
+    opts = kernels.AttnOptions(1 / math.sqrt(d), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=sk)
+    cfg = kernels.default_config(d, q.dtype, q.device, seqlen_k=sk, rows=1)
+    unpack = dataclasses.replace(cfg, pack_gqa=False)
+    return {
+        "qflash varlen": lambda: qflash.flash_attn_varlen_func(qv, kv_, vv, cu_q, cu_k, 1, sk).unsqueeze(1),
+        "qflash varlen no pack": lambda: kernels.attention_forward(qv, kv_, vv, opts, config=unpack)[0].unsqueeze(1),
+    }
+
+
+def measure(rows, fns, ref, info, cache_bytes, plan=None):
+    """Time each provider from graphs and eagerly, with its largest difference from ``ref`` (None:
+    the first provider's output)."""
+    for name, fn in fns.items():
+        if ref is None:
+            ref = fn().float()
+        splits, pack = (plan or {}).get(name, (None, None))
+        row = dict(provider=name, **info, splits=splits, packed=pack)
+        try:
+            got = fn().float()
+            row["max_diff_vs_qflash"] = (got - ref).abs().max().item()
+            row.update(time_ms(fn))
+            row["ms_graph"] = graph_ms(fn)
+            if row["ms_graph"]:
+                row["cache_TBps_graph"] = cache_bytes / (row["ms_graph"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the shape
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,4,16")
@@ -89,22 +153,12 @@ def main():
         plan = kernels.forward_plan(q, k, kernels.AttnOptions(1 / math.sqrt(d), window_right=0 if causal else -1))
         splits, pack = plan.num_splits, plan.pack
         ref = qflash.flash_attn_func(q, k, v, causal=causal).float()
-        cache_bytes = 2 * b * sk * hkv * d * 2
-        for name, fn in providers(q, k, v, causal).items():
-            row = dict(provider=name, batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d,
-                       causal=causal, splits=splits if name == "qflash" else None,
-                       packed=pack if name == "qflash" else None)
-            try:
-                got = fn().float()
-                row["max_diff_vs_qflash"] = (got - ref).abs().max().item()
-                row.update(time_ms(fn))
-                row["ms_graph"] = graph_ms(fn)
-                if row["ms_graph"]:
-                    row["cache_TBps_graph"] = cache_bytes / (row["ms_graph"] * 1e-3) / 1e12
-            except Exception as e:  # noqa: BLE001 - a backend that refuses the shape
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        info = dict(batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d, causal=causal)
+        measure(rows, providers(q, k, v, causal), ref, dict(info, kind="dense"), 2 * b * sk * hkv * d * 2,
+                plan={"qflash": (splits, pack)})
+        if sq == 1 and b > 1:  # the same step from a padded batch (a mask) and from packed sequences
+            measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), 2 * b * sk * hkv * d * 2)
+            measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), 2 * b * sk * hkv * d * 2)
     if args.out:
         save_json(args.out, {"env": environment(), "rows": rows})
 

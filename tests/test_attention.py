@@ -473,6 +473,67 @@ def test_grouped_heads_share_a_row_block(monkeypatch, num_splits, sq, kw):
     assert attention_kernels.packs_gqa(q, k, attention_kernels.AttnOptions(1.0, alibi_slopes=q)) is False
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (40, 0), "softcap": 4.0}])
+def test_grouped_heads_share_a_row_block_varlen(monkeypatch, num_splits, kw):
+    """Packed sequences decode with packed heads too (a serving step: a few new rows a sequence
+    against its own cache), an empty sequence and a one-key cache among them; output and lse
+    against the reference."""
+    _split_keys(monkeypatch, num_splits)
+    lens_q, lens_k = [1, 4, 0, 1, 3], [300, 1, 9, 129, 40]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, h=8, hkv=2, d=24)
+    opts = attention_kernels.AttnOptions(1.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=300)
+    assert attention_kernels.forward_plan(q, k, opts).pack
+    with poisoned():
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                    return_attn_probs=True, **kw)
+    assert_written(out)
+    ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
+    assert_flash_rule(out, ref, pt)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_heads_packed_varlen_max_seqlen_under_the_truth_gives_nan_rows():
+    """Where heads are packed, a sequence whose group of rows overflows the one row block comes
+    out NaN in every head of every group, like the unpacked grid's rows past its end."""
+    lens = [1, 9, 2]
+    q, k, v, cu, _ = _varlen(lens, [20, 30, 5], h=8, hkv=2)
+    cu_k = torch.tensor([0, 20, 50, 55], dtype=torch.int32, device=DEVICE)
+    opts = attention_kernels.AttnOptions(1.0, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=2, max_seqlen_k=30)
+    assert attention_kernels.forward_plan(q, k, opts).pack
+    with poisoned(FINITE_POISON):
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu_k, 2, 30, return_attn_probs=True)
+        want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu_k, 9, 30, return_attn_probs=True)
+    long = torch.zeros(out.shape[0], dtype=torch.bool)
+    long[1:10] = True
+    assert out[long].isnan().all() and lse[:, long].isnan().all()
+    assert torch.equal(out[~long], want[~long]) and torch.equal(lse[:, ~long], want_lse[:, ~long])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_grouped_heads_packed_with_a_mask_every_head_shares(monkeypatch, num_splits, sq):
+    """transformers' padded batches decode with a boolean mask broadcast over the heads (B, 1, Sq,
+    Sk): its plane is read at the packed rows' query positions. A float mask of one plane a head
+    keeps the heads apart (unpacked); both by the rule."""
+    _split_keys(monkeypatch, num_splits)
+    query = torch.randn(2, 8, sq, 40, device=DEVICE).half()
+    key, value = (torch.randn(2, 2, 150, 40, device=DEVICE).half() for _ in range(2))
+    mask = torch.rand(2, 1, sq, 150, device=DEVICE) > 0.3
+    mask[1, :, :, :100] = False  # left padding in the second sequence
+    bias = mask.expand(2, 8, sq, 150)
+    opts = attention_kernels.AttnOptions(1.0, bias=bias)
+    assert attention_kernels.forward_plan(query.transpose(1, 2), key.transpose(1, 2), opts).pack
+    _check_sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
+    _check_sdpa(query, key, value, attn_mask=mask[:, :, :1].expand(2, 1, sq, 150), enable_gqa=True)
+    per_head = torch.randn(2, 8, sq, 150, device=DEVICE)
+    assert not attention_kernels.packs_gqa(query.transpose(1, 2), key.transpose(1, 2),
+                                           attention_kernels.AttnOptions(1.0, bias=per_head))
+    _check_sdpa(query, key, value, attn_mask=per_head, enable_gqa=True)
+
+
 def test_split_keys_varlen_and_mask(monkeypatch):
     """Packed sequences (an empty one, one key, one query) and sdpa's float mask, split in 3."""
     _split_keys(monkeypatch, 3)

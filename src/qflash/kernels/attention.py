@@ -394,8 +394,9 @@ def _attn_fwd_kernel(
 ):
     # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
     # head of one key/value head, which it then reads once for all of them; num_heads counts
-    # key/value heads, and one row block holds them all.
-    tl.static_assert(not (PACK_GQA and (HAS_ALIBI or BIAS_KIND != 0 or HAS_DROPOUT or IS_VARLEN)))
+    # key/value heads, and one row block holds them all. A mask or bias plane is then one that
+    # every head shares (head stride 0), read at the rows' query positions.
+    tl.static_assert(not (PACK_GQA and (HAS_ALIBI or HAS_DROPOUT)))
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
     if SPLIT_KV:  # and which share of its keys: Out / Lse are then the float32 partials
@@ -431,10 +432,15 @@ def _attn_fwd_kernel(
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
     if IS_VARLEN:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
-        if not (valid_q & valid_k & (seqlen_q <= num_m_blocks * BLOCK_M)):
+        if PACK_GQA:  # the one row block holds every head of the group
+            fits = seqlen_q * kv_group <= BLOCK_M
+        else:
+            fits = seqlen_q <= num_m_blocks * BLOCK_M
+        if not (valid_q & valid_k & fits):
             nan_first, nan_end = _rows_to_spoil(q_start, seqlen_q, total_q, m0, m_block == num_m_blocks - 1, BLOCK_M)
-            _nan_rows(Out + h.to(tl.int64) * stride_oh, stride_os, nan_first, nan_end, HEAD_DIM)
-            _nan_rows(Lse + h.to(tl.int64) * stride_lh, stride_ls, nan_first, nan_end, 1)
+            for g in range(kv_group if PACK_GQA else 1):  # the group's query heads where packed
+                _nan_rows(Out + (h + g).to(tl.int64) * stride_oh, stride_os, nan_first, nan_end, HEAD_DIM)
+                _nan_rows(Lse + (h + g).to(tl.int64) * stride_lh, stride_ls, nan_first, nan_end, 1)
             return
     shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
 
@@ -644,11 +650,14 @@ DECODE_ROWS = 64  # row blocks of at most this many rows take decoding's tiles
 
 def packs_gqa(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions) -> bool:
     """Whether a call's query heads may share their key/value head's row block (``PACK_GQA``):
-    grouped heads, dense, at most PACK_MAX_ROWS rows together, and nothing that differs by query
-    head (ALiBi slopes, a mask or bias plane, dropout's counters)."""
+    grouped heads, at most PACK_MAX_ROWS rows together (the longest sequence's for varlen), and
+    nothing that differs by query head (ALiBi slopes, dropout's counters, a mask or bias plane of
+    its own: a plane broadcast over the heads is shared)."""
     group = q.shape[-2] // k.shape[-2]
-    return (group > 1 and not opts.varlen and group * q.shape[1] <= PACK_MAX_ROWS and opts.alibi_slopes is None
-            and opts.bias is None and opts.dropout_p == 0)
+    rows = opts.max_seqlen_q if opts.varlen else q.shape[1]
+    shared_bias = opts.bias is None or opts.bias.shape[1] == 1 or opts.bias.stride(1) == 0
+    return (group > 1 and group * rows <= PACK_MAX_ROWS and opts.alibi_slopes is None and shared_bias
+            and opts.dropout_p == 0)
 
 
 def decode_config(cfg: AttnFwdConfig, rows: int) -> AttnFwdConfig:
