@@ -509,7 +509,9 @@ def test_grouped_heads_packed_varlen_max_seqlen_under_the_truth_gives_nan_rows()
     long = torch.zeros(out.shape[0], dtype=torch.bool)
     long[1:10] = True
     assert out[long].isnan().all() and lse[:, long].isnan().all()
-    assert torch.equal(out[~long], want[~long]) and torch.equal(lse[:, ~long], want_lse[:, ~long])
+    # The two launches' row blocks differ (16 and 64 rows), and on the GPU so may a row's sum order.
+    torch.testing.assert_close(out[~long], want[~long], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse[:, ~long], want_lse[:, ~long], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -714,7 +716,8 @@ def test_bad_cu_seqlens_contents_stay_in_bounds_and_give_nan(case):
     bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
     with poisoned(FINITE_POISON):
         out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, bad, bad, 40, 40, causal=True, return_attn_probs=True)
-        want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, good, good, 9, 9, causal=True,
+        # the same max_seqlen, so the same launch: rows reduced in the same order, the same bits
+        want, want_lse, _ = qflash.flash_attn_varlen_func(q, k, v, good, good, 40, 40, causal=True,
                                                           return_attn_probs=True)
     assert out[nan_rows].isnan().all() and lse[:, nan_rows].isnan().all()
     assert torch.equal(out[same_rows], want[same_rows]) and torch.equal(lse[:, same_rows], want_lse[:, same_rows])
