@@ -615,7 +615,7 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
     if decoding and block_d <= 128:
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
-        # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json).
+        # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json, _s46b).
         # block_m is decode_config's.
         return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
                              use_tma=hopper and block_d > 64)
