@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import qflash
 from qflash.kernels import attention as attention_kernels
-from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
+from qflash.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref, sdpa_ref
 from qflash.testing import FINITE_POISON, assert_flash_rule, assert_written, poisoned, rel_l2_err
 
 from conftest import DEVICE, HAS_CUDA, ptxas_report, sm90_build
@@ -534,6 +534,133 @@ def test_grouped_heads_packed_with_a_mask_every_head_shares(monkeypatch, num_spl
     assert not attention_kernels.packs_gqa(query.transpose(1, 2), key.transpose(1, 2),
                                            attention_kernels.AttnOptions(1.0, bias=per_head))
     _check_sdpa(query, key, value, attn_mask=per_head, enable_gqa=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: new rows against a KV cache, new keys appended in place.
+# ----------------------------------------------------------------------------------------------
+def _kvcache(batch=4, slots=128, new=0, sq=1, h=8, hkv=2, d=40, dtype=torch.float16):
+    q = torch.randn(batch, sq, h, d, device=DEVICE).to(dtype)
+    k_cache, v_cache = (torch.randn(batch, slots, hkv, d, device=DEVICE).to(dtype) for _ in range(2))
+    k, v = ((torch.randn(batch, new, hkv, d, device=DEVICE).to(dtype) for _ in range(2)) if new else (None, None))
+    return q, k_cache, v_cache, k, v
+
+
+def _check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, **kw):
+    """The call against the float64 reference by the flash-attn rule, its lse, and the caches
+    after it (the new rows in place, every other slot as it was)."""
+    kw64 = dict(kw)
+    ref, ref_lse, k_want, v_want = attention_kvcache_ref(*_f64(q, k_cache, v_cache), *(_f64(k, v) if k is not None
+                                                         else (None, None)), cache_seqlens, **kw64)
+    pt, _, _, _ = attention_kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, upcast=False, reorder_ops=True,
+                                        **kw)
+    q_before = q.clone()
+    with poisoned():
+        out, lse = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                  return_softmax_lse=True, **kw)
+    assert_written(out)
+    assert torch.equal(q, q_before)
+    assert_flash_rule(out, ref, pt)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+    assert torch.equal(k_cache.double(), k_want) and torch.equal(v_cache.double(), v_want)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("new,sq,kw", [
+    (0, 1, {}), (1, 1, {"causal": True}), (3, 3, {"causal": True}), (3, 2, {"window_size": (20, 0)}),
+    (2, 1, {"softcap": 5.0, "alibi_slopes": "yes", "causal": True}), (0, 5, {"causal": True}),
+])
+def test_kvcache_matches_the_reference(monkeypatch, num_splits, new, sq, kw):
+    """Ragged caches (0, 1, 63 and 113 keys of 128 slots, with the new ones after them), grouped
+    heads, a head dim of 40, causal aligned to each sequence's last key; split and not."""
+    _split_keys(monkeypatch, num_splits)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(4, 8, device=DEVICE)
+    q, k_cache, v_cache, k, v = _kvcache(new=new, sq=sq)
+    lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, **kw)
+
+
+@pytest.mark.parametrize("cache_seqlens", [None, 70, "int64"])
+def test_kvcache_seqlens_forms(cache_seqlens):
+    """cache_seqlens as None (every slot a key), an int for every sequence, an int64 tensor."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=96, new=2, sq=2)
+    if cache_seqlens == "int64":
+        cache_seqlens = torch.tensor([5, 94], dtype=torch.int64, device=DEVICE)
+    if cache_seqlens is None:
+        _check_kvcache(q, k_cache, v_cache, causal=True)  # no new keys: the whole cache
+    else:
+        _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, causal=True)
+
+
+def test_kvcache_matches_flash_attn_func_on_a_full_cache():
+    """Every slot a key: the same numbers as flash_attn_func on the cache (both kernels' rounding)."""
+    q, k_cache, v_cache, _, _ = _kvcache(batch=3, slots=77, sq=4, d=64)
+    want = qflash.flash_attn_func(q, k_cache, v_cache, causal=True)
+    got = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=77, causal=True)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_kvcache_overflow_gives_nan_and_stays_in_bounds():
+    """A sequence whose new keys would pass its cache's end gets NaN outputs and its rows that
+    fit go in; the other sequences are as a good call gives them; set_debug(True) raises."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=3, slots=64, new=3, sq=1)
+    lens = torch.tensor([10, 62, 30], dtype=torch.int32, device=DEVICE)  # 62 + 3 > 64
+    k_before = k_cache.clone()
+    with poisoned(FINITE_POISON):
+        out = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    assert torch.equal(k_cache[1, 62:], k[1, :2]) and torch.equal(k_cache[1, :62], k_before[1, :62])
+    good = lens.clone()
+    good[1] = 0
+    ref, _, _, _ = attention_kvcache_ref(*_f64(q, k_before, v_cache), *_f64(k, v), good)
+    for b in (0, 2):
+        torch.testing.assert_close(out[b].double(), ref[b], rtol=2e-3, atol=2e-3)
+    qflash.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 61\]"):
+            qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    finally:
+        qflash.set_debug(False)
+
+
+def test_kvcache_bad_inputs():
+    q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=32, new=2)
+    f = qflash.flash_attn_with_kvcache
+    cases = [
+        (lambda: f(q, k_cache, v_cache, rotary_cos=q), NotImplementedError, "rotary_cos is not supported"),
+        (lambda: f(q, k_cache, v_cache, block_table=q), NotImplementedError, "block_table"),
+        (lambda: f(q, k_cache, v_cache, k=k), ValueError, "must be given together"),
+        (lambda: f(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1]), ValueError, "k and v must have shape"),
+        (lambda: f(q, k_cache, v_cache, cache_seqlens=torch.zeros(2, device=DEVICE)), ValueError, "int32 / int64"),
+        (lambda: f(q, k_cache, v_cache, cache_seqlens=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+         ValueError, r"shape \(2,\)"),
+        (lambda: f(q, k_cache, v_cache, cache_seqlens=1.5), TypeError, "cache_seqlens must be an int"),
+        (lambda: f(q, k_cache.transpose(0, 1).contiguous().transpose(0, 1), v_cache), ValueError, "one after another"),
+        (lambda: f(q, k_cache[:1], v_cache[:1]), ValueError, "k_cache has batch 1"),
+        (lambda: f(q, k_cache, v_cache.float()), TypeError, "v_cache has dtype"),
+        (lambda: f(q, k_cache, v_cache, num_splits=-1), ValueError, "num_splits"),
+        (lambda: f(q, k_cache[:, :1].contiguous(), v_cache[:, :1].contiguous(), k, v), ValueError, "cache holds 1"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    opts = attention_kernels.AttnOptions(1.0, seqused_k=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="forward-only"):
+        attention_kernels.attention_backward(q, q, q, q, q, q, opts)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_kvcache_decode(d):
+    """A serving step on the H200: batch 3, caches of 30000 slots filled to 1, 4097 and 29998, one
+    new key each, bf16, causal; split and packed by the launcher."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=3, slots=30000, new=1, sq=1, h=16, hkv=4, d=d, dtype=torch.bfloat16)
+    _check_kvcache(q, k_cache, v_cache, k, v, torch.tensor([1, 4097, 29998], dtype=torch.int32, device=DEVICE),
+                   causal=True)
 
 
 def test_split_keys_varlen_and_mask(monkeypatch):

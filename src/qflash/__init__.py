@@ -17,6 +17,7 @@ _LAZY = {
     "flash_attn_varlen_func": "qflash.ops.attention",
     "flash_attn_varlen_kvpacked_func": "qflash.ops.attention",
     "flash_attn_varlen_qkvpacked_func": "qflash.ops.attention",
+    "flash_attn_with_kvcache": "qflash.ops.attention",
     "sdpa": "qflash.ops.attention",
     "set_debug": "qflash.ops.common",
     "quantize": "qflash.ops.quantize",

@@ -372,7 +372,7 @@ def _attn_fwd_stretch(
 @triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Slopes,
-    cu_seqlens_q, cu_seqlens_k,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -390,7 +390,7 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
-    SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
+    SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False, HAS_SEQUSED_K: tl.constexpr = False,
 ):
     # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
     # head of one key/value head, which it then reads once for all of them; num_heads counts
@@ -428,6 +428,10 @@ def _attn_fwd_kernel(
     total_q = seqlen_q  # varlen: the packed rows
     q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
     k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
+    if HAS_SEQUSED_K:  # varlen: the keys in use of each sequence's slots (a KV cache); the rest unread
+        used = tl.load(seqused_k + b)
+        valid_k = valid_k & (used >= 0) & (used <= seqlen_k)
+        seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
@@ -723,6 +727,7 @@ class AttnOptions:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     deterministic: bool = False  # the backward: bitwise-identical gradients (no atomics)
+    seqused_k: Optional[torch.Tensor] = None  # varlen forward: int32 keys in use a sequence (a KV cache)
 
     @property
     def varlen(self) -> bool:
@@ -888,7 +893,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
 
     grid = (plan.programs * num_splits,)
     _fwd_launcher[grid](
-        q, k, v, out_dst, lse_dst, *pointers,
+        q, k, v, out_dst, lse_dst, *pointers, opts.seqused_k if opts.seqused_k is not None else pointers[-1],
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
         *_bshd_strides(out_dst, varlen), *_lse_strides(lse_dst, varlen), *bias_strides, *slope_strides,
         *split_strides,
@@ -909,6 +914,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         num_stages=cfg.num_stages,
         SPLIT_KV=num_splits > 1,
         PACK_GQA=plan.pack,
+        HAS_SEQUSED_K=opts.seqused_k is not None,
         **variant,
     )
     if num_splits > 1:
@@ -1334,6 +1340,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     lengths multiple of 128, not ``deterministic``) go there after the delta pass where
     ``bwd_preferred`` says so (every head dim it has).
     """
+    if opts.seqused_k is not None:
+        raise ValueError("seqused_k (the keys in use of a KV cache) is a forward-only option: no backward")
     varlen = opts.varlen
     if varlen:
         _, num_heads, head_dim = q.shape
@@ -1425,7 +1433,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                 window_left=window_left if has_left else -1, window_right=0 if causal else -1,
                 rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
-                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", num_splits=1,
+                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", seqused_k="*i32",
+                num_splits=1,
                 stride_o_split=seqlen * heads * head_dim, stride_l_split=heads * seqlen)  # (keys not split)
     for name in fn.arg_names:
         if name in args:
@@ -1443,7 +1452,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      BIAS_KIND=BIAS_NONE, IS_VARLEN=varlen, DOT_PRECISION=_dot_precision(dtype), ACC=tl.float32,
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
-        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False)
+        constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
+                         HAS_SEQUSED_K=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:

@@ -7,6 +7,7 @@ from qflash.ops.attention import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     sdpa,
 )
 from qflash.ops.common import set_debug
@@ -18,6 +19,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "sdpa",
     "set_debug",
 ]

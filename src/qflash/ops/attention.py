@@ -40,6 +40,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "sdpa",
 ]
 
@@ -559,6 +560,150 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 # ----------------------------------------------------------------------------------------------
 # PyTorch API: (batch, heads, seqlen, headdim), top-left causal, masks.
 # ----------------------------------------------------------------------------------------------
+def _cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
+    """(batch,) int32 keys already in each sequence's cache."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64) or tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or an int32 / int64 tensor of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}: they must match")
+        return cache_seqlens.to(torch.int32)
+    try:
+        value = operator.index(cache_seqlens)
+    except TypeError:
+        raise TypeError(f"cache_seqlens must be an int or a tensor, got {cache_seqlens!r}") from None
+    return torch.full((batch,), value, dtype=torch.int32, device=device)
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None:
+    """cache[b, start[b] + j] = new[b, j] in place, without a sync (CUDA graphs capture it). Rows
+    that would fall outside the cache go nowhere: they rewrite slot 0 with what it holds, a slot
+    that the rows that fit do not write whenever start[b] >= 0 (so no out-of-bounds access)."""
+    slot = start[:, None].long() + torch.arange(new.shape[1], device=new.device)  # [B, Snew]
+    fits = (slot >= 0) & (slot < cache.shape[1])
+    slot = torch.where(fits, slot, 0)
+    seq = torch.arange(cache.shape[0], device=new.device)[:, None]
+    cache[seq, slot] = torch.where(fits[:, :, None, None], new, cache[seq, slot])
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of new query rows against a KV cache (decoding), a drop-in for
+    ``flash_attn.flash_attn_with_kvcache``. Inference only: no gradient flows.
+
+    Sequence b's queries see the first ``n_b = cache_seqlens[b] + seqlen_new`` keys of its
+    cache, after the new keys ``k`` / ``v`` (if given) went in at ``cache_seqlens[b]``. Causal
+    is aligned bottom-right to those keys: query i sees keys j <= i + n_b - seqlen_q::
+
+        cache_seqlens[b] = 3, seqlen_new = 2, seqlen_q = 2:   n_b = 5
+             c0 c1 c2 k0 k1 (unused slots)
+        q0    x  x  x  x  .  .  .
+        q1    x  x  x  x  x  .  .
+
+    Args:
+        q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
+        k_cache, v_cache: (batch, seqlen_cache, heads_kv, headdim), q's dtype; a unit last stride
+            and each sequence's slots one after another (``stride(0) == seqlen_cache *
+            stride(1)``, as in a contiguous cache). Not copied.
+        k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, headdim), written
+            **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
+        cache_seqlens: keys already in each sequence's cache: an int, or an int32 / int64
+            tensor (batch,) on q's device; None: every slot (seqlen_cache keys). A sequence
+            whose keys would not fit (cache_seqlens[b] outside [0, seqlen_cache - seqlen_new])
+            gets NaN outputs, and its new rows stay out of the cache (its slot 0 may then hold
+            either value when cache_seqlens[b] < 0); ``qflash.set_debug(True)`` raises instead.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``,
+            per sequence of n_b keys (alibi_slopes may be (batch, heads)).
+        num_splits: flash-attn's hint for splitting the keys; accepted (an int >= 0) and left to
+            the launcher, which splits where the programs do not fill the SMs.
+        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table: not supported;
+            anything but None raises NotImplementedError (``rotary_interleaved`` goes with them).
+        return_softmax_lse: also return the log-sum-exp.
+
+    Returns:
+        out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse)`` with lse (batch,
+        heads, seqlen_q) float32, natural log.
+    """
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("block_table", block_table)):
+        if value is not None:
+            raise NotImplementedError(f"{name} is not supported by flash_attn_with_kvcache: pass None")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    _check_tensors(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "(batch, seqlen, heads, headdim)")
+    batch, seqlen_q, heads, headdim = q.shape
+    slots, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    _check_heads(k_cache, v_cache, heads, heads_kv, headdim, names=("k_cache", "v_cache"))
+    if k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1 or (batch > 1 and cache.stride(0) != slots * cache.stride(1)):
+            raise ValueError(f"{name} must have a unit last stride and its sequences' slots one after another "
+                             f"(stride(0) == seqlen_cache * stride(1)), got strides {tuple(cache.stride())}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    new = 0
+    if k is not None:
+        _check_tensors(("k_cache", "k", "v"), (k_cache, k, v), 4, "(batch, seqlen_new, heads_kv, headdim)")
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"k and v must have shape ({batch}, seqlen_new, {heads_kv}, {headdim}), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        new = k.shape[1]
+        if new > slots:
+            raise ValueError(f"k has {new} new keys a sequence but the cache holds {slots}")
+    if batch * max(slots, seqlen_q) >= 2**31:
+        raise ValueError(f"batch x seqlen_cache must be under 2^31 slots, got {batch} x {slots}")
+    start = (torch.full((batch,), slots - new, dtype=torch.int32, device=q.device) if cache_seqlens is None
+             else _cache_seqlens(cache_seqlens, batch, q.device))
+    if debug_enabled() and batch and not q.is_meta:
+        low, high = int(start.min()), int(start.max())
+        if low < 0 or high > slots - new:
+            raise ValueError(f"cache_seqlens must lie in [0, {slots - new}] (seqlen_cache - seqlen_new), "
+                             f"got values from {low} to {high}")
+    left, right = _window(window_size, causal)
+    scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
+    from qflash.kernels.attention import AttnOptions, attention_forward
+
+    with torch.no_grad(), on_device_of(q):
+        if new:
+            _append(k_cache, k, start)
+            _append(v_cache, v, start)
+        # The cache as packed sequences of seqlen_cache slots each, of which seqused_k are keys.
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, steps * slots,
+                           seqlen_q, slots, seqused_k=start + new)
+        out, lse = attention_forward(_unit_last_stride(q).reshape(batch * seqlen_q, heads, headdim),
+                                     k_cache.view(batch * slots, heads_kv, headdim)
+                                     if batch else k_cache.reshape(0, heads_kv, headdim),
+                                     v_cache.view(batch * slots, heads_kv, headdim)
+                                     if batch else v_cache.reshape(0, heads_kv, headdim), opts)
+    out = out.view(batch, seqlen_q, heads, headdim)
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+
+
 def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,

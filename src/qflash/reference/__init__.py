@@ -5,6 +5,7 @@ from qflash.reference.quantize import dequantize_ref, quantize_ref
 
 from qflash.reference.attention import (
     alibi_bias,
+    attention_kvcache_ref,
     attention_ref,
     attention_varlen_ref,
     online_softmax_attention,
@@ -18,6 +19,7 @@ __all__ = [
     "int8_matmul_ref",
     "quantize_ref",
     "alibi_bias",
+    "attention_kvcache_ref",
     "attention_ref",
     "attention_varlen_ref",
     "online_softmax_attention",

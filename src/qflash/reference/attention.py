@@ -34,6 +34,7 @@ import torch
 
 __all__ = [
     "attention_ref",
+    "attention_kvcache_ref",
     "attention_varlen_ref",
     "sdpa_ref",
     "visible_mask",
@@ -214,6 +215,55 @@ def attention_varlen_ref(
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def attention_kvcache_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    **kwargs,
+):
+    """``flash_attn_with_kvcache`` in plain steps, leaving its inputs as they are.
+
+    q: (batch, seqlen_q, heads, headdim); k_cache, v_cache: (batch, seqlen_cache, heads_kv,
+    headdim); k, v: None or (batch, seqlen_new, heads_kv, headdim), the new keys that go after
+    ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: the whole cache) keys of sequence b.
+    Sequence b's queries then see its first ``cache_seqlens[b] + seqlen_new`` keys, with
+    ``attention_ref``'s keyword arguments (``alibi_slopes`` (batch, heads): per sequence).
+    Returns out (batch, seqlen_q, heads, headdim), lse (batch, heads, seqlen_q), and the caches
+    as they are after the new keys went in (copies).
+    """
+    batch, slots = k_cache.shape[:2]
+    if cache_seqlens is None:
+        lens = [slots] * batch
+    elif isinstance(cache_seqlens, int):
+        lens = [cache_seqlens] * batch
+    else:
+        lens = [int(x) for x in cache_seqlens.tolist()]
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    new = 0 if k is None else k.shape[1]
+    if new:
+        for b, n in enumerate(lens):
+            k_cache[b, n : n + new] = k[b]
+            v_cache[b, n : n + new] = v[b]
+    slopes = kwargs.pop("alibi_slopes", None)
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        if n + new == 0:  # no key: out 0 and lse +inf, as every row that sees no key
+            outs.append(torch.zeros_like(q[b : b + 1]))
+            upcast = kwargs.get("upcast", True) and q.dtype in (torch.float16, torch.bfloat16)
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), math.inf, dtype=torch.float32 if upcast else q.dtype,
+                                   device=q.device))
+            continue
+        s = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
+        o, lse = attention_ref(q[b : b + 1], k_cache[b : b + 1, : n + new], v_cache[b : b + 1, : n + new],
+                               alibi_slopes=s, **kwargs)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache
 
 
 def sdpa_ref(
