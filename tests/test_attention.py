@@ -627,6 +627,21 @@ def test_kvcache_overflow_gives_nan_and_stays_in_bounds():
         qflash.set_debug(False)
 
 
+def test_kvcache_under_torch_compile_runs_eagerly():
+    """torch.compile takes a function that calls it (the call itself runs eagerly, a graph break):
+    the same output, and the caches written in place the same way."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=20, new=1, h=4, d=32)
+    lens = torch.tensor([3, 10], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k_cache, v_cache, k, v):
+        return qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True) * 2
+
+    caches = (k_cache.clone(), v_cache.clone())
+    want = step(q, *caches, k, v)
+    got = torch.compile(step)(q, k_cache, v_cache, k, v)
+    assert torch.equal(got, want) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
 def test_kvcache_bad_inputs():
     q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=32, new=2)
     f = qflash.flash_attn_with_kvcache

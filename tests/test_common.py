@@ -116,7 +116,8 @@ def test_gpu_cached_launcher_keys_loose_parameters_by_type():
 # device of their inputs (ops.common.on_device_of), or the kernels would launch on cuda:0's stream
 # with cuda:1's pointers.
 # ----------------------------------------------------------------------------------------------
-_PUBLIC_OPS = ["flash_attn", "flash_attn_backward", "sdpa", "quantize", "int8_matmul", "fp8_matmul", "quantized_linear"]
+_PUBLIC_OPS = ["flash_attn", "flash_attn_backward", "flash_attn_with_kvcache", "sdpa", "quantize", "int8_matmul",
+               "fp8_matmul", "quantized_linear"]
 
 
 def _public_op(name: str):
@@ -136,6 +137,16 @@ def _public_op(name: str):
             qflash.flash_attn_func(q, k, v, causal=True, deterministic=True).backward(dout)  # dQ in a fixed order
             return [q.grad, k.grad, v.grad]
         return [q, k, v, dout], call
+    if name == "flash_attn_with_kvcache":
+        q, k, v = (torch.randn(2, 1, h, 72, dtype=torch.float16) for h in (4, 2, 2))
+        k_cache, v_cache = (torch.randn(2, 50, 2, 72, dtype=torch.float16) for _ in range(2))
+        lens = torch.tensor([3, 40], dtype=torch.int32)
+
+        def call(q, k_cache, v_cache, k, v, lens):  # the caches as they are after the new keys went in
+            out, lse = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                                      return_softmax_lse=True)
+            return [out, lse, k_cache, v_cache]
+        return [q, k_cache, v_cache, k, v, lens], call
     if name == "sdpa":
         q, k, v = (torch.randn(2, 4, 63, 64, dtype=torch.bfloat16) for _ in range(3))
         return [q, k, v], lambda q, k, v: [qflash.sdpa(q, k, v, is_causal=True)]

@@ -587,6 +587,34 @@ def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None
     cache[seq, slot] = torch.where(fits[:, :, None, None], new, cache[seq, slot])
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
+def _kvcache_forward(q, k_cache, v_cache, k, v, start, options):
+    """``flash_attn_with_kvcache``'s work on validated arguments: the new rows into the caches,
+    then the forward over the cache viewed as packed sequences of seqlen_cache slots, of which
+    ``start + seqlen_new`` are keys (``seqused_k``). Returns (out rows, lse (heads, rows))."""
+    from qflash.kernels.attention import AttnOptions, attention_forward
+
+    batch, seqlen_q, heads, headdim = q.shape
+    slots, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    new = 0 if k is None else k.shape[1]
+    scale, left, right, softcap, alibi_slopes = options
+    with torch.no_grad(), on_device_of(q):
+        if new:
+            _append(k_cache, k, start)
+            _append(v_cache, v, start)
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, steps * slots,
+                           seqlen_q, slots, seqused_k=start + new)
+        q_rows = _unit_last_stride(q).reshape(batch * seqlen_q, heads, headdim)
+        if q.is_meta:  # shapes only, as the launcher's outputs would have them
+            out = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
+            lse = q.new_empty((heads, batch * seqlen_q), dtype=torch.float64 if q.dtype == torch.float64
+                              else torch.float32)
+            return out, lse
+        return attention_forward(q_rows, k_cache.reshape(batch * slots, heads_kv, headdim),
+                                 v_cache.reshape(batch * slots, heads_kv, headdim), opts)
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -683,21 +711,7 @@ def flash_attn_with_kvcache(
     left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
-    from qflash.kernels.attention import AttnOptions, attention_forward
-
-    with torch.no_grad(), on_device_of(q):
-        if new:
-            _append(k_cache, k, start)
-            _append(v_cache, v, start)
-        # The cache as packed sequences of seqlen_cache slots each, of which seqused_k are keys.
-        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, steps * slots,
-                           seqlen_q, slots, seqused_k=start + new)
-        out, lse = attention_forward(_unit_last_stride(q).reshape(batch * seqlen_q, heads, headdim),
-                                     k_cache.view(batch * slots, heads_kv, headdim)
-                                     if batch else k_cache.reshape(0, heads_kv, headdim),
-                                     v_cache.view(batch * slots, heads_kv, headdim)
-                                     if batch else v_cache.reshape(0, heads_kv, headdim), opts)
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes))
     out = out.view(batch, seqlen_q, heads, headdim)
     if not return_softmax_lse:
         return out
