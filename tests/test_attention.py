@@ -548,8 +548,11 @@ def _kvcache(batch=4, slots=128, new=0, sq=1, h=8, hkv=2, d=40, dtype=torch.floa
 
 def _check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, **kw):
     """The call against the float64 reference by the flash-attn rule, its lse, and the caches
-    after it (the new rows in place, every other slot as it was)."""
+    after it (the new rows in place, every other slot as it was; rotated keys within rounding)."""
     kw64 = dict(kw)
+    for name in ("rotary_cos", "rotary_sin"):
+        if kw.get(name) is not None:
+            kw64[name] = kw[name].double()
     ref, ref_lse, k_want, v_want = attention_kvcache_ref(*_f64(q, k_cache, v_cache), *(_f64(k, v) if k is not None
                                                          else (None, None)), cache_seqlens, **kw64)
     pt, _, _, _ = attention_kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, upcast=False, reorder_ops=True,
@@ -562,8 +565,13 @@ def _check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, **kw
     assert torch.equal(q, q_before)
     assert_flash_rule(out, ref, pt)
     finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
-    assert torch.equal(k_cache.double(), k_want) and torch.equal(v_cache.double(), v_want)
+    tol = 1e-4 if kw.get("rotary_cos") is None else 2e-3  # rotated q and keys rounded to float16 first
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=tol, atol=tol)
+    if kw.get("rotary_cos") is None:
+        assert torch.equal(k_cache.double(), k_want) and torch.equal(v_cache.double(), v_want)
+    else:  # rotated in float32 and rounded to the cache's dtype: within one rounding of float64's
+        torch.testing.assert_close(k_cache.double(), k_want, rtol=1e-3, atol=1e-3)
+        assert torch.equal(v_cache.double(), v_want)
     return out
 
 
@@ -582,6 +590,26 @@ def test_kvcache_matches_the_reference(monkeypatch, num_splits, new, sq, kw):
     q, k_cache, v_cache, k, v = _kvcache(new=new, sq=sq)
     lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
     _check_kvcache(q, k_cache, v_cache, k, v, lens, **kw)
+
+
+def _rotary_tables(slots, rotary_dim, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(slots + 5, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [seqlen_ro, rotary_dim / 2]
+    return angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rotary_dim", [16, 40])
+@pytest.mark.parametrize("kw", [{"causal": True}, {}, {"window_size": (30, 0)}])
+def test_kvcache_rotary(interleaved, rotary_dim, kw):
+    """Rotary embeddings as flash-attn applies them: the new keys at their positions, q at its
+    rows' positions (causal, windows) or all at the cache's length (neither), the first rotary_dim
+    dims of a head of 40, pairs interleaved (GPT-J) or in halves (GPT-NeoX)."""
+    q, k_cache, v_cache, k, v = _kvcache(new=3, sq=3)
+    cos, sin = _rotary_tables(128, rotary_dim)
+    lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                   **kw)
 
 
 @pytest.mark.parametrize("cache_seqlens", [None, 70, "int64"])
@@ -644,9 +672,16 @@ def test_kvcache_under_torch_compile_runs_eagerly():
 
 def test_kvcache_bad_inputs():
     q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=32, new=2)
+    cos, sin = _rotary_tables(32, 8)
     f = qflash.flash_attn_with_kvcache
     cases = [
-        (lambda: f(q, k_cache, v_cache, rotary_cos=q), NotImplementedError, "rotary_cos is not supported"),
+        (lambda: f(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin), ValueError, "need k and v"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos), ValueError, "given together"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos[:20], rotary_sin=sin[:20]), ValueError, "seqlen_ro"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=torch.ones(40, 21, device=DEVICE),
+                   rotary_sin=torch.ones(40, 21, device=DEVICE)), ValueError, "rotary_dim"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin[:, :3]), ValueError, "same shape"),
+        (lambda: f(q, k_cache, v_cache, cache_leftpad=q), NotImplementedError, "cache_leftpad is not supported"),
         (lambda: f(q, k_cache, v_cache, block_table=q), NotImplementedError, "block_table"),
         (lambda: f(q, k_cache, v_cache, k=k), ValueError, "must be given together"),
         (lambda: f(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1]), ValueError, "k and v must have shape"),
@@ -672,10 +707,15 @@ def test_kvcache_bad_inputs():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_kvcache_decode(d):
     """A serving step on the H200: batch 3, caches of 30000 slots filled to 1, 4097 and 29998, one
-    new key each, bf16, causal; split and packed by the launcher."""
+    new key each, bf16, causal, with and without Llama's rotary embedding (halves); split and
+    packed by the launcher."""
+    lens = torch.tensor([1, 4097, 29998], dtype=torch.int32, device=DEVICE)
     q, k_cache, v_cache, k, v = _kvcache(batch=3, slots=30000, new=1, sq=1, h=16, hkv=4, d=d, dtype=torch.bfloat16)
-    _check_kvcache(q, k_cache, v_cache, k, v, torch.tensor([1, 4097, 29998], dtype=torch.int32, device=DEVICE),
-                   causal=True)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True)
+    q, k_cache, v_cache, k, v = _kvcache(batch=3, slots=30000, new=1, sq=1, h=16, hkv=4, d=d, dtype=torch.bfloat16)
+    cos, sin = _rotary_tables(30000, d)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, rotary_cos=cos, rotary_sin=sin,
+                   rotary_interleaved=False)
 
 
 def test_split_keys_varlen_and_mask(monkeypatch):

@@ -587,11 +587,45 @@ def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None
     cache[seq, slot] = torch.where(fits[:, :, None, None], new, cache[seq, slot])
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, interleaved: bool):
+    """x (B, S, H, D) with its first 2 * cos.shape[1] dims rotated by the angles at positions
+    ``pos`` (B, S) of the cos / sin tables (in float32, back in x's dtype): dim pairs (2i, 2i + 1)
+    when ``interleaved`` (GPT-J), else (i, i + half) (GPT-NeoX); the other dims as they are."""
+    half = cos.shape[1]
+    c, s = (t.float()[pos][:, :, None, :] for t in (cos, sin))  # [B, S, 1, half]
+    part = x[..., : 2 * half].float()
+    x1, x2 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
+    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> None:
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate the new keys: they need k and v")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor (seqlen_ro, rotary_dim / 2), got {_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: they must match")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    if not 1 <= 2 * rotary_cos.shape[1] <= q.shape[-1] or rotary_cos.shape[0] < slots:
+        raise ValueError(f"rotary_cos must be (seqlen_ro >= seqlen_cache = {slots}, rotary_dim / 2 with rotary_dim "
+                         f"<= headdim = {q.shape[-1]}), got {tuple(rotary_cos.shape)}")
+
+
 @torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
-def _kvcache_forward(q, k_cache, v_cache, k, v, start, options):
-    """``flash_attn_with_kvcache``'s work on validated arguments: the new rows into the caches,
-    then the forward over the cache viewed as packed sequences of seqlen_cache slots, of which
-    ``start + seqlen_new`` are keys (``seqused_k``). Returns (out rows, lse (heads, rows))."""
+def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None):
+    """``flash_attn_with_kvcache``'s work on validated arguments: q and the new keys rotated
+    (``rotary``: cos, sin, interleaved), the new rows into the caches, then the forward over the
+    cache viewed as packed sequences of seqlen_cache slots, of which ``start + seqlen_new`` are
+    keys (``seqused_k``). Returns (out rows, lse (heads, rows))."""
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     batch, seqlen_q, heads, headdim = q.shape
@@ -599,6 +633,13 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, start, options):
     new = 0 if k is None else k.shape[1]
     scale, left, right, softcap, alibi_slopes = options
     with torch.no_grad(), on_device_of(q):
+        if rotary is not None:  # positions past the table (bad cache_seqlens: NaN anyway) read its ends
+            cos, sin, interleaved = rotary
+            first = start[:, None].long()
+            key_pos = (first + torch.arange(new, device=q.device)).clamp(0, cos.shape[0] - 1)
+            causal_or_local = left >= 0 or right >= 0
+            q_pos = (first + torch.arange(seqlen_q, device=q.device) * causal_or_local).clamp(0, cos.shape[0] - 1)
+            q, k = _rotary(q, cos, sin, q_pos, interleaved), _rotary(k, cos, sin, key_pos, interleaved)
         if new:
             _append(k_cache, k, start)
             _append(v_cache, v, start)
@@ -662,18 +703,25 @@ def flash_attn_with_kvcache(
             either value when cache_seqlens[b] < 0); ``qflash.set_debug(True)`` raises instead.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``,
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
+        rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache,
+            rotary_dim / 2), floating, on q's device (needs k and v): the new keys are rotated at
+            positions cache_seqlens[b] + j before they go in, and q at cache_seqlens[b] + i where
+            causal or a window is set, else every row at cache_seqlens[b] (flash-attn's rule);
+            the first rotary_dim dims of each head, computed in float32, q left as it was.
+        rotary_interleaved: rotate dim pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
+            (GPT-NeoX, Llama).
         num_splits: flash-attn's hint for splitting the keys; accepted (an int >= 0) and left to
             the launcher, which splits where the programs do not fill the SMs.
-        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table: not supported;
-            anything but None raises NotImplementedError (``rotary_interleaved`` goes with them).
+        cache_batch_idx, cache_leftpad, block_table: not supported; anything but None raises
+            NotImplementedError.
         return_softmax_lse: also return the log-sum-exp.
 
     Returns:
         out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse)`` with lse (batch,
         heads, seqlen_q) float32, natural log.
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("block_table", block_table)):
+    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("block_table", block_table)):
         if value is not None:
             raise NotImplementedError(f"{name} is not supported by flash_attn_with_kvcache: pass None")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -699,6 +747,7 @@ def flash_attn_with_kvcache(
         new = k.shape[1]
         if new > slots:
             raise ValueError(f"k has {new} new keys a sequence but the cache holds {slots}")
+    _check_rotary(rotary_cos, rotary_sin, k, q, slots)
     if batch * max(slots, seqlen_q) >= 2**31:
         raise ValueError(f"batch x seqlen_cache must be under 2^31 slots, got {batch} x {slots}")
     start = (torch.full((batch,), slots - new, dtype=torch.int32, device=q.device) if cache_seqlens is None
@@ -711,7 +760,8 @@ def flash_attn_with_kvcache(
     left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
-    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes))
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes), rotary)
     out = out.view(batch, seqlen_q, heads, headdim)
     if not return_softmax_lse:
         return out

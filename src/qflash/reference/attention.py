@@ -217,6 +217,27 @@ def attention_varlen_ref(
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: int, moving: bool, interleaved: bool):
+    """x (1, S, H, D) rotated as flash-attn's ``apply_rotary_emb`` does, row i at position first + i
+    (``moving``) or every row at ``first``, in float32 (back in x's dtype)."""
+    pos = first + torch.arange(x.shape[1], device=x.device) * int(moving)
+    ro = 2 * cos.shape[1]
+    # each angle twice: (d 2) interleaved, (2 d) in halves; [S, 1, ro]
+    twice = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat((t, t), dim=-1))
+    c, s = (twice(t.double()[pos])[:, None, :] for t in (cos, sin))
+    head = x[..., :ro].double()
+    rotated = head * c + _rotate_half(head, interleaved) * s
+    return torch.cat((rotated.to(x.dtype), x[..., ro:]), dim=-1)
+
+
 def attention_kvcache_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -224,6 +245,9 @@ def attention_kvcache_ref(
     k: Optional[torch.Tensor] = None,
     v: Optional[torch.Tensor] = None,
     cache_seqlens=None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    rotary_interleaved: bool = True,
     **kwargs,
 ):
     """``flash_attn_with_kvcache`` in plain steps, leaving its inputs as they are.
@@ -233,6 +257,9 @@ def attention_kvcache_ref(
     ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: the whole cache) keys of sequence b.
     Sequence b's queries then see its first ``cache_seqlens[b] + seqlen_new`` keys, with
     ``attention_ref``'s keyword arguments (``alibi_slopes`` (batch, heads): per sequence).
+    ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2): the new keys rotated at their
+    positions, q at cache_seqlens[b] + i (causal or a window) or cache_seqlens[b] (neither),
+    ``rotary_interleaved`` as in flash-attn's ``apply_rotary_emb``.
     Returns out (batch, seqlen_q, heads, headdim), lse (batch, heads, seqlen_q), and the caches
     as they are after the new keys went in (copies).
     """
@@ -245,6 +272,13 @@ def attention_kvcache_ref(
         lens = [int(x) for x in cache_seqlens.tolist()]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     new = 0 if k is None else k.shape[1]
+    if rotary_cos is not None:
+        window = kwargs.get("window_size", (-1, -1))
+        moving = kwargs.get("causal", False) or tuple(window) != (-1, -1)
+        q = torch.cat([_rotate(q[b : b + 1], rotary_cos, rotary_sin, n, moving, rotary_interleaved)
+                       for b, n in enumerate(lens)])
+        k = torch.cat([_rotate(k[b : b + 1], rotary_cos, rotary_sin, n, True, rotary_interleaved)
+                       for b, n in enumerate(lens)])
     if new:
         for b, n in enumerate(lens):
             k_cache[b, n : n + new] = k[b]
