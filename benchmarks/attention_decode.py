@@ -6,7 +6,7 @@ batch x heads programs, 32 at batch 1 for 132 SMs. qflash then splits the keys i
 (``kv_splits``, flash-decoding) and weighs them together in a second kernel; with grouped heads
 the query heads of a key/value head share one row block (``PACK_GQA``), which reads the cache once
 for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_func`` (as the
-launcher chooses), without packing, without packing or split, with session 45's tiles and shares
+launcher chooses), ``flash_attn_with_kvcache`` on the cache as it is, without packing, without packing or split, with session 45's tiles and shares
 (the prefill tiles with row blocks cut to the rows), the tiles the forward took before decoding
 had any of this (128 query rows a block, neither), and PyTorch's SDPA backends with
 ``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
@@ -54,7 +54,9 @@ def providers(q, k, v, causal):
         "qflash round 45 (prefill tiles, shares of 8 blocks)": round45_config(q, k, causal),
         "qflash before (128-row blocks, neither)": dataclasses.replace(base, num_splits=1, pack_gqa=False),
     }
-    out = {"qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal)}
+    out = {"qflash": lambda: qflash.flash_attn_func(q, k, v, causal=causal),
+           # the same keys as a full cache: the packed-sequence view and its keys-in-use read
+           "qflash with_kvcache": lambda: qflash.flash_attn_with_kvcache(q, k, v, causal=causal)}
     out.update({name: _qflash_provider(cfg)(q, k, v, causal) for name, cfg in configs.items()})
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
