@@ -6,10 +6,10 @@ batch x heads programs, 32 at batch 1 for 132 SMs. qflash then splits the keys i
 (``kv_splits``, flash-decoding) and weighs them together in a second kernel; with grouped heads
 the query heads of a key/value head share one row block (``PACK_GQA``), which reads the cache once
 for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_func`` (as the
-launcher chooses), ``flash_attn_with_kvcache`` on the cache as it is, without packing, without packing or split, with session 45's tiles and shares
-(the prefill tiles with row blocks cut to the rows), the tiles the forward took before decoding
-had any of this (128 query rows a block, neither), and PyTorch's SDPA backends with
-``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
+launcher chooses), ``flash_attn_with_kvcache`` on the cache as it is, without packing, without
+packing or split, with session 45's tiles and shares (the prefill tiles with row blocks cut to
+the rows), the tiles the forward took before decoding had any of this (128 query rows a block,
+neither), and PyTorch's SDPA backends with ``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
 ``qflash.sdpa``, beside SDPA with it) and from packed sequences (``flash_attn_varlen_func``).
 Also a few short prefill sizes that the launcher now splits (programs under the SM count).
 
