@@ -164,21 +164,28 @@ def _varlen(lens_q, lens_k, h=4, hkv=2, d=32, dtype=torch.float16):
     return q, k, v, cu_q, cu_k
 
 
-@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 2)}, {"softcap": 3.0}])
-def test_varlen(kw):
-    lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
-    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+    """flash_attn_varlen_func (block_table None, as flash-attn's callers pass it) against the
+    float64 reference by the rule, and its lse; returns (out, lse)."""
     with poisoned():
-        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
                                                     return_attn_probs=True, block_table=None, **kw)
     assert_written(out)
     assert_written(lse)
-    assert lse.shape == (4, sum(lens_q))
     ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
     pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
     assert_flash_rule(out, ref, pt)
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 2)}, {"softcap": 3.0}])
+def test_varlen(kw):
+    lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+    _, lse = _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    assert lse.shape == (4, sum(lens_q))
 
 
 def test_varlen_alibi_per_sequence_and_packed():
@@ -484,15 +491,7 @@ def test_grouped_heads_share_a_row_block_varlen(monkeypatch, num_splits, kw):
     q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, h=8, hkv=2, d=24)
     opts = attention_kernels.AttnOptions(1.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=300)
     assert attention_kernels.forward_plan(q, k, opts).pack
-    with poisoned():
-        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                    return_attn_probs=True, **kw)
-    assert_written(out)
-    ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
-    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
-    assert_flash_rule(out, ref, pt)
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+    _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
 
 
 def test_grouped_heads_packed_varlen_max_seqlen_under_the_truth_gives_nan_rows():
