@@ -611,6 +611,14 @@ def test_kvcache_rotary(interleaved, rotary_dim, kw):
                    **kw)
 
 
+def test_kvcache_chunked_prefill():
+    """A chunk of 70 new rows a sequence (more than one row block, heads not packed) into caches
+    holding 0-113 keys, causal: each row sees the cache and the chunk up to itself."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=4, slots=200, new=70, sq=70)
+    lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True)
+
+
 @pytest.mark.parametrize("cache_seqlens", [None, 70, "int64"])
 def test_kvcache_seqlens_forms(cache_seqlens):
     """cache_seqlens as None (every slot a key), an int for every sequence, an int64 tensor."""
