@@ -677,6 +677,60 @@ def test_kvcache_under_torch_compile_runs_eagerly():
     assert torch.equal(got, want) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
 
 
+@pytest.mark.parametrize("kw", [{"causal": True}, {"alibi_slopes": "yes"}, {"rotary": True, "causal": True},
+                                {"window_size": (20, 0)}])
+def test_kvcache_batch_idx_and_leftpad(kw):
+    """Sequences on cache rows of their own choosing (3 of 5 rows, out of order) with left
+    padding: the keys start at the pad (causal, ALiBi and windows count from there; rotary goes by
+    cache slot, as flash-attn's), the new rows go into the chosen rows; split in 3."""
+    kw = dict(kw)
+    q, _, _, k, v = _kvcache(batch=3, new=2, sq=2)
+    k_cache, v_cache = (torch.randn(5, 128, 2, 40, device=DEVICE).half() for _ in range(2))
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(3, 8, device=DEVICE)
+    if kw.pop("rotary", False):
+        kw["rotary_cos"], kw["rotary_sin"] = _rotary_tables(128, 16)
+    lens, pads = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([10, 63, 100], [3, 0, 50]))
+    idx = torch.tensor([4, 0, 2], dtype=torch.int64, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, cache_batch_idx=idx, cache_leftpad=pads, **kw)
+
+
+def test_kvcache_bad_rows_stay_apart(monkeypatch):
+    """A row index outside the cache, a pad past the keys: those sequences are NaN, nothing of
+    theirs lands in the cache, the others come out right; two sequences on one row: the row takes
+    the later one's new keys, whatever the launch order. set_debug(True) raises for each."""
+    _split_keys(monkeypatch, 3)
+    q, _, _, k, v = _kvcache(batch=4, new=2, sq=1)
+    k_cache, v_cache = (torch.randn(3, 64, 2, 40, device=DEVICE).half() for _ in range(2))
+    lens = torch.tensor([10, 20, 30, 5], dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([0, 7, 1, 2], dtype=torch.int32, device=DEVICE)  # sequence 1: no row 7
+    pads = torch.tensor([0, 0, 31, 0], dtype=torch.int32, device=DEVICE)  # sequence 2: pad past its keys
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with poisoned(FINITE_POISON):
+        out = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, cache_batch_idx=idx,
+                                             cache_leftpad=pads)
+    assert out[1].isnan().all() and out[2].isnan().all() and not out[[0, 3]].isnan().any()
+    want_k = k_before.clone()
+    want_k[0, 10:12], want_k[1, 30:32], want_k[2, 5:7] = k[0], k[2], k[3]  # the pad is bad, the row is not
+    assert torch.equal(k_cache, want_k)
+    ref, _, _, _ = attention_kvcache_ref(*_f64(q[[0, 3]], k_before, v_before), *_f64(k[[0, 3]], v[[0, 3]]),
+                                         lens[[0, 3]], cache_batch_idx=idx[[0, 3]])
+    torch.testing.assert_close(out[[0, 3]].double(), ref, rtol=2e-3, atol=2e-3)
+    k_cache.copy_(k_before)
+    same = torch.tensor([1, 1, 0, 2], dtype=torch.int32, device=DEVICE)  # sequences 0 and 1 share row 1
+    qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, cache_batch_idx=same)
+    assert torch.equal(k_cache[1, 20:22], k[1]) and torch.equal(k_cache[1, 10:12], k_before[1, 10:12])
+    qflash.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match=r"cache_batch_idx must lie in \[0, 3\)"):
+            qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, cache_batch_idx=idx)
+        with pytest.raises(ValueError, match="cache_leftpad must lie in"):
+            qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                           cache_batch_idx=idx.abs() % 3, cache_leftpad=pads)
+    finally:
+        qflash.set_debug(False)
+
+
 def test_kvcache_bad_inputs():
     q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=32, new=2)
     cos, sin = _rotary_tables(32, 8)
@@ -688,7 +742,9 @@ def test_kvcache_bad_inputs():
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=torch.ones(40, 21, device=DEVICE),
                    rotary_sin=torch.ones(40, 21, device=DEVICE)), ValueError, "rotary_dim"),
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin[:, :3]), ValueError, "same shape"),
-        (lambda: f(q, k_cache, v_cache, cache_leftpad=q), NotImplementedError, "cache_leftpad is not supported"),
+        (lambda: f(q, k_cache, v_cache, cache_batch_idx=1), TypeError, "cache_batch_idx must be an int32 / int64"),
+        (lambda: f(q, k_cache, v_cache, cache_leftpad=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+         ValueError, "cache_leftpad must be an int32"),
         (lambda: f(q, k_cache, v_cache, block_table=q), NotImplementedError, "block_table"),
         (lambda: f(q, k_cache, v_cache, k=k), ValueError, "must be given together"),
         (lambda: f(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1]), ValueError, "k and v must have shape"),
@@ -714,8 +770,8 @@ def test_kvcache_bad_inputs():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_kvcache_decode(d):
     """A serving step on the H200: batch 3, caches of 30000 slots filled to 1, 4097 and 29998, one
-    new key each, bf16, causal, with and without Llama's rotary embedding (halves); split and
-    packed by the launcher."""
+    new key each, bf16, causal, with and without Llama's rotary embedding (halves), and on other
+    rows with left padding; split and packed by the launcher."""
     lens = torch.tensor([1, 4097, 29998], dtype=torch.int32, device=DEVICE)
     q, k_cache, v_cache, k, v = _kvcache(batch=3, slots=30000, new=1, sq=1, h=16, hkv=4, d=d, dtype=torch.bfloat16)
     _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True)
@@ -723,6 +779,8 @@ def test_gpu_kvcache_decode(d):
     cos, sin = _rotary_tables(30000, d)
     _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, rotary_cos=cos, rotary_sin=sin,
                    rotary_interleaved=False)
+    idx, pads = (torch.tensor(x, device=DEVICE) for x in ([2, 0, 1], [0, 4000, 100]))
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, cache_batch_idx=idx, cache_leftpad=pads)
 
 
 def test_split_keys_varlen_and_mask(monkeypatch):

@@ -427,11 +427,14 @@ def _attn_fwd_kernel(
 
     total_q = seqlen_q  # varlen: the packed rows
     q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
-    if HAS_SEQUSED_K:  # varlen: the keys in use of each sequence's slots (a KV cache); the rest unread
+    if HAS_SEQUSED_K:  # a KV cache: sequence b's keys are the seqused_k[b] rows from cu_seqlens_k[b] on,
+        # where cu_seqlens_k holds each sequence's first row (any order), not cumulative lengths
+        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
         used = tl.load(seqused_k + b)
-        valid_k = valid_k & (used >= 0) & (used <= seqlen_k)
-        seqlen_k = tl.minimum(tl.maximum(used, 0), seqlen_k)
+        valid_k = (k_start >= 0) & (used >= 0) & (k_start + used <= seqlen_k)
+        seqlen_k = tl.maximum(used, 0)
+    else:
+        k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
@@ -727,7 +730,8 @@ class AttnOptions:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     deterministic: bool = False  # the backward: bitwise-identical gradients (no atomics)
-    seqused_k: Optional[torch.Tensor] = None  # varlen forward: int32 keys in use a sequence (a KV cache)
+    # A KV cache (varlen forward only): int32 keys a sequence, from its first row cu_seqlens_k[b].
+    seqused_k: Optional[torch.Tensor] = None
 
     @property
     def varlen(self) -> bool:

@@ -560,31 +560,61 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 # ----------------------------------------------------------------------------------------------
 # PyTorch API: (batch, heads, seqlen, headdim), top-left causal, masks.
 # ----------------------------------------------------------------------------------------------
-def _cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
-    """(batch,) int32 keys already in each sequence's cache."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.dtype not in (torch.int32, torch.int64) or tuple(cache_seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must be an int or an int32 / int64 tensor of shape ({batch},), got "
-                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.device != device:
-            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}: they must match")
-        return cache_seqlens.to(torch.int32)
+def _per_sequence(name: str, value, batch: int, device, scalar: bool = True) -> torch.Tensor:
+    """(batch,) int32 from an int32 / int64 tensor of that shape on ``device`` (or an int, where
+    ``scalar``: the same for every sequence)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int32, torch.int64) or tuple(value.shape) != (batch,):
+            raise ValueError(f"{name} must be {'an int or ' if scalar else ''}an int32 / int64 tensor of shape "
+                             f"({batch},), got {value.dtype} {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but q is on {device}: they must match")
+        return value.to(torch.int32)
+    if not scalar:
+        raise TypeError(f"{name} must be an int32 / int64 tensor of shape ({batch},), got {value!r}")
     try:
-        value = operator.index(cache_seqlens)
+        value = operator.index(value)
     except TypeError:
-        raise TypeError(f"cache_seqlens must be an int or a tensor, got {cache_seqlens!r}") from None
+        raise TypeError(f"{name} must be an int or a tensor, got {value!r}") from None
     return torch.full((batch,), value, dtype=torch.int32, device=device)
 
 
-def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None:
-    """cache[b, start[b] + j] = new[b, j] in place, without a sync (CUDA graphs capture it). Rows
-    that would fall outside the cache go nowhere: they rewrite slot 0 with what it holds, a slot
-    that the rows that fit do not write whenever start[b] >= 0 (so no out-of-bounds access)."""
-    slot = start[:, None].long() + torch.arange(new.shape[1], device=new.device)  # [B, Snew]
-    fits = (slot >= 0) & (slot < cache.shape[1])
-    slot = torch.where(fits, slot, 0)
-    seq = torch.arange(cache.shape[0], device=new.device)[:, None]
-    cache[seq, slot] = torch.where(fits[:, :, None, None], new, cache[seq, slot])
+def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_start: int) -> None:
+    """set_debug(True): the per-sequence cache positions checked on the host (a sync)."""
+    low, high = int(start.min()), int(start.max())
+    if low < 0 or high > last_start:
+        raise ValueError(f"cache_seqlens must lie in [0, {last_start}] (seqlen_cache - seqlen_new), "
+                         f"got values from {low} to {high}")
+    if batch_idx is not None and (int(batch_idx.min()) < 0 or int(batch_idx.max()) >= cache_rows):
+        raise ValueError(f"cache_batch_idx must lie in [0, {cache_rows}) (the cache's rows), got values from "
+                         f"{int(batch_idx.min())} to {int(batch_idx.max())}")
+    if leftpad is not None and bool(((leftpad < 0) | (leftpad > start)).any()):
+        raise ValueError("cache_leftpad must lie in [0, cache_seqlens[b]] for every sequence")
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor, batch_idx: Optional[torch.Tensor]) -> None:
+    """cache[row_b, start[b] + j] = new[b, j] in place (row_b = batch_idx[b], or b), without a
+    sync (CUDA graphs capture it). Each cache row takes the rows of one sequence (the last of
+    duplicate indices; none for an index outside the cache), and every slot a row writes gets one
+    value: the new row that belongs there, or what the slot holds. Rows that would fall outside
+    the cache go to its nearest slot with that slot's value, so nothing is read or written out of
+    bounds and no write of a bad sequence lands on another sequence's rows."""
+    rows, slots = cache.shape[:2]
+    batch, count = new.shape[:2]
+    device = new.device
+    if batch_idx is None:
+        owner = torch.arange(batch, device=device)
+    else:  # owner[r]: the sequence whose rows go into cache row r, -1 for none; a bad index goes to row `rows`
+        target = torch.where((batch_idx >= 0) & (batch_idx < rows), batch_idx.long(), rows)
+        owner = torch.full((rows + 1,), -1, dtype=torch.long, device=device)
+        owner = owner.scatter_reduce(0, target, torch.arange(batch, device=device), reduce="amax")[:rows]
+    seq = owner.clamp(min=0)  # [rows]
+    first = start.long()[seq][:, None]  # [rows, 1]
+    dest = (first + torch.arange(count, device=device)).clamp(0, slots - 1)  # [rows, count]
+    j = dest - first  # the new row that belongs at dest
+    mine = (owner[:, None] >= 0) & (j >= 0) & (j < count)
+    r = torch.arange(rows, device=device)[:, None]
+    cache[r, dest] = torch.where(mine[:, :, None, None], new[seq[:, None], j.clamp(0, count - 1)], cache[r, dest])
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, interleaved: bool):
@@ -621,15 +651,17 @@ def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> Non
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
-def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None):
+def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None, batch_idx=None, leftpad=None):
     """``flash_attn_with_kvcache``'s work on validated arguments: q and the new keys rotated
     (``rotary``: cos, sin, interleaved), the new rows into the caches, then the forward over the
-    cache viewed as packed sequences of seqlen_cache slots, of which ``start + seqlen_new`` are
-    keys (``seqused_k``). Returns (out rows, lse (heads, rows))."""
+    cache viewed as rows of seqlen_cache slots: sequence b's keys are slots ``leftpad[b]`` to
+    ``start[b] + seqlen_new`` of row ``batch_idx[b]`` (first rows and ``seqused_k`` of the
+    forward; a sequence whose keys do not fit gets -1 keys, so NaN). Returns (out rows, lse
+    (heads, rows))."""
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     batch, seqlen_q, heads, headdim = q.shape
-    slots, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    cache_rows, slots, heads_kv = k_cache.shape[:3]
     new = 0 if k is None else k.shape[1]
     scale, left, right, softcap, alibi_slopes = options
     with torch.no_grad(), on_device_of(q):
@@ -641,19 +673,24 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None):
             q_pos = (first + torch.arange(seqlen_q, device=q.device) * causal_or_local).clamp(0, cos.shape[0] - 1)
             q, k = _rotary(q, cos, sin, q_pos, interleaved), _rotary(k, cos, sin, key_pos, interleaved)
         if new:
-            _append(k_cache, k, start)
-            _append(v_cache, v, start)
+            _append(k_cache, k, start, batch_idx)
+            _append(v_cache, v, start, batch_idx)
         steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, steps * slots,
-                           seqlen_q, slots, seqused_k=start + new)
+        row = steps[:batch] if batch_idx is None else batch_idx.to(torch.int32)
+        pad = torch.zeros_like(start) if leftpad is None else leftpad.to(torch.int32)
+        end = start + new
+        fits = (row >= 0) & (row < cache_rows) & (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
+        first = torch.where(fits, row * slots + pad, 0)
+        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, first,
+                           seqlen_q, slots, seqused_k=torch.where(fits, end - pad, -1))
         q_rows = _unit_last_stride(q).reshape(batch * seqlen_q, heads, headdim)
         if q.is_meta:  # shapes only, as the launcher's outputs would have them
             out = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
             lse = q.new_empty((heads, batch * seqlen_q), dtype=torch.float64 if q.dtype == torch.float64
                               else torch.float32)
             return out, lse
-        return attention_forward(q_rows, k_cache.reshape(batch * slots, heads_kv, headdim),
-                                 v_cache.reshape(batch * slots, heads_kv, headdim), opts)
+        return attention_forward(q_rows, k_cache.reshape(cache_rows * slots, heads_kv, headdim),
+                                 v_cache.reshape(cache_rows * slots, heads_kv, headdim), opts)
 
 
 def flash_attn_with_kvcache(
@@ -680,27 +717,34 @@ def flash_attn_with_kvcache(
     """Attention of new query rows against a KV cache (decoding), a drop-in for
     ``flash_attn.flash_attn_with_kvcache``. Inference only: no gradient flows.
 
-    Sequence b's queries see the first ``n_b = cache_seqlens[b] + seqlen_new`` keys of its
-    cache, after the new keys ``k`` / ``v`` (if given) went in at ``cache_seqlens[b]``. Causal
-    is aligned bottom-right to those keys: query i sees keys j <= i + n_b - seqlen_q::
+    Sequence b's queries see slots ``cache_leftpad[b]`` (0 by default) to ``cache_seqlens[b] +
+    seqlen_new - 1`` of its cache row (``cache_batch_idx[b]``, or b), ``n_b`` keys, after the new
+    keys ``k`` / ``v`` (if given) went in at ``cache_seqlens[b]``. Causal is aligned bottom-right
+    to those keys: query i sees key j (counted from the first seen) when j <= i + n_b - seqlen_q::
 
-        cache_seqlens[b] = 3, seqlen_new = 2, seqlen_q = 2:   n_b = 5
-             c0 c1 c2 k0 k1 (unused slots)
-        q0    x  x  x  x  .  .  .
-        q1    x  x  x  x  x  .  .
+        cache_leftpad[b] = 1, cache_seqlens[b] = 4, seqlen_new = 2, seqlen_q = 2:   n_b = 5
+             pad c1 c2 c3 k0 k1 (unused slots)
+        q0    .   x  x  x  x  .  .  .
+        q1    .   x  x  x  x  x  .  .
 
     Args:
         q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
-        k_cache, v_cache: (batch, seqlen_cache, heads_kv, headdim), q's dtype; a unit last stride
-            and each sequence's slots one after another (``stride(0) == seqlen_cache *
-            stride(1)``, as in a contiguous cache). Not copied.
+        k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, headdim), q's dtype, batch_cache =
+            batch without cache_batch_idx; a unit last stride and each row's slots one after
+            another (``stride(0) == seqlen_cache * stride(1)``, as in a contiguous cache). Not copied.
         k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, headdim), written
             **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
-        cache_seqlens: keys already in each sequence's cache: an int, or an int32 / int64
-            tensor (batch,) on q's device; None: every slot (seqlen_cache keys). A sequence
-            whose keys would not fit (cache_seqlens[b] outside [0, seqlen_cache - seqlen_new])
-            gets NaN outputs, and its new rows stay out of the cache (its slot 0 may then hold
-            either value when cache_seqlens[b] < 0); ``qflash.set_debug(True)`` raises instead.
+        cache_seqlens: the end of each sequence's keys in its cache row before the new ones: an
+            int, or an int32 / int64 tensor (batch,) on q's device; None: every slot.
+        cache_batch_idx: None, or an int32 / int64 tensor (batch,): the cache row of each
+            sequence. Where two sequences name one row, that row takes the new keys of the later.
+        cache_leftpad: None, or an int32 / int64 tensor (batch,): the first slot of each
+            sequence's keys (left padding), at most cache_seqlens[b].
+            A sequence whose values do not fit (cache_seqlens[b] outside [0, seqlen_cache -
+            seqlen_new], cache_leftpad[b] outside [0, cache_seqlens[b]], a row outside the cache)
+            gets NaN outputs and its new rows stay out of the cache (those past its row's end
+            rewrite its last slot with the value it gets anyway); ``qflash.set_debug(True)``
+            raises instead (a sync).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``,
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
         rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache,
@@ -712,7 +756,7 @@ def flash_attn_with_kvcache(
             (GPT-NeoX, Llama).
         num_splits: flash-attn's hint for splitting the keys; accepted (an int >= 0) and left to
             the launcher, which splits where the programs do not fill the SMs.
-        cache_batch_idx, cache_leftpad, block_table: not supported; anything but None raises
+        block_table: paged caches are not supported; anything but None raises
             NotImplementedError.
         return_softmax_lse: also return the log-sum-exp.
 
@@ -720,20 +764,20 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse)`` with lse (batch,
         heads, seqlen_q) float32, natural log.
     """
-    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("block_table", block_table)):
-        if value is not None:
-            raise NotImplementedError(f"{name} is not supported by flash_attn_with_kvcache: pass None")
+    if block_table is not None:
+        raise NotImplementedError("block_table (a paged KV cache) is not supported by flash_attn_with_kvcache: "
+                                  "pass None and the cache as (batch_cache, seqlen_cache, heads_kv, headdim)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     _check_tensors(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "(batch, seqlen, heads, headdim)")
     batch, seqlen_q, heads, headdim = q.shape
     slots, heads_kv = k_cache.shape[1], k_cache.shape[2]
     _check_heads(k_cache, v_cache, heads, heads_kv, headdim, names=("k_cache", "v_cache"))
-    if k_cache.shape[0] != batch:
-        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch}")
+    cache_rows = k_cache.shape[0]
+    if cache_batch_idx is None and cache_rows != batch:
+        raise ValueError(f"k_cache has batch {cache_rows} but q has batch {batch} (and no cache_batch_idx)")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1 or (batch > 1 and cache.stride(0) != slots * cache.stride(1)):
+        if cache.stride(-1) != 1 or (cache_rows > 1 and cache.stride(0) != slots * cache.stride(1)):
             raise ValueError(f"{name} must have a unit last stride and its sequences' slots one after another "
                              f"(stride(0) == seqlen_cache * stride(1)), got strides {tuple(cache.stride())}")
     if (k is None) != (v is None):
@@ -748,20 +792,22 @@ def flash_attn_with_kvcache(
         if new > slots:
             raise ValueError(f"k has {new} new keys a sequence but the cache holds {slots}")
     _check_rotary(rotary_cos, rotary_sin, k, q, slots)
-    if batch * max(slots, seqlen_q) >= 2**31:
-        raise ValueError(f"batch x seqlen_cache must be under 2^31 slots, got {batch} x {slots}")
+    if max(cache_rows * slots, batch * seqlen_q) >= 2**31:
+        raise ValueError(f"batch_cache x seqlen_cache must be under 2^31 slots, got {cache_rows} x {slots}")
     start = (torch.full((batch,), slots - new, dtype=torch.int32, device=q.device) if cache_seqlens is None
-             else _cache_seqlens(cache_seqlens, batch, q.device))
+             else _per_sequence("cache_seqlens", cache_seqlens, batch, q.device))
+    batch_idx = None if cache_batch_idx is None else _per_sequence("cache_batch_idx", cache_batch_idx, batch,
+                                                                    q.device, scalar=False)
+    leftpad = None if cache_leftpad is None else _per_sequence("cache_leftpad", cache_leftpad, batch, q.device,
+                                                                scalar=False)
     if debug_enabled() and batch and not q.is_meta:
-        low, high = int(start.min()), int(start.max())
-        if low < 0 or high > slots - new:
-            raise ValueError(f"cache_seqlens must lie in [0, {slots - new}] (seqlen_cache - seqlen_new), "
-                             f"got values from {low} to {high}")
+        _check_cache_positions(start, batch_idx, leftpad, cache_rows, slots - new)
     left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
-    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes), rotary)
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes), rotary,
+                                batch_idx, leftpad)
     out = out.view(batch, seqlen_q, heads, headdim)
     if not return_softmax_lse:
         return out

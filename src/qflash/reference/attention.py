@@ -247,15 +247,18 @@ def attention_kvcache_ref(
     cache_seqlens=None,
     rotary_cos: Optional[torch.Tensor] = None,
     rotary_sin: Optional[torch.Tensor] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
     rotary_interleaved: bool = True,
     **kwargs,
 ):
     """``flash_attn_with_kvcache`` in plain steps, leaving its inputs as they are.
 
-    q: (batch, seqlen_q, heads, headdim); k_cache, v_cache: (batch, seqlen_cache, heads_kv,
-    headdim); k, v: None or (batch, seqlen_new, heads_kv, headdim), the new keys that go after
-    ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: the whole cache) keys of sequence b.
-    Sequence b's queries then see its first ``cache_seqlens[b] + seqlen_new`` keys, with
+    q: (batch, seqlen_q, heads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
+    headdim); k, v: None or (batch, seqlen_new, heads_kv, headdim), the new keys that go in at slot
+    ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: the whole cache) of sequence b's
+    cache row (``cache_batch_idx[b]``, or b; distinct rows). Sequence b's queries then see slots
+    ``cache_leftpad[b]`` (or 0) to ``cache_seqlens[b] + seqlen_new - 1`` of its row, with
     ``attention_ref``'s keyword arguments (``alibi_slopes`` (batch, heads): per sequence).
     ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2): the new keys rotated at their
     positions, q at cache_seqlens[b] + i (causal or a window) or cache_seqlens[b] (neither),
@@ -263,7 +266,9 @@ def attention_kvcache_ref(
     Returns out (batch, seqlen_q, heads, headdim), lse (batch, heads, seqlen_q), and the caches
     as they are after the new keys went in (copies).
     """
-    batch, slots = k_cache.shape[:2]
+    batch, slots = q.shape[0], k_cache.shape[1]
+    rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
+    pads = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     if cache_seqlens is None:
         lens = [slots] * batch
     elif isinstance(cache_seqlens, int):
@@ -281,19 +286,20 @@ def attention_kvcache_ref(
                        for b, n in enumerate(lens)])
     if new:
         for b, n in enumerate(lens):
-            k_cache[b, n : n + new] = k[b]
-            v_cache[b, n : n + new] = v[b]
+            k_cache[rows[b], n : n + new] = k[b]
+            v_cache[rows[b], n : n + new] = v[b]
     slopes = kwargs.pop("alibi_slopes", None)
     outs, lses = [], []
     for b, n in enumerate(lens):
-        if n + new == 0:  # no key: out 0 and lse +inf, as every row that sees no key
+        r, pad = rows[b], pads[b]
+        if n + new - pad == 0:  # no key: out 0 and lse +inf, as every row that sees no key
             outs.append(torch.zeros_like(q[b : b + 1]))
             upcast = kwargs.get("upcast", True) and q.dtype in (torch.float16, torch.bfloat16)
             lses.append(torch.full((1, q.shape[2], q.shape[1]), math.inf, dtype=torch.float32 if upcast else q.dtype,
                                    device=q.device))
             continue
         s = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
-        o, lse = attention_ref(q[b : b + 1], k_cache[b : b + 1, : n + new], v_cache[b : b + 1, : n + new],
+        o, lse = attention_ref(q[b : b + 1], k_cache[r : r + 1, pad : n + new], v_cache[r : r + 1, pad : n + new],
                                alibi_slopes=s, **kwargs)
         outs.append(o)
         lses.append(lse)
