@@ -594,10 +594,10 @@ def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_star
 
 def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor, batch_idx: Optional[torch.Tensor]) -> None:
     """cache[row_b, start[b] + j] = new[b, j] in place (row_b = batch_idx[b], or b), without a
-    sync (CUDA graphs capture it). Each cache row takes the rows of one sequence (the last of
+    sync (CUDA graphs capture it). Each cache row takes the rows of one sequence (the later of
     duplicate indices; none for an index outside the cache), and every slot a row writes gets one
     value: the new row that belongs there, or what the slot holds. Rows that would fall outside
-    the cache go to its nearest slot with that slot's value, so nothing is read or written out of
+    the row go to its nearest slot with that slot's value, so nothing is read or written out of
     bounds and no write of a bad sequence lands on another sequence's rows."""
     rows, slots = cache.shape[:2]
     batch, count = new.shape[:2]
@@ -667,10 +667,10 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None, bat
     with torch.no_grad(), on_device_of(q):
         if rotary is not None:  # positions past the table (bad cache_seqlens: NaN anyway) read its ends
             cos, sin, interleaved = rotary
-            first = start[:, None].long()
-            key_pos = (first + torch.arange(new, device=q.device)).clamp(0, cos.shape[0] - 1)
+            at = start[:, None].long()  # [B, 1] the first new key's slot
+            key_pos = (at + torch.arange(new, device=q.device)).clamp(0, cos.shape[0] - 1)
             causal_or_local = left >= 0 or right >= 0
-            q_pos = (first + torch.arange(seqlen_q, device=q.device) * causal_or_local).clamp(0, cos.shape[0] - 1)
+            q_pos = (at + torch.arange(seqlen_q, device=q.device) * causal_or_local).clamp(0, cos.shape[0] - 1)
             q, k = _rotary(q, cos, sin, q_pos, interleaved), _rotary(k, cos, sin, key_pos, interleaved)
         if new:
             _append(k_cache, k, start, batch_idx)
@@ -742,8 +742,8 @@ def flash_attn_with_kvcache(
             sequence's keys (left padding), at most cache_seqlens[b].
             A sequence whose values do not fit (cache_seqlens[b] outside [0, seqlen_cache -
             seqlen_new], cache_leftpad[b] outside [0, cache_seqlens[b]], a row outside the cache)
-            gets NaN outputs and its new rows stay out of the cache (those past its row's end
-            rewrite its last slot with the value it gets anyway); ``qflash.set_debug(True)``
+            gets NaN outputs; its new rows go in where they land inside its cache row (none for
+            a row outside the cache), so no other sequence's slots change; ``qflash.set_debug(True)``
             raises instead (a sync).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``,
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
