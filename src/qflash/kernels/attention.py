@@ -651,19 +651,20 @@ def kv_splits(programs: int, keys: int, block_n: int, sms: int) -> int:
     return max(1, min(cdiv(sms, programs), cdiv(keys, block_n) // min_blocks, MAX_KV_SPLITS))
 
 
-PACK_MAX_ROWS = 64  # query rows x group size that one packed row block holds
-DECODE_ROWS = 64  # row blocks of at most this many rows take decoding's tiles
+# Row blocks of at most this many rows take decoding's tiles; packed heads (query rows x group
+# size together) go into one such block.
+DECODE_ROWS = 64
 
 
 def packs_gqa(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions) -> bool:
     """Whether a call's query heads may share their key/value head's row block (``PACK_GQA``):
-    grouped heads, at most PACK_MAX_ROWS rows together (the longest sequence's for varlen), and
+    grouped heads, at most DECODE_ROWS rows together (the longest sequence's for varlen), and
     nothing that differs by query head (ALiBi slopes, dropout's counters, a mask or bias plane of
     its own: a plane broadcast over the heads is shared)."""
     group = q.shape[-2] // k.shape[-2]
     rows = opts.max_seqlen_q if opts.varlen else q.shape[1]
     shared_bias = opts.bias is None or opts.bias.shape[1] == 1 or opts.bias.stride(1) == 0
-    return (group > 1 and group * rows <= PACK_MAX_ROWS and opts.alibi_slopes is None and shared_bias
+    return (group > 1 and group * rows <= DECODE_ROWS and opts.alibi_slopes is None and shared_bias
             and opts.dropout_p == 0)
 
 
