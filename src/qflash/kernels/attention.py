@@ -539,38 +539,45 @@ def _attn_fwd_combine_kernel(
     OutPart, LsePart, Out, Lse,
     stride_o_split, stride_l_split,
     num_rows, num_heads, rows_per_batch, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s)): the key shares of
-    a split forward weighed together, one (row, head) pair a row of the block. Out (rows, heads,
-    HEAD_DIM) and the partials are contiguous; Lse is (batch, heads, rows_per_batch), or (heads,
-    rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf."""
+    a split forward weighed together, BLOCK_R (row, head) pairs a program, all BLOCK_S >=
+    num_splits shares of them loaded at once (a loop over the shares waited for each share's
+    loads in turn: 11-14 us for 17 shares at batch 1, more than the forward's shares took). Out
+    (rows, heads, HEAD_DIM) and the partials are contiguous; Lse is (batch, heads, rows_per_batch),
+    or (heads, rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf."""
     pid = tl.program_id(0)
     pairs = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] (row, head) pairs
     ok = pairs < num_rows * num_heads
     row = pairs // num_heads
     h = pairs % num_heads
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] shares
     offs_d = tl.arange(0, BLOCK_D)
+    l_offs = ((row // rows_per_batch) * num_heads + h).to(tl.int64) * rows_per_batch + row % rows_per_batch
+    ls_ok = ok[:, None] & (offs_s[None, :] < num_splits)  # [BLOCK_R, BLOCK_S]
+    lse_s = tl.load(LsePart + offs_s[None, :] * stride_l_split + l_offs[:, None], mask=ls_ok,
+                    other=float("-inf"))  # [BLOCK_R, BLOCK_S]
     o_offs = pairs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
     o_ok = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    l_offs = ((row // rows_per_batch) * num_heads + h).to(tl.int64) * rows_per_batch + row % rows_per_batch
-    m = tl.full([BLOCK_R], float("-inf"), LsePart.dtype.element_ty)
-    weight = tl.zeros([BLOCK_R], LsePart.dtype.element_ty)  # sum of exp(lse_s - m)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], LsePart.dtype.element_ty)
-    for split in range(num_splits):  # the online softmax again, one share a step
-        lse_s = tl.load(LsePart + split * stride_l_split + l_offs, mask=ok, other=float("-inf"))
-        o_s = tl.load(OutPart + split * stride_o_split + o_offs, mask=o_ok, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse_s - m_safe)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        weight = weight * alpha + w
-        m = m_new
+    o_s = tl.load(OutPart + offs_s[None, :, None] * stride_o_split + o_offs[:, None, :],
+                  mask=ls_ok[:, :, None] & o_ok[:, None, :], other=0.0)  # [BLOCK_R, BLOCK_S, BLOCK_D]
+    m = tl.max(lse_s, axis=1)  # [BLOCK_R]
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no share saw a key: no NaN from -inf - -inf
+    w = tl.exp(lse_s - m_safe[:, None])  # [BLOCK_R, BLOCK_S]
+    weight = tl.sum(w, axis=1)  # [BLOCK_R]
+    acc = tl.sum(w[:, :, None] * o_s, axis=1)  # [BLOCK_R, BLOCK_D]
     empty = weight == 0.0
     w_safe = tl.where(empty, 1.0, weight)
     tl.store(Out + o_offs, (acc / w_safe[:, None]).to(Out.dtype.element_ty), mask=o_ok)
-    tl.store(Lse + l_offs, tl.where(empty, float("inf"), m + tl.log(w_safe)).to(Lse.dtype.element_ty), mask=ok)
+    tl.store(Lse + l_offs, tl.where(empty, float("inf"), m_safe + tl.log(w_safe)).to(Lse.dtype.element_ty), mask=ok)
+
+
+def _combine_rows(num_splits: int, block_d: int) -> int:
+    """(row, head) pairs a combine program: 16, fewer as the shares grow, so that a program holds
+    at most 4096 partial values (32 registers a thread at 4 warps); one at batch 1 with 17 shares of
+    D = 128, which spreads the pairs over as many programs as there are pairs."""
+    return max(1, min(16, 4096 // (next_power_of_2(num_splits) * block_d)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -923,7 +930,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         **variant,
     )
     if num_splits > 1:
-        block_r = 16
+        block_r = _combine_rows(num_splits, _block_d(head_dim))
         pairs = q.numel() // head_dim  # (query row, head) pairs
         _combine_launcher[(cdiv(pairs, block_r),)](
             out_part, lse_part, out, lse, *split_strides,
@@ -934,6 +941,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             BLOCK_R=block_r,
+            BLOCK_S=next_power_of_2(num_splits),
             num_warps=4,
         )
     return out, lse
