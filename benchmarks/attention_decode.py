@@ -11,6 +11,8 @@ packing or split, with session 45's tiles and shares (the prefill tiles with row
 the rows), the tiles the forward took before decoding had any of this (128 query rows a block,
 neither), and PyTorch's SDPA backends with ``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
 ``qflash.sdpa``, beside SDPA with it) and from packed sequences (``flash_attn_varlen_func``).
+And a whole serving step (``step_providers``: rotary, the new key written in place, attention)
+through ``flash_attn_with_kvcache`` beside the same step in PyTorch ops with SDPA.
 Also a few short prefill sizes that the launcher now splits (programs under the SM count).
 
     python3 benchmarks/attention_decode.py --out decode.json
@@ -112,6 +114,46 @@ def varlen_providers(q, k, v):
     }
 
 
+def _rope_halves(x, cos, sin, pos):
+    """x (B, S, H, D) rotated in halves (Llama) at positions ``pos`` (S,), in float32."""
+    c, s = cos[pos][None, :, None, :], sin[pos][None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def step_providers(q, k, v):
+    """A whole serving step: one new key / value a sequence into the cache's last slot, rotary on q
+    and the new key (Llama's halves), then attention over the cache: ``flash_attn_with_kvcache``
+    (one launch for the rotary and the writes, one for the attention, one to combine) beside the
+    same step in PyTorch ops (a static cache, as transformers' StaticCache writes it, then SDPA)."""
+    b, sk, hkv, d = k.shape
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    k_new, v_new = (torch.randn(b, 1, hkv, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
+    angles = torch.arange(sk, device=q.device, dtype=torch.float32)[:, None] * (
+        1e4 ** (-torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
+    cos, sin = angles.cos(), angles.sin()
+    lens = torch.full((b,), sk - 1, dtype=torch.int32, device=q.device)
+    pos = torch.full((1,), sk - 1, dtype=torch.long, device=q.device)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def torch_step(backend):
+        def run():
+            k.index_copy_(1, pos, _rope_halves(k_new, cos, sin, pos))
+            v.index_copy_(1, pos, v_new)
+            qt, kt, vt = (x.transpose(1, 2) for x in (_rope_halves(q, cos, sin, pos), k, v))
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+        return run
+
+    return {
+        "qflash with_kvcache step": lambda: qflash.flash_attn_with_kvcache(
+            q, k, v, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=True,
+            rotary_interleaved=False),
+        "torch step + sdpa cudnn_attention": torch_step(SDPBackend.CUDNN_ATTENTION),
+        "torch step + sdpa flash_attention": torch_step(SDPBackend.FLASH_ATTENTION),
+    }
+
+
 def measure(rows, fns, ref, info, cache_bytes, plan=None):
     """Time each provider from graphs and eagerly, with its largest difference from ``ref`` (None:
     the first provider's output)."""
@@ -158,6 +200,9 @@ def main():
         info = dict(batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d, causal=causal)
         measure(rows, providers(q, k, v, causal), ref, dict(info, kind="dense"), 2 * b * sk * hkv * d * 2,
                 plan={"qflash": (splits, pack)})
+        if sq == 1:
+            measure(rows, step_providers(q, k.clone(), v.clone()), None, dict(info, kind="step"),
+                    2 * b * sk * hkv * d * 2)
         if sq == 1 and b > 1:  # the same step from a padded batch (a mask) and from packed sequences
             measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), 2 * b * sk * hkv * d * 2)
             measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), 2 * b * sk * hkv * d * 2)

@@ -81,6 +81,21 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, b, seqlen_new, slots, cache_rows,
+                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+    """(cache row, first slot, keys, valid) of sequence b in a KV cache (cache_rows, slots, ...):
+    slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b).
+    A row outside the cache, or slots that leave the row or go backwards, are bad input
+    (``set_debug(True)`` refuses them on the host): no product, NaN outputs."""
+    start = tl.load(cache_seqlens + b).to(tl.int32)  # int32 or int64 tensors, read as they are
+    row = tl.load(cache_batch_idx + b).to(tl.int32) if HAS_BATCH_IDX else b
+    pad = tl.load(cache_leftpad + b).to(tl.int32) if HAS_LEFTPAD else 0
+    end = start + seqlen_new
+    valid = (row >= 0) & (row < cache_rows) & (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
+    return tl.where(valid, row, 0), tl.where(valid, pad, 0).to(tl.int64), tl.where(valid, end - pad, 0), valid
+
+
+@triton.jit
 def _rows_to_spoil(start, seqlen, total, r0, last_block, BLOCK_R: tl.constexpr):
     """The packed rows (first, end) that a program of a bad sequence fills with NaN: its own rows
     r0 : r0 + BLOCK_R of the sequence, and in the grid's last program every row after them too (a
@@ -372,7 +387,7 @@ def _attn_fwd_stretch(
 @triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Slopes,
-    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    cu_seqlens_q, cu_seqlens_k, cache_seqlens, cache_batch_idx, cache_leftpad,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -383,14 +398,15 @@ def _attn_fwd_kernel(
     stride_o_split, stride_l_split,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks, num_splits,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
-    dropout_p, dropout_seed, rng_rows, rng_cols,
+    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
-    SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False, HAS_SEQUSED_K: tl.constexpr = False,
+    SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
+    KV_CACHE: tl.constexpr = False, HAS_BATCH_IDX: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
 ):
     # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
     # head of one key/value head, which it then reads once for all of them; num_heads counts
@@ -427,18 +443,16 @@ def _attn_fwd_kernel(
 
     total_q = seqlen_q  # varlen: the packed rows
     q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
-    if HAS_SEQUSED_K:  # a KV cache: sequence b's keys are the seqused_k[b] rows from cu_seqlens_k[b] on,
-        # where cu_seqlens_k holds each sequence's first row (any order), not cumulative lengths
-        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
-        used = tl.load(seqused_k + b)
-        valid_k = (k_start >= 0) & (used >= 0) & (k_start + used <= seqlen_k)
-        seqlen_k = tl.maximum(used, 0)
+    kv_b = b  # the K / V batch row
+    if KV_CACHE:
+        kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, b, seqlen_new,
+                                                       seqlen_k, cache_rows, HAS_BATCH_IDX, HAS_LEFTPAD)
     else:
         k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
-    if IS_VARLEN:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
+    if IS_VARLEN or KV_CACHE:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
         if PACK_GQA:  # the one row block holds every head of the group
             fits = seqlen_q * kv_group <= BLOCK_M
         else:
@@ -446,8 +460,11 @@ def _attn_fwd_kernel(
         if not (valid_q & valid_k & fits):
             nan_first, nan_end = _rows_to_spoil(q_start, seqlen_q, total_q, m0, m_block == num_m_blocks - 1, BLOCK_M)
             for g in range(kv_group if PACK_GQA else 1):  # the group's query heads where packed
-                _nan_rows(Out + (h + g).to(tl.int64) * stride_oh, stride_os, nan_first, nan_end, HEAD_DIM)
-                _nan_rows(Lse + (h + g).to(tl.int64) * stride_lh, stride_ls, nan_first, nan_end, 1)
+                # (dense: this batch's plane; packed sequences' batch strides are 0)
+                o_plane = Out + b.to(tl.int64) * stride_ob + (h + g).to(tl.int64) * stride_oh
+                _nan_rows(o_plane, stride_os, nan_first, nan_end, HEAD_DIM)
+                _nan_rows(Lse + b.to(tl.int64) * stride_lb + (h + g).to(tl.int64) * stride_lh, stride_ls,
+                          nan_first, nan_end, 1)
             return
     shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
 
@@ -469,8 +486,8 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qs
-    k_base = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
-    v_base = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
+    k_base = K + kv_b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
+    v_base = V + kv_b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
     q_ptrs = q_base + q_rows[:, None] + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -715,6 +732,19 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
 
 
 @dataclass(frozen=True, eq=False)
+class KVCache:
+    """Where each sequence's keys lie when k / v are a KV cache (cache_rows, slots, heads_kv,
+    headdim), which ``flash_attn_with_kvcache`` passes (forward only): sequence b sees slots
+    ``leftpad[b]`` to ``seqlens[b] + new - 1`` of cache row ``batch_idx[b]`` (or b). Tensors are
+    (batch,) int32 / int64 on the device, read by the kernel as they are (no host sync, nothing
+    launched to convert them)."""
+    seqlens: torch.Tensor  # keys before the new ones
+    new: int = 0  # new keys a sequence, already in the cache
+    batch_idx: Optional[torch.Tensor] = None
+    leftpad: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True, eq=False)
 class AttnOptions:
     """Everything a call asks for besides q, k, v: the forward and backward launchers take the
     same options, so that a backward pass recomputes exactly what its forward computed.
@@ -738,8 +768,7 @@ class AttnOptions:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     deterministic: bool = False  # the backward: bitwise-identical gradients (no atomics)
-    # A KV cache (varlen forward only): int32 keys a sequence, from its first row cu_seqlens_k[b].
-    seqused_k: Optional[torch.Tensor] = None
+    kv_cache: Optional[KVCache] = None  # k / v are a KV cache (dense forward only)
 
     @property
     def varlen(self) -> bool:
@@ -789,7 +818,7 @@ def _plain(q: torch.Tensor, opts: AttnOptions) -> bool:
     """No mask or a causal one, nothing else on top, on a GPU: what the Gluon kernels take."""
     return (q.is_cuda and opts.window_left < 0 and opts.window_right in (-1, 0) and opts.softcap == 0
             and opts.alibi_slopes is None and opts.bias is None and not opts.varlen and opts.dropout_p == 0
-            and gluon_enabled())
+            and opts.kv_cache is None and gluon_enabled())
 
 
 def _fast_path_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttnOptions) -> bool:
@@ -902,10 +931,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     if use_tma:
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
+    cache = opts.kv_cache
+    cache_pointers = (q, q, q) if cache is None else tuple(  # (absent ones stand in, never dereferenced)
+        t if t is not None else q for t in (cache.seqlens, cache.batch_idx, cache.leftpad))
 
     grid = (plan.programs * num_splits,)
     _fwd_launcher[grid](
-        q, k, v, out_dst, lse_dst, *pointers, opts.seqused_k if opts.seqused_k is not None else pointers[-1],
+        q, k, v, out_dst, lse_dst, *pointers, *cache_pointers,
         *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
         *_bshd_strides(out_dst, varlen), *_lse_strides(lse_dst, varlen), *bias_strides, *slope_strides,
         *split_strides,
@@ -926,7 +958,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         num_stages=cfg.num_stages,
         SPLIT_KV=num_splits > 1,
         PACK_GQA=plan.pack,
-        HAS_SEQUSED_K=opts.seqused_k is not None,
+        seqlen_new=0 if cache is None else cache.new,
+        cache_rows=k.shape[0],
+        KV_CACHE=cache is not None,
+        HAS_BATCH_IDX=cache is not None and cache.batch_idx is not None,
+        HAS_LEFTPAD=cache is not None and cache.leftpad is not None,
         **variant,
     )
     if num_splits > 1:
@@ -945,6 +981,127 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
             num_warps=4,
         )
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# A KV cache's step: rotary embeddings and the new keys written in place, one launch
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_tile(src, offs, offs_d, ok, Cos, Sin, stride_cos, stride_sin, pos,
+                 ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The tile at ``src + offs`` ([BLOCK_H, BLOCK_D] head rows of one position) in float32 with
+    its first 2 * ROT_HALF dims rotated by the angles of table row ``pos``: pairs (2i, 2i + 1) when
+    INTERLEAVED (GPT-J), else (i, i + ROT_HALF) (GPT-NeoX, Llama); a pair (x1, x2) becomes
+    (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    if ROT_HALF > 0:
+        rotated = offs_d < 2 * ROT_HALF  # [BLOCK_D]
+        if INTERLEAVED:
+            partner, freq, first = offs_d ^ 1, offs_d // 2, offs_d % 2 == 0
+        else:
+            first = offs_d < ROT_HALF
+            partner, freq = tl.where(first, offs_d + ROT_HALF, offs_d - ROT_HALF), offs_d % ROT_HALF
+        pair = tl.load(src + offs - offs_d[None, :] + partner[None, :], mask=ok & rotated[None, :],
+                       other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D] each dim's partner
+        cos = tl.load(Cos + pos * stride_cos + freq, mask=rotated, other=1.0).to(tl.float32)  # [BLOCK_D]
+        sin = tl.load(Sin + pos * stride_sin + freq, mask=rotated, other=0.0).to(tl.float32)
+        x = x * cos[None, :] + tl.where(first[None, :], -pair, pair) * sin[None, :]
+    return x
+
+
+@triton.jit
+def _kvcache_update_kernel(
+    Q, QRot, K, V, KCache, VCache, Cos, Sin, cache_seqlens, cache_batch_idx,
+    stride_qb, stride_qs, stride_qh, stride_rb, stride_rs, stride_rh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_cos, stride_sin,
+    batch, seqlen_q, seqlen_new, num_heads, num_heads_kv, slots, cache_rows, seqlen_ro,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_B: tl.constexpr,
+    ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, Q_MOVES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+):
+    """Program (b, t, head block): t < seqlen_new writes new key / value row t of sequence b
+    (keys rotated) into its cache row at slot cache_seqlens[b] + t; t >= seqlen_new rotates query
+    row t - seqlen_new into QRot (only launched with rotary tables). A write lands only inside
+    its cache row, and a row that several sequences name takes the last one's (none for a row
+    outside the cache), so a bad position never reaches another sequence's slots."""
+    pid, hb = tl.program_id(0), tl.program_id(1)
+    rows_a_seq = seqlen_new + (seqlen_q if ROT_HALF > 0 else 0)
+    b, t = pid // rows_a_seq, pid % rows_a_seq
+    start = tl.load(cache_seqlens + b).to(tl.int32)  # the slot of the first new key
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_ok = offs_d[None, :] < HEAD_DIM
+    if t < seqlen_new:
+        row = tl.load(cache_batch_idx + b).to(tl.int32) if HAS_BATCH_IDX else b
+        if HAS_BATCH_IDX:  # a later sequence that names the same row takes it
+            for b0 in range(b + 1, batch, BLOCK_B):
+                later = b0 + tl.arange(0, BLOCK_B)
+                names = tl.load(cache_batch_idx + later, mask=later < batch, other=-1).to(tl.int32)
+                row = tl.where(tl.sum((names == row).to(tl.int32)) > 0, -1, row)
+        slot = start + t
+        if (row >= 0) & (row < cache_rows) & (slot >= 0) & (slot < slots):
+            ok = (offs_h[:, None] < num_heads_kv) & d_ok  # [BLOCK_H, BLOCK_D]
+            src = b.to(tl.int64) * stride_kb + t.to(tl.int64) * stride_ks
+            pos = tl.minimum(slot, seqlen_ro - 1)
+            key = _rotary_tile(K + src, offs_h[:, None] * stride_kh + offs_d[None, :], offs_d, ok, Cos, Sin,
+                               stride_cos, stride_sin, pos, ROT_HALF, INTERLEAVED)
+            dst = row.to(tl.int64) * stride_kcb + slot.to(tl.int64) * stride_kcs
+            tl.store(KCache + dst + offs_h[:, None] * stride_kch + offs_d[None, :], key.to(KCache.dtype.element_ty),
+                     mask=ok)
+            src = b.to(tl.int64) * stride_vb + t.to(tl.int64) * stride_vs
+            value = tl.load(V + src + offs_h[:, None] * stride_vh + offs_d[None, :], mask=ok)
+            dst = row.to(tl.int64) * stride_vcb + slot.to(tl.int64) * stride_vcs
+            tl.store(VCache + dst + offs_h[:, None] * stride_vch + offs_d[None, :], value, mask=ok)
+    else:
+        i = t - seqlen_new
+        ok = (offs_h[:, None] < num_heads) & d_ok
+        # rows move with the keys where causal or a window aligns them; positions past the table
+        # (bad cache_seqlens, whose outputs are NaN anyway) read its ends
+        pos = tl.minimum(tl.maximum(start + i * Q_MOVES, 0), seqlen_ro - 1)
+        src = b.to(tl.int64) * stride_qb + i.to(tl.int64) * stride_qs
+        x = _rotary_tile(Q + src, offs_h[:, None] * stride_qh + offs_d[None, :], offs_d, ok, Cos, Sin,
+                         stride_cos, stride_sin, pos, ROT_HALF, INTERLEAVED)
+        dst = b.to(tl.int64) * stride_rb + i.to(tl.int64) * stride_rs
+        tl.store(QRot + dst + offs_h[:, None] * stride_rh + offs_d[None, :], x.to(QRot.dtype.element_ty), mask=ok)
+
+
+_kvcache_update_launcher = CachedLauncher(_kvcache_update_kernel)
+
+
+def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                   v: Optional[torch.Tensor], cache: KVCache, rotary=None, q_moves: bool = False) -> torch.Tensor:
+    """One launch before a KV-cache forward: k / v (batch, seqlen_new, heads_kv, D) into the caches
+    in place at slots ``cache.seqlens[b]`` of rows ``cache.batch_idx[b]`` (or b), the keys rotated,
+    and q (batch, seqlen_q, heads, D) rotated into a new tensor, returned (q itself without
+    ``rotary``). ``rotary``: (cos, sin, interleaved), tables (seqlen_ro, rotary_dim / 2); q's rows
+    at cache_seqlens[b] + i where ``q_moves``, else at cache_seqlens[b]. Inputs validated by the
+    public op."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    new = 0 if k is None else k.shape[1]
+    q_rot = q if rotary is None else new_output(q.shape, dtype=q.dtype, device=q.device)
+    rows_a_seq = new + (0 if rotary is None else seqlen_q)
+    if batch * rows_a_seq == 0:
+        return q_rot
+    cos, sin, interleaved = rotary if rotary is not None else (q, q, False)  # (q stands in, never read)
+    k_, v_ = (k, v) if new else (k_cache, v_cache)  # (ditto)
+    block_d = next_power_of_2(head_dim)
+    block_h = min(16, next_power_of_2(max(heads, k_cache.shape[2])))
+    grid = (batch * rows_a_seq, cdiv(max(heads if rotary is not None else 0, k_cache.shape[2]), block_h))
+    _kvcache_update_launcher[grid](
+        q, q_rot, k_, v_, k_cache, v_cache, cos, sin, cache.seqlens,
+        cache.batch_idx if cache.batch_idx is not None else cache.seqlens,
+        *q.stride()[:3], *q_rot.stride()[:3], *k_.stride()[:3], *v_.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        cos.stride(0) if rotary is not None else 0, sin.stride(0) if rotary is not None else 0,
+        batch=batch, seqlen_q=seqlen_q, seqlen_new=new, num_heads=heads, num_heads_kv=k_cache.shape[2],
+        slots=k_cache.shape[1], cache_rows=k_cache.shape[0], seqlen_ro=cos.shape[0] if rotary is not None else 1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_B=128,
+        ROT_HALF=0 if rotary is None else cos.shape[1], INTERLEAVED=bool(interleaved), Q_MOVES=bool(q_moves),
+        HAS_BATCH_IDX=cache.batch_idx is not None,
+        num_warps=4,
+    )
+    return q_rot
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1353,8 +1510,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     lengths multiple of 128, not ``deterministic``) go there after the delta pass where
     ``bwd_preferred`` says so (every head dim it has).
     """
-    if opts.seqused_k is not None:
-        raise ValueError("seqused_k (the keys in use of a KV cache) is a forward-only option: no backward")
+    if opts.kv_cache is not None:
+        raise ValueError("kv_cache (keys read from a KV cache) is a forward-only option: no backward")
     varlen = opts.varlen
     if varlen:
         _, num_heads, head_dim = q.shape
@@ -1446,7 +1603,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                 window_left=window_left if has_left else -1, window_right=0 if causal else -1,
                 rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
-                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", seqused_k="*i32",
+                Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", cache_seqlens="*i32",
+                cache_batch_idx="*i32", cache_leftpad="*i32", seqlen_new=1, cache_rows="i32",
                 num_splits=1,
                 stride_o_split=seqlen * heads * head_dim, stride_l_split=heads * seqlen)  # (keys not split)
     for name in fn.arg_names:
@@ -1466,7 +1624,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
-                         HAS_SEQUSED_K=False)
+                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:

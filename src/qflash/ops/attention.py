@@ -561,15 +561,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 # PyTorch API: (batch, heads, seqlen, headdim), top-left causal, masks.
 # ----------------------------------------------------------------------------------------------
 def _per_sequence(name: str, value, batch: int, device, scalar: bool = True) -> torch.Tensor:
-    """(batch,) int32 from an int32 / int64 tensor of that shape on ``device`` (or an int, where
-    ``scalar``: the same for every sequence)."""
+    """(batch,) int32 / int64: a tensor of that shape on ``device`` as it is, or an int (where
+    ``scalar``: the same for every sequence) as int32."""
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64) or tuple(value.shape) != (batch,):
             raise ValueError(f"{name} must be {'an int or ' if scalar else ''}an int32 / int64 tensor of shape "
                              f"({batch},), got {value.dtype} {tuple(value.shape)}")
         if value.device != device:
             raise ValueError(f"{name} is on {value.device} but q is on {device}: they must match")
-        return value.to(torch.int32)
+        return value.contiguous()  # the kernels read int32 and int64 as they are
     if not scalar:
         raise TypeError(f"{name} must be an int32 / int64 tensor of shape ({batch},), got {value!r}")
     try:
@@ -590,44 +590,6 @@ def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_star
                          f"{int(batch_idx.min())} to {int(batch_idx.max())}")
     if leftpad is not None and bool(((leftpad < 0) | (leftpad > start)).any()):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens[b]] for every sequence")
-
-
-def _append(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor, batch_idx: Optional[torch.Tensor]) -> None:
-    """cache[row_b, start[b] + j] = new[b, j] in place (row_b = batch_idx[b], or b), without a
-    sync (CUDA graphs capture it). Each cache row takes the rows of one sequence (the later of
-    duplicate indices; none for an index outside the cache), and every slot a row writes gets one
-    value: the new row that belongs there, or what the slot holds. Rows that would fall outside
-    the row go to its nearest slot with that slot's value, so nothing is read or written out of
-    bounds and no write of a bad sequence lands on another sequence's rows."""
-    rows, slots = cache.shape[:2]
-    batch, count = new.shape[:2]
-    device = new.device
-    if batch_idx is None:
-        owner = torch.arange(batch, device=device)
-    else:  # owner[r]: the sequence whose rows go into cache row r, -1 for none; a bad index goes to row `rows`
-        target = torch.where((batch_idx >= 0) & (batch_idx < rows), batch_idx.long(), rows)
-        owner = torch.full((rows + 1,), -1, dtype=torch.long, device=device)
-        owner = owner.scatter_reduce(0, target, torch.arange(batch, device=device), reduce="amax")[:rows]
-    seq = owner.clamp(min=0)  # [rows]
-    first = start.long()[seq][:, None]  # [rows, 1]
-    dest = (first + torch.arange(count, device=device)).clamp(0, slots - 1)  # [rows, count]
-    j = dest - first  # the new row that belongs at dest
-    mine = (owner[:, None] >= 0) & (j >= 0) & (j < count)
-    r = torch.arange(rows, device=device)[:, None]
-    cache[r, dest] = torch.where(mine[:, :, None, None], new[seq[:, None], j.clamp(0, count - 1)], cache[r, dest])
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, interleaved: bool):
-    """x (B, S, H, D) with its first 2 * cos.shape[1] dims rotated by the angles at positions
-    ``pos`` (B, S) of the cos / sin tables (in float32, back in x's dtype): dim pairs (2i, 2i + 1)
-    when ``interleaved`` (GPT-J), else (i, i + half) (GPT-NeoX); the other dims as they are."""
-    half = cos.shape[1]
-    c, s = (t.float()[pos][:, :, None, :] for t in (cos, sin))  # [B, S, 1, half]
-    part = x[..., : 2 * half].float()
-    x1, x2 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
-    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
-    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
 def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> None:
@@ -651,46 +613,23 @@ def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> Non
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
-def _kvcache_forward(q, k_cache, v_cache, k, v, start, options, rotary=None, batch_idx=None, leftpad=None):
-    """``flash_attn_with_kvcache``'s work on validated arguments: q and the new keys rotated
-    (``rotary``: cos, sin, interleaved), the new rows into the caches, then the forward over the
-    cache viewed as rows of seqlen_cache slots: sequence b's keys are slots ``leftpad[b]`` to
-    ``start[b] + seqlen_new`` of row ``batch_idx[b]`` (first rows and ``seqused_k`` of the
-    forward; a sequence whose keys do not fit gets -1 keys, so NaN). Returns (out rows, lse
-    (heads, rows))."""
-    from qflash.kernels.attention import AttnOptions, attention_forward
+def _kvcache_forward(q, k_cache, v_cache, k, v, cache, options, rotary=None):
+    """``flash_attn_with_kvcache``'s work on validated arguments: one launch rotates q and the new
+    keys (``rotary``: cos, sin, interleaved) and writes the new rows into the caches, then the
+    forward reads each sequence's slots of its cache row (``cache``, a ``KVCache``; a sequence
+    whose positions do not fit gets NaN). Returns (out, lse (batch, heads, seqlen_q))."""
+    from qflash.kernels.attention import AttnOptions, attention_forward, kvcache_update
 
-    batch, seqlen_q, heads, headdim = q.shape
-    cache_rows, slots, heads_kv = k_cache.shape[:3]
-    new = 0 if k is None else k.shape[1]
     scale, left, right, softcap, alibi_slopes = options
+    if q.is_meta:  # shapes only, as the launcher's outputs would have them
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                            dtype=torch.float64 if q.dtype == torch.float64 else torch.float32))
     with torch.no_grad(), on_device_of(q):
-        if rotary is not None:  # positions past the table (bad cache_seqlens: NaN anyway) read its ends
-            cos, sin, interleaved = rotary
-            at = start[:, None].long()  # [B, 1] the first new key's slot
-            key_pos = (at + torch.arange(new, device=q.device)).clamp(0, cos.shape[0] - 1)
-            causal_or_local = left >= 0 or right >= 0
-            q_pos = (at + torch.arange(seqlen_q, device=q.device) * causal_or_local).clamp(0, cos.shape[0] - 1)
-            q, k = _rotary(q, cos, sin, q_pos, interleaved), _rotary(k, cos, sin, key_pos, interleaved)
-        if new:
-            _append(k_cache, k, start, batch_idx)
-            _append(v_cache, v, start, batch_idx)
-        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        row = steps[:batch] if batch_idx is None else batch_idx.to(torch.int32)
-        pad = torch.zeros_like(start) if leftpad is None else leftpad.to(torch.int32)
-        end = start + new
-        fits = (row >= 0) & (row < cache_rows) & (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
-        first = torch.where(fits, row * slots + pad, 0)
-        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, None, steps * seqlen_q, first,
-                           seqlen_q, slots, seqused_k=torch.where(fits, end - pad, -1))
-        q_rows = _unit_last_stride(q).reshape(batch * seqlen_q, heads, headdim)
-        if q.is_meta:  # shapes only, as the launcher's outputs would have them
-            out = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
-            lse = q.new_empty((heads, batch * seqlen_q), dtype=torch.float64 if q.dtype == torch.float64
-                              else torch.float32)
-            return out, lse
-        return attention_forward(q_rows, k_cache.reshape(cache_rows * slots, heads_kv, headdim),
-                                 v_cache.reshape(cache_rows * slots, heads_kv, headdim), opts)
+        if rotary is not None or k is not None:
+            q = kvcache_update(q, k_cache, v_cache, k, v, cache, rotary, q_moves=left >= 0 or right >= 0)
+        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, kv_cache=cache)
+        return attention_forward(q, k_cache, v_cache, opts)
 
 
 def flash_attn_with_kvcache(
@@ -730,8 +669,7 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
         k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, headdim), q's dtype, batch_cache =
-            batch without cache_batch_idx; a unit last stride and each row's slots one after
-            another (``stride(0) == seqlen_cache * stride(1)``, as in a contiguous cache). Not copied.
+            batch without cache_batch_idx; any strides with a unit last stride. Not copied.
         k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, headdim), written
             **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
         cache_seqlens: the end of each sequence's keys in its cache row before the new ones: an
@@ -777,9 +715,8 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is None and cache_rows != batch:
         raise ValueError(f"k_cache has batch {cache_rows} but q has batch {batch} (and no cache_batch_idx)")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1 or (cache_rows > 1 and cache.stride(0) != slots * cache.stride(1)):
-            raise ValueError(f"{name} must have a unit last stride and its sequences' slots one after another "
-                             f"(stride(0) == seqlen_cache * stride(1)), got strides {tuple(cache.stride())}")
+        if cache.stride(-1) != 1:  # written in place: no copy to fix it
+            raise ValueError(f"{name} must have a unit last stride, got strides {tuple(cache.stride())}")
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
     new = 0
@@ -792,8 +729,8 @@ def flash_attn_with_kvcache(
         if new > slots:
             raise ValueError(f"k has {new} new keys a sequence but the cache holds {slots}")
     _check_rotary(rotary_cos, rotary_sin, k, q, slots)
-    if max(cache_rows * slots, batch * seqlen_q) >= 2**31:
-        raise ValueError(f"batch_cache x seqlen_cache must be under 2^31 slots, got {cache_rows} x {slots}")
+    if max(slots, seqlen_q) >= 2**31:
+        raise ValueError(f"seqlen_cache and seqlen_q must be under 2^31, got {slots} and {seqlen_q}")
     start = (torch.full((batch,), slots - new, dtype=torch.int32, device=q.device) if cache_seqlens is None
              else _per_sequence("cache_seqlens", cache_seqlens, batch, q.device))
     batch_idx = None if cache_batch_idx is None else _per_sequence("cache_batch_idx", cache_batch_idx, batch,
@@ -805,13 +742,15 @@ def flash_attn_with_kvcache(
     left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
-    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
-    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, start, (scale, left, right, softcap, alibi_slopes), rotary,
-                                batch_idx, leftpad)
-    out = out.view(batch, seqlen_q, heads, headdim)
-    if not return_softmax_lse:
-        return out
-    return out, lse.view(heads, batch, seqlen_q).permute(1, 0, 2)
+    rotary = None if rotary_cos is None else (_unit_last_stride(rotary_cos), _unit_last_stride(rotary_sin),
+                                              bool(rotary_interleaved))
+    from qflash.kernels.attention import KVCache
+
+    out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *(_unit_last_stride(t) if t is not None
+                                                                         else None for t in (k, v)),
+                                KVCache(start, new, batch_idx, leftpad), (scale, left, right, softcap, alibi_slopes),
+                                rotary)
+    return (out, lse) if return_softmax_lse else out
 
 
 def sdpa(
