@@ -7,6 +7,9 @@ must keep enough bytes in flight to cover the memory's latency, which the key bl
 number of pipeline stages set (a stage of 64 keys at D = 128 is 32 KB of K and V).
 
     python3 benchmarks/attention_decode_tiles.py --head-dims 64,128,256 --out tiles.json
+
+``--shares``: the plan's tiles with other key share counts instead: shares of at least 64, 128 or
+256 keys (MIN_KEYS_PER_SPLIT), sized to fill the SMs once or twice.
 """
 
 import argparse
@@ -31,12 +34,29 @@ def variants(plan):
     return out
 
 
+def share_counts(plan, keys, sms):
+    """Name -> key shares a row block: kv_splits's rule with other least share sizes and with
+    enough shares for one or two programs an SM."""
+    blocks = math.ceil(keys / plan.config.block_n)
+    out = {}
+    for min_keys in (64, 128, 256):
+        for fill in (1, 2):
+            if plan.programs >= sms * fill:
+                count = 1
+            else:
+                count = min(math.ceil(fill * sms / plan.programs), blocks // max(1, min_keys // plan.config.block_n),
+                            kernels.MAX_KV_SPLITS * fill)
+            out[f"shares >= {min_keys} keys, {fill} a SM"] = max(1, count)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--cache", default="1024,4096,16384,65536")
     p.add_argument("--heads", default="32,8", help="query heads, key/value heads")
     p.add_argument("--head-dims", default="64,128,256")
+    p.add_argument("--shares", action="store_true", help="share counts instead of tiles")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     heads, heads_kv = map(int, args.heads.split(","))
@@ -52,8 +72,14 @@ def main():
                 plan = kernels.forward_plan(q, k, opts)
                 ref = kernels.attention_forward(q, k, v, opts)[0].float()
                 cache_bytes = 2 * b * s * heads_kv * d * 2
-                runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
-                runs.append(("round 45", round45_config(q, k, False), 1))
+                if args.shares:
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    runs = [("plan", plan.config, 1)] + [
+                        (name, dataclasses.replace(plan.config, num_splits=count), 1)
+                        for name, count in share_counts(plan, s, sms).items()]
+                else:
+                    runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
+                    runs.append(("round 45", round45_config(q, k, False), 1))
                 for name, cfg, split_factor in runs:
                     # the plan's share count for these tiles (auto), or twice it (two programs an SM where they fit)
                     auto = cfg.num_splits or kernels.forward_plan(q, k, opts, cfg).num_splits
