@@ -9,7 +9,8 @@ number of pipeline stages set (a stage of 64 keys at D = 128 is 32 KB of K and V
     python3 benchmarks/attention_decode_tiles.py --head-dims 64,128,256 --out tiles.json
 
 ``--shares``: the plan's tiles with other key share counts instead: shares of at least 64, 128 or
-256 keys (MIN_KEYS_PER_SPLIT), sized to fill the SMs once or twice.
+256 keys, enough of them to fill the SMs once (rounded up) or twice; "shares >= 256 keys, 1 a SM"
+is session 46's rule (``--rules``: that one only).
 """
 
 import argparse
@@ -34,13 +35,13 @@ def variants(plan):
     return out
 
 
-def share_counts(plan, keys, sms):
+def share_counts(plan, keys, sms, only_s46=False):
     """Name -> key shares a row block: kv_splits's rule with other least share sizes and with
     enough shares for one or two programs an SM."""
     blocks = math.ceil(keys / plan.config.block_n)
     out = {}
-    for min_keys in (64, 128, 256):
-        for fill in (1, 2):
+    for min_keys in ((256,) if only_s46 else (64, 128, 256)):
+        for fill in ((1,) if only_s46 else (1, 2)):
             if plan.programs >= sms * fill:
                 count = 1
             else:
@@ -57,6 +58,7 @@ def main():
     p.add_argument("--heads", default="32,8", help="query heads, key/value heads")
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--shares", action="store_true", help="share counts instead of tiles")
+    p.add_argument("--rules", action="store_true", help="with --shares: the plan beside session 46's rule only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     heads, heads_kv = map(int, args.heads.split(","))
@@ -76,7 +78,7 @@ def main():
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     runs = [("plan", plan.config, 1)] + [
                         (name, dataclasses.replace(plan.config, num_splits=count), 1)
-                        for name, count in share_counts(plan, s, sms).items()]
+                        for name, count in share_counts(plan, s, sms, args.rules).items()]
                 else:
                     runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
                     runs.append(("round 45", round45_config(q, k, False), 1))

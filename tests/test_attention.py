@@ -858,7 +858,7 @@ def test_forward_plan_packs_grouped_heads_and_splits_only_where_asked():
 def test_kv_splits_fill_the_sms_once():
     """The launcher's choice: no split where programs fill the SMs or keys are short, else enough
     shares to fill them once, each of whole key blocks and at least MIN_KEYS_PER_SPLIT keys, at
-    most MAX_KV_SPLITS."""
+    most MAX_KV_SPLITS; decoding's row blocks two programs an SM, shares down to one block."""
     ks = attention_kernels.kv_splits
     assert attention_kernels.MIN_KEYS_PER_SPLIT == 256
     assert ks(programs=132, keys=10**6, block_n=64, sms=132) == 1
@@ -869,10 +869,31 @@ def test_kv_splits_fill_the_sms_once():
     assert ks(programs=32, keys=100, block_n=512, sms=132) == 1  # a block longer than the least share
     assert ks(programs=8, keys=4096, block_n=512, sms=132) == 8
     assert ks(programs=1, keys=10**6, block_n=64, sms=132) == attention_kernels.MAX_KV_SPLITS
+    # decoding: shares down to one block, two programs an SM and no more
+    assert attention_kernels.DECODE_PROGRAMS_PER_SM == 2
+    assert ks(programs=8, keys=1024, block_n=64, sms=132, decoding=True) == 16  # one block a share
+    assert ks(programs=8, keys=65536, block_n=64, sms=132, decoding=True) == 33  # 264 programs
+    assert ks(programs=32, keys=4096, block_n=64, sms=132, decoding=True) == 8  # 256, not 9 x 32 = 288
+    assert ks(programs=128, keys=4096, block_n=64, sms=132, decoding=True) == 2
+    assert ks(programs=132, keys=4096, block_n=64, sms=132, decoding=True) == 1
+    assert ks(programs=1, keys=10**6, block_n=64, sms=132, decoding=True) == attention_kernels.MAX_KV_SPLITS
     cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
     assert attention_kernels.decode_config(cfg, rows=40).block_m == 64
     assert attention_kernels.decode_config(cfg, rows=65) is cfg
+
+
+@gpu
+def test_gpu_decode_plan_two_programs_an_sm():
+    """On the H200: a decode step's plan gives every SM two programs (Llama-3-8B's 8 key heads at
+    batch 1: 2 x SMs // 8 shares); a prefill call that splits keeps one round of the SMs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, _ = _qkv(1, 1, 65536, 32, 8, 128, dtype=torch.bfloat16)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
+    assert plan.pack and plan.programs == 8 and plan.num_splits == 2 * sms // 8
+    q, k, _ = _qkv(2, 1023, 1023, 6, 2, 128, dtype=torch.bfloat16)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0, window_right=0))
+    assert plan.num_splits == -(-sms // plan.programs)
 
 
 def test_decode_tiles(monkeypatch):

@@ -663,14 +663,22 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
 # shares.
 MIN_KEYS_PER_SPLIT = 256
 MAX_KV_SPLITS = 64
+# Decoding's row blocks (at most DECODE_ROWS rows) leave room for two programs an SM: their shares
+# go down to one key block, as many as give every SM two programs and no more (a third program on
+# some SMs makes those the last to finish: 17 shares of 8 key heads, 136 programs, ran 0.81-0.86 x
+# as fast as 16 at batch 1 and 4k keys; attention_decode_shares_h200_2026-12-02_s47c.json).
+DECODE_PROGRAMS_PER_SM = 2
 
 
-def kv_splits(programs: int, keys: int, block_n: int, sms: int) -> int:
+def kv_splits(programs: int, keys: int, block_n: int, sms: int, decoding: bool = False) -> int:
     """Key shares a row block for a call of ``programs`` (batch x heads x row blocks) whose rows
     see ``keys`` keys in blocks of ``block_n``: 1 where the programs fill the SMs, else enough
-    shares to fill them once, each of whole blocks and at least MIN_KEYS_PER_SPLIT keys."""
+    shares to fill them once, each of whole blocks and at least MIN_KEYS_PER_SPLIT keys; where
+    ``decoding``, shares of a block or more, DECODE_PROGRAMS_PER_SM an SM at most."""
     if programs >= sms:
         return 1
+    if decoding:
+        return max(1, min(DECODE_PROGRAMS_PER_SM * sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
     min_blocks = max(1, MIN_KEYS_PER_SPLIT // block_n)
     return max(1, min(cdiv(sms, programs), cdiv(keys, block_n) // min_blocks, MAX_KV_SPLITS))
 
@@ -883,7 +891,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
     grid_heads = num_heads // kv_group if pack else num_heads
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
     programs = num_m_blocks * batch * grid_heads
-    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device))
+    decoding = cfg.block_m <= DECODE_ROWS and (rows * kv_group if pack else rows) <= DECODE_ROWS
+    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding)
                                     if q.is_cuda and rows > 0 and programs > 0 else 1)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
