@@ -709,6 +709,78 @@ def test_kvcache_caches_in_any_layout():
                    rotary_sin=sin, rotary_interleaved=False)
 
 
+def _paged(k_cache, v_cache, page_size, gen_seed=0):
+    """The caches (batch, slots, ...) cut into pages of ``page_size`` slots, shuffled into a paged
+    cache with two spare pages, and the block table that finds them: the same keys, paged."""
+    batch, slots = k_cache.shape[:2]
+    per_seq = -(-slots // page_size)
+    num_pages = batch * per_seq + 2
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(gen_seed))[: batch * per_seq]
+    table = order.view(batch, per_seq).to(torch.int32).to(k_cache.device)
+    pad = per_seq * page_size - slots
+    pages = []
+    for cache in (k_cache, v_cache):
+        rows = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, pad))  # (batch, per_seq * page_size, ...)
+        paged = torch.randn(num_pages, page_size, *cache.shape[2:], device=cache.device).to(cache.dtype)
+        paged[table.long().flatten()] = rows.view(batch * per_seq, page_size, *cache.shape[2:])
+        pages.append(paged)
+    return pages[0], pages[1], table
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page_size,kw", [
+    (16, {"causal": True}), (5, {"causal": True, "rotary": True}), (32, {"window_size": (20, 0), "leftpad": True}),
+    (7, {"softcap": 5.0, "alibi_slopes": "yes"}),
+])
+def test_kvcache_paged_matches_the_reference(monkeypatch, num_splits, page_size, kw):
+    """A paged cache (flash-attn's block_table): pages of 5-32 slots in shuffled order, whole
+    pages and a last part page, ragged lengths (0, 1, 63 and 113 keys before 2 new ones), new
+    keys written into their pages, rotary, left padding, windows, softcap and ALiBi; split and not."""
+    _split_keys(monkeypatch, num_splits)
+    kw = dict(kw)
+    q, k_rows, v_rows, k, v = _kvcache(new=2, sq=2, slots=120)
+    k_cache, v_cache, table = _paged(k_rows, v_rows, page_size)
+    if kw.pop("rotary", False):
+        kw["rotary_cos"], kw["rotary_sin"] = _rotary_tables(table.shape[1] * page_size, 16)
+    if kw.pop("leftpad", False):
+        kw["cache_leftpad"] = torch.tensor([0, 1, 30, 100], dtype=torch.int32, device=DEVICE)
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(4, 8, device=DEVICE)
+    lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, block_table=table, **kw)
+
+
+def test_kvcache_paged_bad_pages_stay_apart():
+    """A block table that names a page outside the cache for a sequence's keys: that sequence is
+    NaN and its new key goes nowhere, the others come out right and their keys go into their
+    pages; entries past a sequence's keys are not read; set_debug(True) raises."""
+    q, k_rows, v_rows, k, v = _kvcache(batch=3, new=1, sq=1, slots=64)
+    k_pages, v_pages, table = _paged(k_rows, v_rows, 16)
+    # the caches inside larger buffers of finite values: a page read past the cache would not be NaN
+    k_cache, v_cache = (torch.cat([p, p[:2]]).clone()[: len(p)] for p in (k_pages, v_pages))
+    lens = torch.tensor([10, 40, 20], dtype=torch.int32, device=DEVICE)
+    table[1, 2] = k_cache.shape[0]  # sequence 1's keys 32-40: a page past the cache
+    table[0, 3] = -7  # past sequence 0's keys: never read
+    k_before = k_cache.clone()
+    with poisoned(FINITE_POISON):
+        out = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    want = k_before.clone()
+    want[table[0, 0], 10], want[table[2, 1], 4] = k[0, 0], k[2, 0]
+    assert torch.equal(k_cache, want)
+    good = table[[0, 2]].clone()
+    good[0, 3] = good[0, 0]  # (any page: not read)
+    ref, _, _, _ = attention_kvcache_ref(*_f64(q[[0, 2]], k_before, v_cache), *_f64(k[[0, 2]], v[[0, 2]]),
+                                         lens[[0, 2]], block_table=good)
+    torch.testing.assert_close(out[[0, 2]].double(), ref, rtol=2e-3, atol=2e-3)
+    qflash.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match=r"block_table\[1\] names pages outside"):
+            qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table)
+    finally:
+        qflash.set_debug(False)
+
+
 def test_kvcache_shared_rows_among_many_sequences():
     """Sequences 0 and 139 of 140 name one cache row (the duplicates are looked for 128 sequences
     a step): the row takes the later one's new key, the other rows their own."""
@@ -775,7 +847,10 @@ def test_kvcache_bad_inputs():
         (lambda: f(q, k_cache, v_cache, cache_batch_idx=1), TypeError, "cache_batch_idx must be an int32 / int64"),
         (lambda: f(q, k_cache, v_cache, cache_leftpad=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
          ValueError, "cache_leftpad must be an int32"),
-        (lambda: f(q, k_cache, v_cache, block_table=q), NotImplementedError, "block_table"),
+        (lambda: f(q, k_cache, v_cache, block_table=q), ValueError, "block_table must be an int32 tensor"),
+        (lambda: f(q, k_cache, v_cache, block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+                   cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError,
+         "cannot be given together"),
         (lambda: f(q, k_cache, v_cache, k=k), ValueError, "must be given together"),
         (lambda: f(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1]), ValueError, "k and v must have shape"),
         (lambda: f(q, k_cache, v_cache, cache_seqlens=torch.zeros(2, device=DEVICE)), ValueError, "int32 / int64"),
@@ -813,6 +888,20 @@ def test_gpu_kvcache_decode(d):
                    rotary_interleaved=False)
     idx, pads = (torch.tensor(x, device=DEVICE) for x in ([2, 0, 1], [0, 4000, 100]))
     _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, cache_batch_idx=idx, cache_leftpad=pads)
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_gpu_kvcache_paged(page_size):
+    """A paged serving step on the H200 (vLLM's 16-slot pages and flash-attn's 256): batch 3,
+    8192 slots a sequence in shuffled pages, filled to 1, 4097 and 8190, one new key each, bf16,
+    D = 128, causal, Llama's rotary; split and packed by the launcher."""
+    lens = torch.tensor([1, 4097, 8190], dtype=torch.int32, device=DEVICE)
+    q, k_rows, v_rows, k, v = _kvcache(batch=3, slots=8192, new=1, sq=1, h=16, hkv=4, d=128, dtype=torch.bfloat16)
+    k_cache, v_cache, table = _paged(k_rows, v_rows, page_size)
+    cos, sin = _rotary_tables(8192, 128)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, block_table=table, rotary_cos=cos, rotary_sin=sin,
+                   rotary_interleaved=False)
 
 
 def test_split_keys_varlen_and_mask(monkeypatch):

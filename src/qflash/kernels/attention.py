@@ -81,18 +81,46 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, b, seqlen_new, slots, cache_rows,
-                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b, seqlen_new, slots, cache_rows, page_size,
+                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr):
     """(cache row, first slot, keys, valid) of sequence b in a KV cache (cache_rows, slots, ...):
     slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b).
-    A row outside the cache, or slots that leave the row or go backwards, are bad input
-    (``set_debug(True)`` refuses them on the host): no product, NaN outputs."""
+    PAGED: slot j lies in page table_row[j // page_size] of a cache of ``cache_rows`` pages, the
+    sequence's ``slots`` = its table row's pages x page_size. A row or a page outside the cache,
+    or slots that leave the row or go backwards, are bad input (``set_debug(True)`` refuses them
+    on the host): no product, NaN outputs."""
     start = tl.load(cache_seqlens + b).to(tl.int32)  # int32 or int64 tensors, read as they are
     row = tl.load(cache_batch_idx + b).to(tl.int32) if HAS_BATCH_IDX else b
     pad = tl.load(cache_leftpad + b).to(tl.int32) if HAS_LEFTPAD else 0
     end = start + seqlen_new
-    valid = (row >= 0) & (row < cache_rows) & (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
+    valid = (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
+    if PAGED:  # every page the keys touch inside the cache (entries read inside the table row)
+        valid &= _pages_ok(table_row, tl.maximum(pad, 0) // page_size,
+                           tl.minimum(tl.cdiv(tl.maximum(end, 0), page_size), slots // page_size), cache_rows)
+    else:
+        valid &= (row >= 0) & (row < cache_rows)
     return tl.where(valid, row, 0), tl.where(valid, pad, 0).to(tl.int64), tl.where(valid, end - pad, 0), valid
+
+
+@triton.jit
+def _pages_ok(table_row, first, end, num_pages, BLOCK: tl.constexpr = 128):
+    """Whether block-table entries first : end all name pages of the cache (0 <= page < num_pages)."""
+    bad = 0
+    for i0 in range(first, end, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)  # [BLOCK]
+        page = tl.load(table_row + i, mask=i < end, other=0)
+        bad += tl.sum(((page < 0) | (page >= num_pages)).to(tl.int32))
+    return bad == 0
+
+
+@triton.jit
+def _page_slots(table_row, first_slot, cols, bound, page_size):
+    """(page, row in the page) of keys ``cols`` ([BLOCK_N] each, int64) of a paged cache: key c is
+    slot first_slot + c of its sequence, in page table_row[slot // page_size]; keys past ``bound``
+    give page 0 (their loads are masked)."""
+    slot = first_slot + cols
+    page = tl.load(table_row + slot // page_size, mask=cols < bound, other=0)
+    return page.to(tl.int64), (slot % page_size).to(tl.int64)
 
 
 @triton.jit
@@ -359,27 +387,42 @@ def _attn_fwd_stretch(
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
+    table_row, first_slot, page_size, stride_kp, stride_vp,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr = False,
 ):
-    """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i)."""
+    """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
+    PAGED: k_desc / v_desc are the head's base pointers in a paged cache, each key's row looked up
+    in the sequence's block-table row (``_page_rows``)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
     for start_n in range(start, end, BLOCK_N):
         if not MASKED:
             start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n  # [BLOCK_N]
-        k = _load_tile(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
-                     MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
+        if PAGED:
+            in_seq = cols < seqlen_k  # [BLOCK_N]
+            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, page_size)
+            k_rows = page * stride_kp + in_page * stride_ks  # [BLOCK_N]
+            k = tl.load(k_desc + k_rows[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None],
+                        other=0.0)  # [BLOCK_D, BLOCK_N]
+        else:
+            k = _load_tile(k_desc, k_ptrs, stride_ks, start_n, cols, d_ok, seqlen_k, True, BLOCK_D, HEAD_DIM,
+                           MASKED, USE_TMA)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=acc.dtype)  # [BLOCK_M, BLOCK_N]
         p, alpha, m_i, l_i = _online_softmax(
             qk, m_i, l_i, rows, cols, start_n, bias_base, stride_bm, stride_bn, seqlen_q, seqlen_k, shift,
             window_left, window_right, qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed,
             rng_row0, rng_cols, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND, HAS_DROPOUT)
         acc = acc * alpha[:, None]  # rescale what we already hold
-        v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
-                     MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        if PAGED:
+            v_rows = page * stride_vp + in_page * stride_vs
+            v = tl.load(v_desc + v_rows[:, None] + offs_d[None, :], mask=in_seq[:, None] & d_ok[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            v = _load_tile(v_desc, v_ptrs, stride_vs, start_n, cols, d_ok, seqlen_k, False, BLOCK_D, HEAD_DIM,
+                           MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
     return acc, m_i, l_i
 
@@ -387,7 +430,7 @@ def _attn_fwd_stretch(
 @triton.jit(do_not_specialize=["dropout_seed"])  # a seed a call: no compile for its value
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Slopes,
-    cu_seqlens_q, cu_seqlens_k, cache_seqlens, cache_batch_idx, cache_leftpad,
+    cu_seqlens_q, cu_seqlens_k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -398,7 +441,7 @@ def _attn_fwd_kernel(
     stride_o_split, stride_l_split,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks, num_splits,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
-    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows,
+    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows, stride_table, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -407,12 +450,17 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
     SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
     KV_CACHE: tl.constexpr = False, HAS_BATCH_IDX: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
+    PAGED: tl.constexpr = False,
 ):
+    # KV_CACHE (``flash_attn_with_kvcache``): K / V are a cache of rows of seqlen_k slots, sequence
+    # b's keys where ``_cache_keys`` puts them; PAGED: a cache of ``cache_rows`` pages of
+    # ``page_size`` slots, sequence b's slot j in page block_table[b, j // page_size].
     # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
     # head of one key/value head, which it then reads once for all of them; num_heads counts
     # key/value heads, and one row block holds them all. A mask or bias plane is then one that
     # every head shares (head stride 0), read at the rows' query positions.
     tl.static_assert(not (PACK_GQA and (HAS_ALIBI or HAS_DROPOUT)))
+    tl.static_assert(not (PAGED and USE_TMA))  # pages are gathered key by key
     # ---- which (batch, head, row block) this program owns -------------------------------
     pid = tl.program_id(0)
     if SPLIT_KV:  # and which share of its keys: Out / Lse are then the float32 partials
@@ -444,9 +492,11 @@ def _attn_fwd_kernel(
     total_q = seqlen_q  # varlen: the packed rows
     q_start, seqlen_q, valid_q = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
     kv_b = b  # the K / V batch row
+    table_row = block_table + b.to(tl.int64) * stride_table  # (PAGED only)
     if KV_CACHE:
-        kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, b, seqlen_new,
-                                                       seqlen_k, cache_rows, HAS_BATCH_IDX, HAS_LEFTPAD)
+        kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b,
+                                                       seqlen_new, seqlen_k, cache_rows, page_size, HAS_BATCH_IDX,
+                                                       HAS_LEFTPAD, PAGED)
     else:
         k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
@@ -486,8 +536,12 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qs
-    k_base = K + kv_b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
-    v_base = V + kv_b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
+    if PAGED:  # each key's row is looked up in the block table (_page_slots): the head's column only
+        k_base = K + h_kv.to(tl.int64) * stride_kh
+        v_base = V + h_kv.to(tl.int64) * stride_vh
+    else:
+        k_base = K + kv_b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + k_start * stride_ks
+        v_base = V + kv_b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + k_start * stride_vs
     q_ptrs = q_base + q_rows[:, None] + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -530,8 +584,9 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
+            table_row, k_start, page_size, stride_kb, stride_vb,
             HEAD_DIM, BLOCK_D, BLOCK_N, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
-            HAS_DROPOUT, DOT_PRECISION, USE_TMA)
+            HAS_DROPOUT, DOT_PRECISION, USE_TMA, PAGED)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
     # (a share with no visible key: lse = -inf, so that the combine gives it no weight)
@@ -750,6 +805,13 @@ class KVCache:
     new: int = 0  # new keys a sequence, already in the cache
     batch_idx: Optional[torch.Tensor] = None
     leftpad: Optional[torch.Tensor] = None
+    # A paged cache (num_pages, page_size, heads_kv, headdim): int32 (batch, pages a sequence), slot
+    # j of sequence b in page block_table[b, j // page_size] (no batch_idx then).
+    block_table: Optional[torch.Tensor] = None
+
+    def slots(self, k: torch.Tensor) -> int:
+        """Slots a sequence: its cache row's, or its block-table row's pages x page_size."""
+        return k.shape[1] * (self.block_table.shape[1] if self.block_table is not None else 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -882,7 +944,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
         batch, rows, keys = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, opts.max_seqlen_k
     else:
         batch, rows, num_heads, head_dim = q.shape
-        keys = k.shape[1]
+        keys = k.shape[1] if opts.kv_cache is None else opts.kv_cache.slots(k)
     kv_group = num_heads // k.shape[-2]
     packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0, seqlen_k=keys,
@@ -921,7 +983,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
-        seqlen_k = k.shape[1]
+        seqlen_k = k.shape[1] if opts.kv_cache is None else opts.kv_cache.slots(k)
         lse_shape = (batch, num_heads, seqlen_q)
     plan = forward_plan(q, k, opts, config)
     cfg, num_splits = plan.config, plan.num_splits
@@ -936,13 +998,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         split_strides = (out_part.stride(0), lse_part.stride(0))
     else:
         out_dst, lse_dst, split_strides = out, lse, (0, 0)
-    use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
+    cache = opts.kv_cache
+    paged = cache is not None and cache.block_table is not None
+    use_tma = cfg.use_tma and tma_compatible(q, k, v, out) and not paged
     if use_tma:
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
-    cache = opts.kv_cache
-    cache_pointers = (q, q, q) if cache is None else tuple(  # (absent ones stand in, never dereferenced)
-        t if t is not None else q for t in (cache.seqlens, cache.batch_idx, cache.leftpad))
+    cache_pointers = (q, q, q, q) if cache is None else tuple(  # (absent ones stand in, never dereferenced)
+        t if t is not None else q for t in (cache.seqlens, cache.batch_idx, cache.leftpad, cache.block_table))
 
     grid = (plan.programs * num_splits,)
     _fwd_launcher[grid](
@@ -969,9 +1032,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         PACK_GQA=plan.pack,
         seqlen_new=0 if cache is None else cache.new,
         cache_rows=k.shape[0],
+        stride_table=cache.block_table.stride(0) if paged else 0,
+        page_size=k.shape[1],
         KV_CACHE=cache is not None,
         HAS_BATCH_IDX=cache is not None and cache.batch_idx is not None,
         HAS_LEFTPAD=cache is not None and cache.leftpad is not None,
+        PAGED=paged,
         **variant,
     )
     if num_splits > 1:
@@ -1020,20 +1086,23 @@ def _rotary_tile(src, offs, offs_d, ok, Cos, Sin, stride_cos, stride_sin, pos,
 
 @triton.jit
 def _kvcache_update_kernel(
-    Q, QRot, K, V, KCache, VCache, Cos, Sin, cache_seqlens, cache_batch_idx,
+    Q, QRot, K, V, KCache, VCache, Cos, Sin, cache_seqlens, cache_batch_idx, block_table,
     stride_qb, stride_qs, stride_qh, stride_rb, stride_rs, stride_rh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    stride_cos, stride_sin,
-    batch, seqlen_q, seqlen_new, num_heads, num_heads_kv, slots, cache_rows, seqlen_ro,
+    stride_cos, stride_sin, stride_table,
+    batch, seqlen_q, seqlen_new, num_heads, num_heads_kv, slots, cache_rows, seqlen_ro, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_B: tl.constexpr,
     ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, Q_MOVES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    PAGED: tl.constexpr = False,
 ):
     """Program (b, t, head block): t < seqlen_new writes new key / value row t of sequence b
-    (keys rotated) into its cache row at slot cache_seqlens[b] + t; t >= seqlen_new rotates query
-    row t - seqlen_new into QRot (only launched with rotary tables). A write lands only inside
-    its cache row, and a row that several sequences name takes the last one's (none for a row
-    outside the cache), so a bad position never reaches another sequence's slots."""
+    (keys rotated) into its cache row at slot cache_seqlens[b] + t (PAGED: into row slot %
+    page_size of page block_table[b, slot // page_size]); t >= seqlen_new rotates query row t -
+    seqlen_new into QRot (only launched with rotary tables). A write lands only inside its cache
+    row (or a page of the cache), and a row that several sequences name takes the last one's
+    (none for a row outside the cache), so a bad position never reaches another sequence's slots
+    (pages are the caller's to keep apart)."""
     pid, hb = tl.program_id(0), tl.program_id(1)
     rows_a_seq = seqlen_new + (seqlen_q if ROT_HALF > 0 else 0)
     b, t = pid // rows_a_seq, pid % rows_a_seq
@@ -1048,19 +1117,24 @@ def _kvcache_update_kernel(
                 later = b0 + tl.arange(0, BLOCK_B)
                 names = tl.load(cache_batch_idx + later, mask=later < batch, other=-1).to(tl.int32)
                 row = tl.where(tl.sum((names == row).to(tl.int32)) > 0, -1, row)
-        slot = start + t
-        if (row >= 0) & (row < cache_rows) & (slot >= 0) & (slot < slots):
+        slot = start + t  # the key's position
+        in_row = (slot >= 0) & (slot < slots)
+        dst_slot = slot
+        if PAGED:  # the page's number stands for the row, the slot in it for the slot
+            row = tl.load(block_table + b.to(tl.int64) * stride_table + slot // page_size, mask=in_row, other=-1)
+            dst_slot = slot % page_size
+        if (row >= 0) & (row < cache_rows) & in_row:
             ok = (offs_h[:, None] < num_heads_kv) & d_ok  # [BLOCK_H, BLOCK_D]
             src = b.to(tl.int64) * stride_kb + t.to(tl.int64) * stride_ks
             pos = tl.minimum(slot, seqlen_ro - 1)
             key = _rotary_tile(K + src, offs_h[:, None] * stride_kh + offs_d[None, :], offs_d, ok, Cos, Sin,
                                stride_cos, stride_sin, pos, ROT_HALF, INTERLEAVED)
-            dst = row.to(tl.int64) * stride_kcb + slot.to(tl.int64) * stride_kcs
+            dst = row.to(tl.int64) * stride_kcb + dst_slot.to(tl.int64) * stride_kcs
             tl.store(KCache + dst + offs_h[:, None] * stride_kch + offs_d[None, :], key.to(KCache.dtype.element_ty),
                      mask=ok)
             src = b.to(tl.int64) * stride_vb + t.to(tl.int64) * stride_vs
             value = tl.load(V + src + offs_h[:, None] * stride_vh + offs_d[None, :], mask=ok)
-            dst = row.to(tl.int64) * stride_vcb + slot.to(tl.int64) * stride_vcs
+            dst = row.to(tl.int64) * stride_vcb + dst_slot.to(tl.int64) * stride_vcs
             tl.store(VCache + dst + offs_h[:, None] * stride_vch + offs_d[None, :], value, mask=ok)
     else:
         i = t - seqlen_new
@@ -1081,7 +1155,8 @@ _kvcache_update_launcher = CachedLauncher(_kvcache_update_kernel)
 def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                    v: Optional[torch.Tensor], cache: KVCache, rotary=None, q_moves: bool = False) -> torch.Tensor:
     """One launch before a KV-cache forward: k / v (batch, seqlen_new, heads_kv, D) into the caches
-    in place at slots ``cache.seqlens[b]`` of rows ``cache.batch_idx[b]`` (or b), the keys rotated,
+    in place at slots ``cache.seqlens[b]`` of rows ``cache.batch_idx[b]`` (or b; or of the pages
+    ``cache.block_table`` names), the keys rotated,
     and q (batch, seqlen_q, heads, D) rotated into a new tensor, returned (q itself without
     ``rotary``). ``rotary``: (cos, sin, interleaved), tables (seqlen_ro, rotary_dim / 2); q's rows
     at cache_seqlens[b] + i where ``q_moves``, else at cache_seqlens[b]. Inputs validated by the
@@ -1094,17 +1169,21 @@ def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return q_rot
     cos, sin, interleaved = rotary if rotary is not None else (q, q, False)  # (q stands in, never read)
     k_, v_ = (k, v) if new else (k_cache, v_cache)  # (ditto)
+    table = cache.block_table
     block_d = next_power_of_2(head_dim)
     block_h = min(16, next_power_of_2(max(heads, k_cache.shape[2])))
     grid = (batch * rows_a_seq, cdiv(max(heads if rotary is not None else 0, k_cache.shape[2]), block_h))
     _kvcache_update_launcher[grid](
         q, q_rot, k_, v_, k_cache, v_cache, cos, sin, cache.seqlens,
         cache.batch_idx if cache.batch_idx is not None else cache.seqlens,
+        table if table is not None else cache.seqlens,
         *q.stride()[:3], *q_rot.stride()[:3], *k_.stride()[:3], *v_.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         cos.stride(0) if rotary is not None else 0, sin.stride(0) if rotary is not None else 0,
+        table.stride(0) if table is not None else 0,
         batch=batch, seqlen_q=seqlen_q, seqlen_new=new, num_heads=heads, num_heads_kv=k_cache.shape[2],
-        slots=k_cache.shape[1], cache_rows=k_cache.shape[0], seqlen_ro=cos.shape[0] if rotary is not None else 1,
+        slots=cache.slots(k_cache), cache_rows=k_cache.shape[0], seqlen_ro=cos.shape[0] if rotary is not None else 1,
+        page_size=k_cache.shape[1], PAGED=table is not None,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_B=128,
         ROT_HALF=0 if rotary is None else cos.shape[1], INTERLEAVED=bool(interleaved), Q_MOVES=bool(q_moves),
         HAS_BATCH_IDX=cache.batch_idx is not None,
@@ -1613,7 +1692,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                 rng_rows=seqlen, rng_cols=seqlen, dropout_seed="i32",
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
                 Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", cache_seqlens="*i32",
-                cache_batch_idx="*i32", cache_leftpad="*i32", seqlen_new=1, cache_rows="i32",
+                cache_batch_idx="*i32", cache_leftpad="*i32", block_table="*i32", seqlen_new=1, cache_rows="i32",
+                stride_table=0, page_size="i32",
                 num_splits=1,
                 stride_o_split=seqlen * heads * head_dim, stride_l_split=heads * seqlen)  # (keys not split)
     for name in fn.arg_names:
@@ -1633,7 +1713,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
-                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False)
+                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:

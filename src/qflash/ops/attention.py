@@ -579,7 +579,21 @@ def _per_sequence(name: str, value, batch: int, device, scalar: bool = True) -> 
     return torch.full((batch,), value, dtype=torch.int32, device=device)
 
 
-def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_start: int) -> None:
+def _check_block_table(block_table, cache_batch_idx, batch: int, device) -> torch.Tensor:
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx and block_table cannot be given together: a paged cache's rows are its "
+                         "block table's")
+    if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+            or block_table.shape[0] != batch or block_table.shape[1] == 0):
+        raise ValueError(f"block_table must be an int32 tensor ({batch}, pages a sequence >= 1), got "
+                         f"{_shape(block_table)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}: they must match")
+    return _unit_last_stride(block_table)
+
+
+def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_start: int, block_table=None,
+                           new: int = 0, page_size: int = 0) -> None:
     """set_debug(True): the per-sequence cache positions checked on the host (a sync)."""
     low, high = int(start.min()), int(start.max())
     if low < 0 or high > last_start:
@@ -590,6 +604,13 @@ def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_star
                          f"{int(batch_idx.min())} to {int(batch_idx.max())}")
     if leftpad is not None and bool(((leftpad < 0) | (leftpad > start)).any()):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens[b]] for every sequence")
+    if block_table is not None:  # the pages each sequence's keys touch
+        pads = [0] * len(start) if leftpad is None else leftpad.tolist()
+        for b, (first, end) in enumerate(zip(pads, (start + new).tolist())):
+            used = block_table[b, first // page_size: -(-end // page_size)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache_rows):
+                raise ValueError(f"block_table[{b}] names pages outside [0, {cache_rows}) (the cache's pages) for "
+                                 f"its keys, from {int(used.min())} to {int(used.max())}")
 
 
 def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> None:
@@ -669,7 +690,8 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, heads, headdim), float16 / bfloat16 / float32.
         k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, headdim), q's dtype, batch_cache =
-            batch without cache_batch_idx; any strides with a unit last stride. Not copied.
+            batch without cache_batch_idx; any strides with a unit last stride. Not copied. With
+            ``block_table``: (num_pages, page_size, heads_kv, headdim), pages of any size.
         k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, headdim), written
             **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
         cache_seqlens: the end of each sequence's keys in its cache row before the new ones: an
@@ -694,26 +716,32 @@ def flash_attn_with_kvcache(
             (GPT-NeoX, Llama).
         num_splits: flash-attn's hint for splitting the keys; accepted (an int >= 0) and left to
             the launcher, which splits where the programs do not fill the SMs.
-        block_table: paged caches are not supported; anything but None raises
-            NotImplementedError.
+        block_table: None, or an int32 tensor (batch, pages a sequence): a paged cache, sequence
+            b's slot j in row j % page_size of page block_table[b, j // page_size] (seqlen_cache
+            = pages a sequence x page_size; no cache_batch_idx). Pages that a sequence's keys
+            touch outside the cache make it NaN (set_debug(True): raises); pages that the new
+            keys go into should not be shared between sequences (which one's keys land is then
+            unspecified, as in flash-attn). Pages are gathered key by key (no TMA); not yet
+            measured on the H200.
         return_softmax_lse: also return the log-sum-exp.
 
     Returns:
         out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse)`` with lse (batch,
         heads, seqlen_q) float32, natural log.
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (a paged KV cache) is not supported by flash_attn_with_kvcache: "
-                                  "pass None and the cache as (batch_cache, seqlen_cache, heads_kv, headdim)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     _check_tensors(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), 4, "(batch, seqlen, heads, headdim)")
     batch, seqlen_q, heads, headdim = q.shape
-    slots, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    heads_kv = k_cache.shape[2]
     _check_heads(k_cache, v_cache, heads, heads_kv, headdim, names=("k_cache", "v_cache"))
     cache_rows = k_cache.shape[0]
-    if cache_batch_idx is None and cache_rows != batch:
+    if block_table is not None:
+        block_table = _check_block_table(block_table, cache_batch_idx, batch, q.device)
+    elif cache_batch_idx is None and cache_rows != batch:
         raise ValueError(f"k_cache has batch {cache_rows} but q has batch {batch} (and no cache_batch_idx)")
+    # a sequence's slots: its cache row's, or the pages its block-table row names
+    slots = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:  # written in place: no copy to fix it
             raise ValueError(f"{name} must have a unit last stride, got strides {tuple(cache.stride())}")
@@ -738,7 +766,7 @@ def flash_attn_with_kvcache(
     leftpad = None if cache_leftpad is None else _per_sequence("cache_leftpad", cache_leftpad, batch, q.device,
                                                                 scalar=False)
     if debug_enabled() and batch and not q.is_meta:
-        _check_cache_positions(start, batch_idx, leftpad, cache_rows, slots - new)
+        _check_cache_positions(start, batch_idx, leftpad, cache_rows, slots - new, block_table, new, k_cache.shape[1])
     left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
@@ -748,7 +776,8 @@ def flash_attn_with_kvcache(
 
     out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *(_unit_last_stride(t) if t is not None
                                                                          else None for t in (k, v)),
-                                KVCache(start, new, batch_idx, leftpad), (scale, left, right, softcap, alibi_slopes),
+                                KVCache(start, new, batch_idx, leftpad, block_table),
+                                (scale, left, right, softcap, alibi_slopes),
                                 rotary)
     return (out, lse) if return_softmax_lse else out
 

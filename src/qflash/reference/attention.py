@@ -249,6 +249,7 @@ def attention_kvcache_ref(
     rotary_sin: Optional[torch.Tensor] = None,
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
     rotary_interleaved: bool = True,
     **kwargs,
 ):
@@ -262,10 +263,22 @@ def attention_kvcache_ref(
     ``attention_ref``'s keyword arguments (``alibi_slopes`` (batch, heads): per sequence).
     ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2): the new keys rotated at their
     positions, q at cache_seqlens[b] + i (causal or a window) or cache_seqlens[b] (neither),
-    ``rotary_interleaved`` as in flash-attn's ``apply_rotary_emb``.
+    ``rotary_interleaved`` as in flash-attn's ``apply_rotary_emb``. ``block_table`` (batch, pages
+    a sequence): paged caches (num_pages, page_size, heads_kv, headdim), sequence b's cache row
+    the pages its table row names, one after another (distinct pages in the whole table).
     Returns out (batch, seqlen_q, heads, headdim), lse (batch, heads, seqlen_q), and the caches
     as they are after the new keys went in (copies).
     """
+    if block_table is not None:  # each sequence's pages gathered into a row of its own, and back
+        pages = block_table.long()
+        rows_of = lambda c: c[pages].flatten(1, 2)  # noqa: E731 - (batch, pages x page_size, ...)
+        out, lse, k_rows, v_rows = attention_kvcache_ref(q, rows_of(k_cache), rows_of(v_cache), k, v, cache_seqlens,
+                                                         rotary_cos, rotary_sin, None, cache_leftpad, None,
+                                                         rotary_interleaved, **kwargs)
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
+        k_cache[pages] = k_rows.unflatten(1, (pages.shape[1], k_cache.shape[1]))
+        v_cache[pages] = v_rows.unflatten(1, (pages.shape[1], v_cache.shape[1]))
+        return out, lse, k_cache, v_cache
     batch, slots = q.shape[0], k_cache.shape[1]
     rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
     pads = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
