@@ -395,7 +395,7 @@ def _attn_fwd_stretch(
 ):
     """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
     PAGED: k_desc / v_desc are the head's base pointers in a paged cache, each key's row looked up
-    in the sequence's block-table row (``_page_rows``)."""
+    in the sequence's block-table row (``_page_slots``)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
     for start_n in range(start, end, BLOCK_N):
         if not MASKED:
@@ -616,7 +616,7 @@ def _attn_fwd_combine_kernel(
     """out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s)): the key shares of
     a split forward weighed together, BLOCK_R (row, head) pairs a program, all BLOCK_S >=
     num_splits shares of them loaded at once (a loop over the shares waited for each share's
-    loads in turn: 11-14 us for 17 shares at batch 1, more than the forward's shares took). Out
+    loads in turn: 11-14 us for 16-17 shares at batch 1, more than the forward's shares took). Out
     (rows, heads, HEAD_DIM) and the partials are contiguous; Lse is (batch, heads, rows_per_batch),
     or (heads, rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf."""
     pid = tl.program_id(0)

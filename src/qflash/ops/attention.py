@@ -634,12 +634,16 @@ def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> Non
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
-def _kvcache_forward(q, k_cache, v_cache, k, v, cache, options, rotary=None):
+def _kvcache_forward(q, k_cache, v_cache, k, v, positions, options, rotary=None):
     """``flash_attn_with_kvcache``'s work on validated arguments: one launch rotates q and the new
     keys (``rotary``: cos, sin, interleaved) and writes the new rows into the caches, then the
-    forward reads each sequence's slots of its cache row (``cache``, a ``KVCache``; a sequence
-    whose positions do not fit gets NaN). Returns (out, lse (batch, heads, seqlen_q))."""
-    from qflash.kernels.attention import AttnOptions, attention_forward, kvcache_update
+    forward reads each sequence's slots of its cache row (``positions``: the per-sequence
+    tensors of a ``KVCache``; a sequence whose positions do not fit gets NaN). Returns (out, lse
+    (batch, heads, seqlen_q))."""
+    from qflash.kernels.attention import AttnOptions, KVCache, attention_forward, kvcache_update
+
+    start, batch_idx, leftpad, block_table = positions
+    cache = KVCache(start, 0 if k is None else k.shape[1], batch_idx, leftpad, block_table)
 
     scale, left, right, softcap, alibi_slopes = options
     if q.is_meta:  # shapes only, as the launcher's outputs would have them
@@ -772,13 +776,10 @@ def flash_attn_with_kvcache(
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
     rotary = None if rotary_cos is None else (_unit_last_stride(rotary_cos), _unit_last_stride(rotary_sin),
                                               bool(rotary_interleaved))
-    from qflash.kernels.attention import KVCache
-
-    out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *(_unit_last_stride(t) if t is not None
-                                                                         else None for t in (k, v)),
-                                KVCache(start, new, batch_idx, leftpad, block_table),
-                                (scale, left, right, softcap, alibi_slopes),
-                                rotary)
+    new_kv = (None, None) if k is None else (_unit_last_stride(k), _unit_last_stride(v))
+    positions = (start, batch_idx, leftpad, block_table)
+    out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *new_kv, positions,
+                                (scale, left, right, softcap, alibi_slopes), rotary)
     return (out, lse) if return_softmax_lse else out
 
 
