@@ -781,6 +781,62 @@ def test_kvcache_paged_bad_pages_stay_apart():
         qflash.set_debug(False)
 
 
+def _check_varlen_paged(lens_q, lens_k, page_size, slots, h=4, hkv=2, d=32, dtype=torch.float16, **kw):
+    """flash_attn_varlen_func on a paged cache (each sequence's keys at the start of a row of
+    ``slots``, the rows cut into shuffled pages) by the rule against the float64 reference on the
+    keys packed, and its lse."""
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, h=h, hkv=hkv, d=d, dtype=dtype)
+    rows = []
+    for t in (k, v):
+        r = torch.randn(len(lens_k), slots, *t.shape[1:], device=DEVICE).to(t.dtype)
+        for b, n in enumerate(lens_k):
+            r[b, :n] = t[sum(lens_k[:b]): sum(lens_k[:b]) + n]
+        rows.append(r)
+    k_pages, v_pages, table = _paged(*rows, page_size)
+    with poisoned():
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                    return_attn_probs=True, block_table=table, **kw)
+    assert_written(out)
+    ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
+    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
+    assert_flash_rule(out, ref, pt)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 2), "softcap": 3.0}])
+def test_varlen_paged_matches_packed(monkeypatch, num_splits, kw):
+    """Packed queries (1, 4, 0 and 3 rows) against paged keys (30, 1, 9 and 57 in pages of 7
+    slots): the reference's numbers on the keys packed; split and not."""
+    _split_keys(monkeypatch, num_splits)
+    _check_varlen_paged([1, 4, 0, 3], [30, 1, 9, 57], 7, 60, **kw)
+
+
+@gpu
+def test_gpu_varlen_paged():
+    """A paged varlen decode step on the H200 (vLLM's call): one query row a sequence, 1 / 4097 /
+    8000 keys in pages of 16, bf16, D = 128, grouped heads, causal; split and packed by the
+    launcher."""
+    _check_varlen_paged([1, 1, 1], [1, 4097, 8000], 16, 8192, h=16, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
+
+
+def test_varlen_paged_bad_counts_and_refusals():
+    """A key count past a sequence's pages gives NaN in that sequence only; dropout and gradients
+    are refused with a clear error."""
+    q, k, v, cu_q, cu_k = _varlen([2, 3], [10, 20])
+    rows = [torch.randn(2, 21, *t.shape[1:], device=DEVICE).to(t.dtype) for t in (k, v)]
+    k_pages, v_pages, table = _paged(*rows, 7)  # 3 pages: 21 slots a sequence
+    cu_bad = torch.tensor([0, 10, 32], dtype=torch.int32, device=DEVICE)  # sequence 1: 22 keys
+    with poisoned(FINITE_POISON):
+        out = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_bad, 3, 22, block_table=table)
+    assert out[2:].isnan().all() and not out[:2].isnan().any()
+    with pytest.raises(ValueError, match="dropout_p must be 0 with block_table"):
+        qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 20, dropout_p=0.1, block_table=table)
+    with pytest.raises(ValueError, match="forward-only"):
+        qflash.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, 3, 20, block_table=table)
+
+
 def test_kvcache_shared_rows_among_many_sequences():
     """Sequences 0 and 139 of 140 name one cache row (the duplicates are looked for 128 sequences
     a step): the row takes the later one's new key, the other rows their own."""
@@ -1066,7 +1122,7 @@ def _bad_cases():
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8.5, 8), TypeError, "max_seqlen_q must be an int"),
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8, -3), ValueError, "max_seqlen_k must be >= 0"),
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8, 8, block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)),
-         NotImplementedError, "block_table \\(a paged KV cache\\) is not supported"),
+         ValueError, "k must have 4 dimensions \\(num_pages, page_size, heads_kv, headdim\\) with block_table"),
     ]
 
 

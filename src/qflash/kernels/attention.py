@@ -978,8 +978,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape
-        # Per sequence, read in the kernel, which bounds the sequences by the packed rows.
-        seqlen_q, seqlen_k = total_q, k.shape[0]
+        # Per sequence, read in the kernel, which bounds the sequences by the packed rows (a
+        # paged cache: by the pages a block-table row names).
+        seqlen_q, seqlen_k = total_q, k.shape[0] if opts.kv_cache is None else opts.kv_cache.slots(k)
         lse_shape = (num_heads, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
@@ -1004,13 +1005,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     if use_tma:
         ensure_descriptor_allocator(q.device)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
+    packed_kv = varlen and cache is None
     cache_pointers = (q, q, q, q) if cache is None else tuple(  # (absent ones stand in, never dereferenced)
         t if t is not None else q for t in (cache.seqlens, cache.batch_idx, cache.leftpad, cache.block_table))
 
     grid = (plan.programs * num_splits,)
     _fwd_launcher[grid](
         q, k, v, out_dst, lse_dst, *pointers, *cache_pointers,
-        *_bshd_strides(q, varlen), *_bshd_strides(k, varlen), *_bshd_strides(v, varlen),
+        # (a cache's K / V keep their (rows or pages, slots, heads) strides, also under packed queries)
+        *_bshd_strides(q, varlen), *_bshd_strides(k, packed_kv), *_bshd_strides(v, packed_kv),
         *_bshd_strides(out_dst, varlen), *_lse_strides(lse_dst, varlen), *bias_strides, *slope_strides,
         *split_strides,
         seqlen_q=seqlen_q,

@@ -498,8 +498,12 @@ def flash_attn_varlen_func(
             than the value given comes out NaN; ``set_debug(True)`` checks).
         max_seqlen_k: the longest key sequence (sizes the backward pass's dK / dV grid: a
             sequence longer than it gets NaN dK and dV).
-        block_table: flash-attn's paged KV cache; only None (the keys and values packed as
-            k and v), which flash-attn's callers pass explicitly.
+        block_table: None (k and v packed), or an int32 tensor (batch, pages a sequence): k
+            and v are then a paged cache (num_pages, page_size, heads_kv, headdim) and sequence
+            b's key j lies in row j % page_size of page block_table[b, j // page_size], its key
+            count cu_seqlens_k[b + 1] - cu_seqlens_k[b] (a count past its pages, or a page
+            outside the cache: NaN). Inference only: no dropout, no gradient (a clear error
+            where one is asked for). CPU-tested only so far.
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
         bottom-right within each sequence; alibi_slopes may be (batch, heads)).
 
@@ -508,8 +512,9 @@ def flash_attn_varlen_func(
         (heads, total_q), float32.
     """
     if block_table is not None:
-        raise NotImplementedError("block_table (a paged KV cache) is not supported: pass the keys and values "
-                                  "packed as k and v, with cu_seqlens_k")
+        return _finish(*_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes, block_table),
+                       return_attn_probs)
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
     total_q, heads, headdim = q.shape
     _check_heads(k, v, heads, k.shape[1], headdim)
@@ -531,6 +536,45 @@ def flash_attn_varlen_func(
         max_seqlen_k, *_dropout(dropout_p), bool(deterministic),
     )
     return _finish(out, lse, return_attn_probs)
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, block_table):
+    """``flash_attn_varlen_func`` on a paged cache: the KV-cache forward with packed queries, each
+    sequence's keys counted by cu_seqlens_k and found through its block-table row."""
+    _check_tensors(("q",), (q,), 3, "(total, heads, headdim)")
+    _check_tensors(("k", "v"), (k, v), 4, "(num_pages, page_size, heads_kv, headdim) with block_table")
+    total_q, heads, headdim = q.shape
+    _check_heads(k, v, heads, k.shape[2], headdim)
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 with block_table (a paged cache is read for inference), got {dropout_p}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("block_table (a paged cache) is forward-only: call it under torch.no_grad() or with inputs "
+                         "that do not require grad")
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride with block_table, got strides {tuple(t.stride())}")
+    cu_seqlens_q, batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, total_q, q.device)
+    block_table = _check_block_table(block_table, None, batch, q.device)
+    slots = k.shape[1] * block_table.shape[1]
+    cu_seqlens_k, _ = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, 2**31 - 1, q.device)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, total_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, slots)
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]  # each sequence's keys (negative: bad, so NaN)
+    if debug_enabled() and batch and not q.is_meta:
+        _check_cache_positions(lens_k, None, None, k.shape[0], slots, block_table, 0, k.shape[1])
+    left, right = _window(window_size, causal)
+    opts_args = (_scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
+                 _check_alibi(alibi_slopes, batch, heads, q.device))
+    if q.is_meta:
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                q.new_empty((heads, total_q), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32))
+    from qflash.kernels.attention import AttnOptions, KVCache, attention_forward
+
+    opts = AttnOptions(*opts_args, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, kv_cache=KVCache(lens_k, 0, None, None, block_table))
+    with torch.no_grad(), on_device_of(q):
+        return attention_forward(_unit_last_stride(q), k, v, opts)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
