@@ -9,10 +9,12 @@ for all of them. Timed from CUDA graphs (and eagerly): the public ``flash_attn_f
 launcher chooses), ``flash_attn_with_kvcache`` on the cache as it is, without packing, without
 packing or split, with session 45's tiles and shares (the prefill tiles with row blocks cut to
 the rows), the tiles the forward took before decoding had any of this (128 query rows a block,
-neither), and PyTorch's SDPA backends with ``enable_gqa``. At batch > 1 the same step also from a padded batch (a boolean mask through
-``qflash.sdpa``, beside SDPA with it) and from packed sequences (``flash_attn_varlen_func``).
+neither), and PyTorch's SDPA backends with ``enable_gqa``. At batch > 1 the same step also from a
+padded batch (a boolean mask through ``qflash.sdpa``, beside SDPA with it) and from packed
+sequences (``flash_attn_varlen_func``).
 And a whole serving step (``step_providers``: rotary, the new key written in place, attention)
-through ``flash_attn_with_kvcache`` beside the same step in PyTorch ops with SDPA.
+through ``flash_attn_with_kvcache`` beside the same step in PyTorch ops with SDPA, and the step
+on a paged cache (``paged_providers``: pages of 16 and 256 slots through ``block_table``).
 Also a few short prefill sizes that the launcher now splits (programs under the SM count).
 
     python3 benchmarks/attention_decode.py --out decode.json
@@ -154,6 +156,33 @@ def step_providers(q, k, v):
     }
 
 
+def paged_providers(q, k, v):
+    """The same step on a paged cache: the cache cut into pages of 16 slots (vLLM's) and of 256
+    (flash-attn's), shuffled, read through ``block_table`` by ``flash_attn_with_kvcache`` and by
+    ``flash_attn_varlen_func`` (one query row a sequence), beside ``flash_attn_with_kvcache`` on the
+    dense cache."""
+    b, sk = k.shape[:2]
+    lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+    out = {"qflash with_kvcache dense": lambda: qflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)}
+    for page in (16, 256):
+        per_seq = sk // page
+        gen = torch.Generator(device="cpu").manual_seed(page)
+        table = torch.randperm(b * per_seq, generator=gen).view(b, per_seq).to(torch.int32).to(q.device)
+        pages = []
+        for cache in (k, v):
+            paged = torch.empty(b * per_seq, page, *cache.shape[2:], device=q.device, dtype=cache.dtype)
+            paged[table.long().flatten()] = cache.reshape(b * per_seq, page, *cache.shape[2:])
+            pages.append(paged)
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+        out[f"qflash with_kvcache paged {page}"] = (
+            lambda kp=pages[0], vp=pages[1], t=table: qflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                                                     block_table=t))
+        out[f"qflash varlen paged {page}"] = (
+            lambda kp=pages[0], vp=pages[1], t=table, cu_q=cu_q: qflash.flash_attn_varlen_func(
+                q.reshape(b, *q.shape[2:]), kp, vp, cu_q, cu_q * sk, 1, sk, block_table=t).unsqueeze(1))
+    return out
+
+
 def measure(rows, fns, ref, info, cache_bytes, plan=None):
     """Time each provider from graphs and eagerly, with its largest difference from ``ref`` (None:
     the first provider's output)."""
@@ -203,6 +232,7 @@ def main():
         if sq == 1:
             measure(rows, step_providers(q, k.clone(), v.clone()), None, dict(info, kind="step"),
                     2 * b * sk * hkv * d * 2)
+            measure(rows, paged_providers(q, k, v), ref, dict(info, kind="paged"), 2 * b * sk * hkv * d * 2)
         if sq == 1 and b > 1:  # the same step from a padded batch (a mask) and from packed sequences
             measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), 2 * b * sk * hkv * d * 2)
             measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), 2 * b * sk * hkv * d * 2)
