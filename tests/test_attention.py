@@ -178,14 +178,16 @@ def _varlen(lens_q, lens_k, h=4, hkv=2, d=32, dtype=torch.float16):
     return q, k, v, cu_q, cu_k
 
 
-def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-    """flash_attn_varlen_func (block_table None, as flash-attn's callers pass it) against the
-    float64 reference by the rule, and its lse; returns (out, lse)."""
+def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table=None, packed_kv=None, **kw):
+    """flash_attn_varlen_func (block_table None, as flash-attn's callers pass it, or a paged k / v
+    whose keys ``packed_kv`` holds packed) against the float64 reference by the rule, and its
+    lse; returns (out, lse)."""
     with poisoned():
         out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                                    return_attn_probs=True, block_table=None, **kw)
+                                                    return_attn_probs=True, block_table=block_table, **kw)
     assert_written(out)
     assert_written(lse)
+    k, v = packed_kv or (k, v)
     ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
     pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
     assert_flash_rule(out, ref, pt)
@@ -807,15 +809,8 @@ def _check_varlen_paged(lens_q, lens_k, page_size, slots, h=4, hkv=2, d=32, dtyp
             r[b, :n] = t[sum(lens_k[:b]): sum(lens_k[:b]) + n]
         rows.append(r)
     k_pages, v_pages, table = _paged(*rows, page_size)
-    with poisoned():
-        out, lse, _ = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                    return_attn_probs=True, block_table=table, **kw)
-    assert_written(out)
-    ref, ref_lse = attention_varlen_ref(*_f64(q, k, v), cu_q, cu_k, **kw)
-    pt, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, reorder_ops=True, **kw)
-    assert_flash_rule(out, ref, pt)
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+    _check_varlen(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), block_table=table, packed_kv=(k, v),
+                  **kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
