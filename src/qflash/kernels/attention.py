@@ -1159,11 +1159,10 @@ def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    v: Optional[torch.Tensor], cache: KVCache, rotary=None, q_moves: bool = False) -> torch.Tensor:
     """One launch before a KV-cache forward: k / v (batch, seqlen_new, heads_kv, D) into the caches
     in place at slots ``cache.seqlens[b]`` of rows ``cache.batch_idx[b]`` (or b; or of the pages
-    ``cache.block_table`` names), the keys rotated,
-    and q (batch, seqlen_q, heads, D) rotated into a new tensor, returned (q itself without
-    ``rotary``). ``rotary``: (cos, sin, interleaved), tables (seqlen_ro, rotary_dim / 2); q's rows
-    at cache_seqlens[b] + i where ``q_moves``, else at cache_seqlens[b]. Inputs validated by the
-    public op."""
+    ``cache.block_table`` names), the keys rotated, and q (batch, seqlen_q, heads, D) rotated into
+    a new tensor, returned (q itself without ``rotary``). ``rotary``: (cos, sin, interleaved),
+    tables (seqlen_ro, rotary_dim / 2); q's rows at cache_seqlens[b] + i where ``q_moves``, else at
+    cache_seqlens[b]. Inputs validated by the public op."""
     batch, seqlen_q, heads, head_dim = q.shape
     new = 0 if k is None else k.shape[1]
     q_rot = q if rotary is None else new_output(q.shape, dtype=q.dtype, device=q.device)
@@ -1173,7 +1172,7 @@ def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     cos, sin, interleaved = rotary if rotary is not None else (q, q, False)  # (q stands in, never read)
     k_, v_ = (k, v) if new else (k_cache, v_cache)  # (ditto)
     table = cache.block_table
-    block_d = next_power_of_2(head_dim)
+    block_d = _block_d(head_dim)
     block_h = min(16, next_power_of_2(max(heads, k_cache.shape[2])))
     grid = (batch * rows_a_seq, cdiv(max(heads if rotary is not None else 0, k_cache.shape[2]), block_h))
     _kvcache_update_launcher[grid](

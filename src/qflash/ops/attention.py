@@ -127,17 +127,24 @@ _attention_backward_op = torch.library.custom_op("qflash::attention_backward", m
     _attention_backward_impl)
 
 
-@_attention_forward_op.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-      deterministic):
+def _empty_outputs(q: torch.Tensor, varlen: bool):
+    """(out, lse) as the forward launcher makes them, empty: shapes for fake and meta tensors. lse
+    is (heads, total_q) for packed q, else (batch, heads, seqlen_q), in float32 (float64 for
+    float64 q)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens_q is not None:
+    if varlen:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
     else:
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
     return out, lse
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
+      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+      deterministic):
+    return _empty_outputs(q, varlen=cu_seqlens_q is not None)
 
 
 @_attention_backward_op.register_fake
@@ -567,8 +574,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     opts_args = (_scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
                  _check_alibi(alibi_slopes, batch, heads, q.device))
     if q.is_meta:
-        return (torch.empty_like(q, memory_format=torch.contiguous_format),
-                q.new_empty((heads, total_q), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32))
+        return _empty_outputs(q, varlen=True)
     from qflash.kernels.attention import AttnOptions, KVCache, attention_forward
 
     opts = AttnOptions(*opts_args, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -691,9 +697,7 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, positions, options, rotary=None)
 
     scale, left, right, softcap, alibi_slopes = options
     if q.is_meta:  # shapes only, as the launcher's outputs would have them
-        return (torch.empty_like(q, memory_format=torch.contiguous_format),
-                q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
-                            dtype=torch.float64 if q.dtype == torch.float64 else torch.float32))
+        return _empty_outputs(q, varlen=False)
     with torch.no_grad(), on_device_of(q):
         if rotary is not None or k is not None:
             q = kvcache_update(q, k_cache, v_cache, k, v, cache, rotary, q_moves=left >= 0 or right >= 0)
