@@ -210,14 +210,18 @@ def main():
     p.add_argument("--cache", default="1024,4096,16384,65536")
     p.add_argument("--heads", default="32,8", help="query heads, key/value heads")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kinds", default="dense,step,paged,mask,varlen,prefill",
+                   help="which rows: dense, step, paged, mask, varlen (decode steps) and prefill (short prefills)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    kinds = set(args.kinds.split(","))
     heads, heads_kv = map(int, args.heads.split(","))
     d = args.head_dim
     rows = []
     cases = [(b, 1, s, heads, heads_kv, False) for b in map(int, args.batches.split(","))
              for s in map(int, args.cache.split(","))]
-    cases += [(2, 1023, 1023, 6, 2, True), (1, 2000, 2000, 4, 4, True), (4, 700, 700, 8, 2, False)]  # short prefill
+    if "prefill" in kinds:
+        cases += [(2, 1023, 1023, 6, 2, True), (1, 2000, 2000, 4, 4, True), (4, 700, 700, 8, 2, False)]
     for b, sq, sk, h, hkv, causal in cases:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -227,15 +231,19 @@ def main():
         splits, pack = plan.num_splits, plan.pack
         ref = qflash.flash_attn_func(q, k, v, causal=causal).float()
         info = dict(batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d, causal=causal)
-        measure(rows, providers(q, k, v, causal), ref, dict(info, kind="dense"), 2 * b * sk * hkv * d * 2,
-                plan={"qflash": (splits, pack)})
-        if sq == 1:
-            measure(rows, step_providers(q, k.clone(), v.clone()), None, dict(info, kind="step"),
-                    2 * b * sk * hkv * d * 2)
-            measure(rows, paged_providers(q, k, v), ref, dict(info, kind="paged"), 2 * b * sk * hkv * d * 2)
+        cache_bytes = 2 * b * sk * hkv * d * 2
+        if sq > 1 or "dense" in kinds:
+            measure(rows, providers(q, k, v, causal), ref, dict(info, kind="dense"), cache_bytes,
+                    plan={"qflash": (splits, pack)})
+        if sq == 1 and "step" in kinds:
+            measure(rows, step_providers(q, k.clone(), v.clone()), None, dict(info, kind="step"), cache_bytes)
+        if sq == 1 and "paged" in kinds:
+            measure(rows, paged_providers(q, k, v), ref, dict(info, kind="paged"), cache_bytes)
         if sq == 1 and b > 1:  # the same step from a padded batch (a mask) and from packed sequences
-            measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), 2 * b * sk * hkv * d * 2)
-            measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), 2 * b * sk * hkv * d * 2)
+            if "mask" in kinds:
+                measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), cache_bytes)
+            if "varlen" in kinds:
+                measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), cache_bytes)
     if args.out:
         save_json(args.out, {"env": environment(), "rows": rows})
 
