@@ -32,6 +32,8 @@ def variants(plan):
         for stages in (2, 3, 4):
             if (block_n, stages) != (128, 4):
                 out[f"n{block_n} s{stages}"] = dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
+    out[f"w{2 * cfg.num_warps}"] = dataclasses.replace(cfg, num_warps=2 * cfg.num_warps)
+    out["tma" if not cfg.use_tma else "no tma"] = dataclasses.replace(cfg, use_tma=not cfg.use_tma)
     return out
 
 
@@ -59,6 +61,8 @@ def main():
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--shares", action="store_true", help="share counts instead of tiles")
     p.add_argument("--rules", action="store_true", help="with --shares: the plan beside session 46's rule only")
+    p.add_argument("--splits", default=None, help="share counts (e.g. 1,2,4) for every tile variant instead of "
+                   "the plan's count and twice it")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     heads, heads_kv = map(int, args.heads.split(","))
@@ -79,6 +83,9 @@ def main():
                     runs = [("plan", plan.config, 1)] + [
                         (name, dataclasses.replace(plan.config, num_splits=count), 1)
                         for name, count in share_counts(plan, s, sms, args.rules).items()]
+                elif args.splits:
+                    runs = [(f"{name} {count} shares", dataclasses.replace(cfg, num_splits=int(count)), 1)
+                            for name, cfg in variants(plan).items() for count in args.splits.split(",")]
                 else:
                     runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
                     runs.append(("round 45", round45_config(q, k, False), 1))
