@@ -156,6 +156,21 @@ def step_providers(q, k, v):
     }
 
 
+def to_pages(k, v, page):
+    """The dense caches k, v (B, S, Hkv, D) cut into pages of ``page`` slots, shuffled: ([k pages,
+    v pages] (B * S / page, page, Hkv, D), block_table (B, S / page) int32)."""
+    b, sk = k.shape[:2]
+    per_seq = sk // page
+    gen = torch.Generator(device="cpu").manual_seed(page)
+    table = torch.randperm(b * per_seq, generator=gen).view(b, per_seq).to(torch.int32).to(k.device)
+    pages = []
+    for cache in (k, v):
+        paged = torch.empty(b * per_seq, page, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
+        paged[table.long().flatten()] = cache.reshape(b * per_seq, page, *cache.shape[2:])
+        pages.append(paged)
+    return pages, table
+
+
 def paged_providers(q, k, v):
     """The same step on a paged cache: the cache cut into pages of 16 slots (vLLM's) and of 256
     (flash-attn's), shuffled, read through ``block_table`` by ``flash_attn_with_kvcache`` and by
@@ -165,14 +180,7 @@ def paged_providers(q, k, v):
     lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
     out = {"qflash with_kvcache dense": lambda: qflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)}
     for page in (16, 256):
-        per_seq = sk // page
-        gen = torch.Generator(device="cpu").manual_seed(page)
-        table = torch.randperm(b * per_seq, generator=gen).view(b, per_seq).to(torch.int32).to(q.device)
-        pages = []
-        for cache in (k, v):
-            paged = torch.empty(b * per_seq, page, *cache.shape[2:], device=q.device, dtype=cache.dtype)
-            paged[table.long().flatten()] = cache.reshape(b * per_seq, page, *cache.shape[2:])
-            pages.append(paged)
+        pages, table = to_pages(k, v, page)
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
         out[f"qflash with_kvcache paged {page}"] = (
             lambda kp=pages[0], vp=pages[1], t=table: qflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,

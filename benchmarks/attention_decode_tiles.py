@@ -21,15 +21,15 @@ import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
 from qflash.kernels import attention as kernels
-from attention_decode import round45_config
+from attention_decode import round45_config, to_pages
 
 
-def variants(plan):
-    """Name -> tiles: the plan's own, and other key blocks and pipeline depths."""
+def variants(plan, deep=False):
+    """Name -> tiles: the plan's own, and other key blocks and pipeline depths (``deep``: up to 7)."""
     cfg = plan.config
     out = {"plan": cfg}
     for block_n in (64, 128):
-        for stages in (2, 3, 4):
+        for stages in (2, 3, 4, 5, 6, 7) if deep else (2, 3, 4):
             if (block_n, stages) != (128, 4):
                 out[f"n{block_n} s{stages}"] = dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
     out[f"w{2 * cfg.num_warps}"] = dataclasses.replace(cfg, num_warps=2 * cfg.num_warps)
@@ -63,6 +63,8 @@ def main():
     p.add_argument("--rules", action="store_true", help="with --shares: the plan beside session 46's rule only")
     p.add_argument("--splits", default=None, help="share counts (e.g. 1,2,4) for every tile variant instead of "
                    "the plan's count and twice it")
+    p.add_argument("--pages", type=int, default=0, help="time the forward on the cache cut into pages of this "
+                   "many slots (block_table), up to 7 pipeline stages")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     heads, heads_kv = map(int, args.heads.split(","))
@@ -78,6 +80,11 @@ def main():
                 plan = kernels.forward_plan(q, k, opts)
                 ref = kernels.attention_forward(q, k, v, opts)[0].float()
                 cache_bytes = 2 * b * s * heads_kv * d * 2
+                if args.pages:  # the same keys through a block table
+                    (k, v), table = to_pages(k, v, args.pages)
+                    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+                    opts = kernels.AttnOptions(1 / math.sqrt(d), kv_cache=kernels.KVCache(lens, block_table=table))
+                    plan = kernels.forward_plan(q, k, opts)
                 if args.shares:
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     runs = [("plan", plan.config, 1)] + [
@@ -85,10 +92,13 @@ def main():
                         for name, count in share_counts(plan, s, sms, args.rules).items()]
                 elif args.splits:
                     runs = [(f"{name} {count} shares", dataclasses.replace(cfg, num_splits=int(count)), 1)
-                            for name, cfg in variants(plan).items() for count in args.splits.split(",")]
+                            for name, cfg in variants(plan, bool(args.pages)).items()
+                            for count in args.splits.split(",")]
                 else:
-                    runs = [(name, cfg, factor) for name, cfg in variants(plan).items() for factor in (1, 2)]
-                    runs.append(("round 45", round45_config(q, k, False), 1))
+                    runs = [(name, cfg, factor) for name, cfg in variants(plan, bool(args.pages)).items()
+                            for factor in ((1,) if args.pages else (1, 2))]
+                    if not args.pages:
+                        runs.append(("round 45", round45_config(q, k, False), 1))
                 for name, cfg, split_factor in runs:
                     # the plan's share count for these tiles (auto), or twice it (two programs an SM where they fit)
                     auto = cfg.num_splits or kernels.forward_plan(q, k, opts, cfg).num_splits
@@ -96,7 +106,7 @@ def main():
                     row = dict(variant=name + (" x2 shares" if split_factor > 1 else ""), batch=b, seqlen_k=s,
                                heads=heads, heads_kv=heads_kv, head_dim=d, block_m=cfg.block_m,
                                block_n=cfg.block_n, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-                               use_tma=cfg.use_tma, num_splits=run_cfg.num_splits)
+                               use_tma=cfg.use_tma, num_splits=run_cfg.num_splits, page_size=args.pages or None)
                     try:
                         fn = lambda c=run_cfg: kernels.attention_forward(q, k, v, opts, config=c)[0]  # noqa: E731
                         row["max_diff"] = (fn().float() - ref).abs().max().item()
