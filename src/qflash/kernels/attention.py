@@ -81,12 +81,12 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b, seqlen_new, slots, cache_rows, page_size,
-                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr):
+def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b, seqlen_new, slots, cache_rows,
+                PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr):
     """(cache row, first slot, keys, valid) of sequence b in a KV cache (cache_rows, slots, ...):
     slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b).
-    PAGED: slot j lies in page table_row[j // page_size] of a cache of ``cache_rows`` pages, the
-    sequence's ``slots`` = its table row's pages x page_size. A row or a page outside the cache,
+    PAGED: slot j lies in page table_row[j // PAGE_SIZE] of a cache of ``cache_rows`` pages, the
+    sequence's ``slots`` = its table row's pages x PAGE_SIZE. A row or a page outside the cache,
     or slots that leave the row or go backwards, are bad input (``set_debug(True)`` refuses them
     on the host): no product, NaN outputs."""
     start = tl.load(cache_seqlens + b).to(tl.int32)  # int32 or int64 tensors, read as they are
@@ -95,8 +95,8 @@ def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b, seq
     end = start + seqlen_new
     valid = (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
     if PAGED:  # every page the keys touch inside the cache (entries read inside the table row)
-        valid &= _pages_ok(table_row, tl.maximum(pad, 0) // page_size,
-                           tl.minimum(tl.cdiv(tl.maximum(end, 0), page_size), slots // page_size), cache_rows)
+        valid &= _pages_ok(table_row, tl.maximum(pad, 0) // PAGE_SIZE,
+                           tl.minimum(tl.cdiv(tl.maximum(end, 0), PAGE_SIZE), slots // PAGE_SIZE), cache_rows)
     else:
         valid &= (row >= 0) & (row < cache_rows)
     return tl.where(valid, row, 0), tl.where(valid, pad, 0).to(tl.int64), tl.where(valid, end - pad, 0), valid
@@ -114,13 +114,15 @@ def _pages_ok(table_row, first, end, num_pages, BLOCK: tl.constexpr = 128):
 
 
 @triton.jit
-def _page_slots(table_row, first_slot, cols, bound, page_size):
+def _page_slots(table_row, first_slot, cols, bound, PAGE_SIZE: tl.constexpr):
     """(page, row in the page) of keys ``cols`` ([BLOCK_N] each, int64) of a paged cache: key c is
-    slot first_slot + c of its sequence, in page table_row[slot // page_size]; keys past ``bound``
-    give page 0 (their loads are masked)."""
-    slot = first_slot + cols
-    page = tl.load(table_row + slot // page_size, mask=cols < bound, other=0)
-    return page.to(tl.int64), (slot % page_size).to(tl.int64)
+    slot first_slot + c of its sequence, in page table_row[slot // PAGE_SIZE]; keys past ``bound``
+    give page 0 (their loads are masked). The slots stay int32 and the page size a constant: with
+    a run-time page size and int64 slots, each key block cost 64-bit divisions (a software
+    routine), and the paged decode step ran at half the dense one's speed (s48a)."""
+    slot = first_slot.to(tl.int32) + cols  # [BLOCK_N]
+    page = tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0)
+    return page.to(tl.int64), (slot % PAGE_SIZE).to(tl.int64)
 
 
 @triton.jit
@@ -387,7 +389,7 @@ def _attn_fwd_stretch(
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
-    table_row, first_slot, page_size, stride_kp, stride_vp,
+    table_row, first_slot, stride_kp, stride_vp, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
@@ -403,7 +405,7 @@ def _attn_fwd_stretch(
         cols = start_n + offs_n  # [BLOCK_N]
         if PAGED:
             in_seq = cols < seqlen_k  # [BLOCK_N]
-            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, page_size)
+            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, PAGE_SIZE)
             k_rows = page * stride_kp + in_page * stride_ks  # [BLOCK_N]
             k = tl.load(k_desc + k_rows[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None],
                         other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -441,7 +443,7 @@ def _attn_fwd_kernel(
     stride_o_split, stride_l_split,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks, num_splits,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
-    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows, stride_table, page_size,
+    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -450,11 +452,11 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
     SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
     KV_CACHE: tl.constexpr = False, HAS_BATCH_IDX: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
-    PAGED: tl.constexpr = False,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1,
 ):
     # KV_CACHE (``flash_attn_with_kvcache``): K / V are a cache of rows of seqlen_k slots, sequence
     # b's keys where ``_cache_keys`` puts them; PAGED: a cache of ``cache_rows`` pages of
-    # ``page_size`` slots, sequence b's slot j in page block_table[b, j // page_size].
+    # PAGE_SIZE slots, sequence b's slot j in page block_table[b, j // PAGE_SIZE] (a compile a page size).
     # PACK_GQA (decoding with grouped heads): one program's rows are the query rows of every query
     # head of one key/value head, which it then reads once for all of them; num_heads counts
     # key/value heads, and one row block holds them all. A mask or bias plane is then one that
@@ -495,7 +497,7 @@ def _attn_fwd_kernel(
     table_row = block_table + b.to(tl.int64) * stride_table  # (PAGED only)
     if KV_CACHE:
         kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b,
-                                                       seqlen_new, seqlen_k, cache_rows, page_size, HAS_BATCH_IDX,
+                                                       seqlen_new, seqlen_k, cache_rows, PAGE_SIZE, HAS_BATCH_IDX,
                                                        HAS_LEFTPAD, PAGED)
     else:
         k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
@@ -584,7 +586,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            table_row, k_start, page_size, stride_kb, stride_vb,
+            table_row, k_start, stride_kb, stride_vb, PAGE_SIZE,
             HEAD_DIM, BLOCK_D, BLOCK_N, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
             HAS_DROPOUT, DOT_PRECISION, USE_TMA, PAGED)
 
@@ -1036,11 +1038,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         seqlen_new=0 if cache is None else cache.new,
         cache_rows=k.shape[0],
         stride_table=cache.block_table.stride(0) if paged else 0,
-        page_size=k.shape[1],
         KV_CACHE=cache is not None,
         HAS_BATCH_IDX=cache is not None and cache.batch_idx is not None,
         HAS_LEFTPAD=cache is not None and cache.leftpad is not None,
         PAGED=paged,
+        PAGE_SIZE=k.shape[1] if paged else 1,  # (a constant: one compile a page size)
         **variant,
     )
     if num_splits > 1:
@@ -1699,7 +1701,7 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                 dropout_p="fp32", qk_scale="fp64", softcap_log2="fp64", softmax_scale="fp64",
                 Lse="*fp32", Delta="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", cache_seqlens="*i32",
                 cache_batch_idx="*i32", cache_leftpad="*i32", block_table="*i32", seqlen_new=1, cache_rows="i32",
-                stride_table=0, page_size="i32",
+                stride_table=0,
                 num_splits=1,
                 stride_o_split=seqlen * heads * head_dim, stride_l_split=heads * seqlen)  # (keys not split)
     for name in fn.arg_names:
@@ -1719,12 +1721,13 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
-                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False)
+                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False, PAGE_SIZE=1)
         if kv_cache:  # a decode step: 1 query row, 4 heads packed a row block, 17 key shares
-            # (pages of 16 slots, vLLM's: a page size that is a multiple of 16 is specialized as one)
-            args.update(seqlen_q=1, num_m_blocks=1, kv_group=4, num_heads=heads // 4, num_splits=17, page_size=16)
+            # (pages of 16 slots, vLLM's)
+            args.update(seqlen_q=1, num_m_blocks=1, kv_group=4, num_heads=heads // 4, num_splits=17)
             constants.update(BOTTOM_RIGHT=True, SPLIT_KV=True, PACK_GQA=True, KV_CACHE=True,
                              HAS_BATCH_IDX=kv_cache == "rows", HAS_LEFTPAD=True, PAGED=kv_cache == "paged",
+                             PAGE_SIZE=16 if kv_cache == "paged" else 1,
                              USE_TMA=cfg.use_tma and kv_cache != "paged")
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
