@@ -110,12 +110,11 @@ def test_window_forward_builds_for_sm90_with_asynchronous_wgmma(causal, window_l
 def test_decode_forward_builds_for_sm90_without_spills(kv_cache, d):
     """flash_attn_with_kvcache's forward as a decode step launches it (decoding's tiles, split,
     packed heads, left pads, cache rows or pages), built offline for sm_90: ptxas must not spill
-    (the D = 64 build holds 166-168 registers of 255). Known: the paged D = 256 build (8 warps)
-    spills 40 bytes at 128 registers; allowed up to 64 bytes until it is timed on the GPU."""
+    (the D = 64 builds hold 164-168 registers of 255, the paged D = 128 one 246: 128-key blocks).
+    The paged D = 256 build spilled 40 bytes while its page lookups divided in 64 bits."""
     kernel = sm90_build("qflash.kernels.attention", d, torch.bfloat16, causal=True, kernel="fwd", kv_cache=kv_cache)
     report = ptxas_report(kernel["ptx"])
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spilled <= (64 if (d, kv_cache) == (256, "paged") else 0), report[-600:]
+    assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report[-600:]
 
 
 def test_causal_with_window():

@@ -675,22 +675,23 @@ SHORT_KEYS = 512
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False,
-                   seqlen_k: Optional[int] = None, dropout: bool = False, rows: Optional[int] = None) -> AttnFwdConfig:
+                   seqlen_k: Optional[int] = None, dropout: bool = False, rows: Optional[int] = None,
+                   paged: bool = False) -> AttnFwdConfig:
     """Tile shapes searched on the H200 (benchmarks/results/), by head-dim bucket and, for D = 256,
     by length bucket (``seqlen_k``: keys per sequence, the longest for varlen), and for dropout;
     small and quick to interpret on CPU. ``rows``: the query rows one row block must hold (the
     group's heads times the query rows where heads are packed); up to DECODE_ROWS, decoding's tiles
-    (``decode_config``)."""
+    (``decode_config``), ``paged`` ones for keys gathered through a block table."""
     decoding = rows is not None and rows <= DECODE_ROWS
     if device.type != "cuda":
         cfg = AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     else:
-        cfg = _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout, decoding)
+        cfg = _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout, decoding, paged)
     return decode_config(cfg, rows) if decoding else cfg
 
 
 def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int],
-               dropout: bool = False, decoding: bool = False) -> AttnFwdConfig:
+               dropout: bool = False, decoding: bool = False, paged: bool = False) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
@@ -700,6 +701,13 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # 128 (attention_dropout_h200_2026-11-30_s16a.json).
         return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2 if block_d > 64 else 3,
                              use_tma=hopper and block_d > 64)
+    if decoding and paged and block_d <= 128:
+        # Keys gathered page by page (no descriptors): 128-key blocks, 0.89-0.92 x the time of the
+        # dense cache's 64 at D = 128 (pages of 16 and 256, batch 1 and 16, 4k and 64k keys), and
+        # five stages at D = 64 (0.86 x three; the pipeliner gives the page numbers stages of their
+        # own) (attention_decode_paged_tiles_h200_2026-12-03_s48c.json).
+        return AttnFwdConfig(block_m=128, block_n=128, num_warps=4, num_stages=5 if block_d <= 64 else 3,
+                             use_tma=False)
     if decoding and block_d <= 128:
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
@@ -949,8 +957,10 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
         keys = k.shape[1] if opts.kv_cache is None else opts.kv_cache.slots(k)
     kv_group = num_heads // k.shape[-2]
     packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
+    paged = opts.kv_cache is not None and opts.kv_cache.block_table is not None
     cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0, seqlen_k=keys,
-                                   dropout=opts.dropout_p > 0, rows=rows * kv_group if packable else rows)
+                                   dropout=opts.dropout_p > 0, rows=rows * kv_group if packable else rows,
+                                   paged=paged)
     pack = packable and cfg.block_m >= rows * kv_group  # one row block holds a whole group
     grid_heads = num_heads // kv_group if pack else num_heads
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
@@ -1686,7 +1696,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
 
     seqlen, heads = 16384, 2048 // head_dim
     dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
-    fwd_cfg = _fwd_tiles(head_dim, dtype, True, seqlen, dropout, decoding=bool(kv_cache))
+    fwd_cfg = _fwd_tiles(head_dim, dtype, True, seqlen, dropout, decoding=bool(kv_cache),
+                         paged=kv_cache == "paged")
     defaults = dict(fwd=decode_config(fwd_cfg, 4) if kv_cache else fwd_cfg, dq=dq_cfg, dkdv=dkdv_cfg)
     cfg = config or defaults[kernel]
     fn = dict(fwd=_attn_fwd_kernel, dq=_attn_bwd_dq_kernel, dkdv=_attn_bwd_dkdv_kernel)[kernel]
