@@ -765,10 +765,13 @@ def test_kvcache_paged_matches_the_reference(monkeypatch, num_splits, page_size,
     _check_kvcache(q, k_cache, v_cache, k, v, lens, block_table=table, **kw)
 
 
-def test_kvcache_paged_bad_pages_stay_apart():
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_paged_bad_pages_stay_apart(monkeypatch, num_splits):
     """A block table that names a page outside the cache for a sequence's keys: that sequence is
     NaN and its new key goes nowhere, the others come out right and their keys go into their
-    pages; entries past a sequence's keys are not read; set_debug(True) raises."""
+    pages; entries past a sequence's keys are not read; set_debug(True) raises. Split, only the
+    share that reads the bad page sees it: the combine carries its NaN into the whole row."""
+    _split_keys(monkeypatch, num_splits)
     q, k_rows, v_rows, k, v = _kvcache(batch=3, new=1, sq=1, slots=64)
     k_pages, v_pages, table = _paged(k_rows, v_rows, 16)
     # the caches inside larger buffers of finite values: a page read past the cache would not be NaN

@@ -81,23 +81,23 @@ def _sequence(cu_seqlens, b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b, seqlen_new, slots, cache_rows,
-                PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr):
+def _cache_keys(cache_seqlens, cu_seqlens_k, cache_batch_idx, cache_leftpad, b, seqlen_new, slots, cache_rows,
+                HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(cache row, first slot, keys, valid) of sequence b in a KV cache (cache_rows, slots, ...):
-    slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b).
-    PAGED: slot j lies in page table_row[j // PAGE_SIZE] of a cache of ``cache_rows`` pages, the
-    sequence's ``slots`` = its table row's pages x PAGE_SIZE. A row or a page outside the cache,
-    or slots that leave the row or go backwards, are bad input (``set_debug(True)`` refuses them
-    on the host): no product, NaN outputs."""
-    start = tl.load(cache_seqlens + b).to(tl.int32)  # int32 or int64 tensors, read as they are
+    slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b);
+    with packed queries (IS_VARLEN), cache_seqlens[b] is counted from cu_seqlens_k instead. PAGED: the slots of the sequence's block-table row (its pages x the page size; each program
+    checks the pages it reads, ``_pages_ok``). A row outside the cache, or slots that leave the
+    row or go backwards, are bad input (``set_debug(True)`` refuses them on the host): no
+    product, NaN outputs."""
+    if IS_VARLEN:  # (no launch on the host to take the differences)
+        start = tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)
+    else:
+        start = tl.load(cache_seqlens + b).to(tl.int32)  # int32 or int64 tensors, read as they are
     row = tl.load(cache_batch_idx + b).to(tl.int32) if HAS_BATCH_IDX else b
     pad = tl.load(cache_leftpad + b).to(tl.int32) if HAS_LEFTPAD else 0
     end = start + seqlen_new
     valid = (start >= 0) & (end <= slots) & (pad >= 0) & (pad <= start)
-    if PAGED:  # every page the keys touch inside the cache (entries read inside the table row)
-        valid &= _pages_ok(table_row, tl.maximum(pad, 0) // PAGE_SIZE,
-                           tl.minimum(tl.cdiv(tl.maximum(end, 0), PAGE_SIZE), slots // PAGE_SIZE), cache_rows)
-    else:
+    if not PAGED:
         valid &= (row >= 0) & (row < cache_rows)
     return tl.where(valid, row, 0), tl.where(valid, pad, 0).to(tl.int64), tl.where(valid, end - pad, 0), valid
 
@@ -496,14 +496,28 @@ def _attn_fwd_kernel(
     kv_b = b  # the K / V batch row
     table_row = block_table + b.to(tl.int64) * stride_table  # (PAGED only)
     if KV_CACHE:
-        kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cache_batch_idx, cache_leftpad, table_row, b,
-                                                       seqlen_new, seqlen_k, cache_rows, PAGE_SIZE, HAS_BATCH_IDX,
-                                                       HAS_LEFTPAD, PAGED)
+        kv_b, k_start, seqlen_k, valid_k = _cache_keys(cache_seqlens, cu_seqlens_k, cache_batch_idx, cache_leftpad, b,
+                                                       seqlen_new, seqlen_k, cache_rows, HAS_BATCH_IDX, HAS_LEFTPAD,
+                                                       PAGED, IS_VARLEN)
     else:
         k_start, seqlen_k, valid_k = _sequence(cu_seqlens_k, b, seqlen_k, IS_VARLEN)
     m0 = m_block * BLOCK_M
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the longest one
         return
+    shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+    # ---- the range of key blocks this row block can see (and this share of them) ---------
+    lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if SPLIT_KV:
+        s_lo, s_hi = _split_share(lo, hi, split, num_splits, BLOCK_N)
+    else:
+        s_lo, s_hi = lo, hi
+    if PAGED:  # the table entries of the keys this program reads name pages of the cache; a bad
+        # one makes this share NaN, whose weight in the combine is then NaN: the whole row is NaN.
+        # (Not every share the whole row: 4096 entries in 32 dependent steps at 64k keys in pages of 16.)
+        first_slot = k_start.to(tl.int32)
+        valid_k &= _pages_ok(table_row, (first_slot + s_lo) // PAGE_SIZE, tl.cdiv(first_slot + s_hi, PAGE_SIZE),
+                             cache_rows)
     if IS_VARLEN or KV_CACHE:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
         if PACK_GQA:  # the one row block holds every head of the group
             fits = seqlen_q * kv_group <= BLOCK_M
@@ -518,7 +532,6 @@ def _attn_fwd_kernel(
                 _nan_rows(Lse + b.to(tl.int64) * stride_lb + (h + g).to(tl.int64) * stride_lh, stride_ls,
                           nan_first, nan_end, 1)
             return
-    shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
 
     # ---- pointers (int64: batch*seqlen*heads*headdim may pass 2^31) ----------------------
     b64 = b.to(tl.int64)
@@ -558,12 +571,6 @@ def _attn_fwd_kernel(
         slope_log2 = 0.0
 
     rng_row0 = _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN)
-
-    # ---- the range of key blocks this row block can see ---------------------------------
-    lo, full_lo, full_hi, hi = _key_blocks(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if SPLIT_KV:
-        s_lo, s_hi = _split_share(lo, hi, split, num_splits, BLOCK_N)
 
     # ---- the Q tile stays resident -------------------------------------------------------
     if USE_TMA and not PACK_GQA:
@@ -811,7 +818,7 @@ class KVCache:
     ``leftpad[b]`` to ``seqlens[b] + new - 1`` of cache row ``batch_idx[b]`` (or b). Tensors are
     (batch,) int32 / int64 on the device, read by the kernel as they are (no host sync, nothing
     launched to convert them)."""
-    seqlens: torch.Tensor  # keys before the new ones
+    seqlens: torch.Tensor  # keys before the new ones (packed queries: from cu_seqlens_k, not read)
     new: int = 0  # new keys a sequence, already in the cache
     batch_idx: Optional[torch.Tensor] = None
     leftpad: Optional[torch.Tensor] = None

@@ -567,9 +567,9 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     cu_seqlens_k, _ = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, 2**31 - 1, q.device)
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, total_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, slots)
-    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]  # each sequence's keys (negative: bad, so NaN)
-    if debug_enabled() and batch and not q.is_meta:
-        _check_cache_positions(lens_k, None, None, k.shape[0], slots, block_table, 0, k.shape[1])
+    if debug_enabled() and batch and not q.is_meta:  # (the kernel counts each sequence's keys: negative, NaN)
+        _check_cache_positions(cu_seqlens_k[1:] - cu_seqlens_k[:-1], None, None, k.shape[0], slots, block_table, 0,
+                               k.shape[1])
     left, right = _window(window_size, causal)
     opts_args = (_scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
                  _check_alibi(alibi_slopes, batch, heads, q.device))
@@ -578,7 +578,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     from qflash.kernels.attention import AttnOptions, KVCache, attention_forward
 
     opts = AttnOptions(*opts_args, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, kv_cache=KVCache(lens_k, 0, None, None, block_table))
+                       max_seqlen_k=max_seqlen_k, kv_cache=KVCache(cu_seqlens_k, 0, None, None, block_table))
     with torch.no_grad(), on_device_of(q):
         return attention_forward(_unit_last_stride(q), k, v, opts)
 
