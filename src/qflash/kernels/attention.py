@@ -709,10 +709,11 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2 if block_d > 64 else 3,
                              use_tma=hopper and block_d > 64)
     if decoding and paged and block_d <= 128:
-        # Keys gathered page by page (no descriptors): 128-key blocks, 0.89-0.92 x the time of the
-        # dense cache's 64 at D = 128 (pages of 16 and 256, batch 1 and 16, 4k and 64k keys), and
-        # five stages at D = 64 (0.86 x three; the pipeliner gives the page numbers stages of their
-        # own) (attention_decode_paged_tiles_h200_2026-12-03_s48c.json).
+        # Keys gathered through the block table (no descriptors): blocks of 128 keys took 0.89-0.92
+        # x the time of the dense cache's 64-key tiles on the same pages at D = 128 (pages of 16 and
+        # 256, batch 1 and 16, 4k and 64k keys); at D = 64 five stages took 0.86 x the time of three
+        # (one shape: batch 1, 64k keys; the pipeliner spends stages on the page numbers too)
+        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json).
         return AttnFwdConfig(block_m=128, block_n=128, num_warps=4, num_stages=5 if block_d <= 64 else 3,
                              use_tma=False)
     if decoding and block_d <= 128:
