@@ -8,8 +8,11 @@ number of pipeline stages set (a stage of 64 keys at D = 128 is 32 KB of K and V
 
     python3 benchmarks/attention_decode_tiles.py --head-dims 64,128,256 --out tiles.json
 
+``--flip-tma``: each run also with tensor descriptors on / off.
+
 ``--shares``: the plan's tiles with other key share counts instead: shares of at least 64, 128 or
-256 keys, enough of them to fill the SMs once (rounded up) or twice; "shares >= 256 keys, 1 a SM"
+256 keys, enough of them to fill the SMs once (rounded up) or twice, or as many as give no SM a
+second program; "shares >= 256 keys, 1 a SM"
 is session 46's rule (``--rules``: that one only).
 """
 
@@ -50,6 +53,9 @@ def share_counts(plan, keys, sms, only_s46=False):
                 count = min(math.ceil(fill * sms / plan.programs), blocks // max(1, min_keys // plan.config.block_n),
                             kernels.MAX_KV_SPLITS * fill)
             out[f"shares >= {min_keys} keys, {fill} a SM"] = max(1, count)
+    if not only_s46:  # no SM with a second program: as many shares as fit one wave
+        out["shares of a block or more, at most 1 a SM"] = max(1, min(sms // plan.programs, blocks,
+                                                                      kernels.MAX_KV_SPLITS))
     return out
 
 
@@ -63,6 +69,7 @@ def main():
     p.add_argument("--rules", action="store_true", help="with --shares: the plan beside session 46's rule only")
     p.add_argument("--splits", default=None, help="share counts (e.g. 1,2,4) for every tile variant instead of "
                    "the plan's count and twice it")
+    p.add_argument("--flip-tma", action="store_true", help="every run also with tensor descriptors flipped")
     p.add_argument("--pages", type=int, default=0, help="time the forward on the cache cut into pages of this "
                    "many slots (block_table), up to 7 pipeline stages")
     p.add_argument("--out", default=None)
@@ -99,6 +106,9 @@ def main():
                             for factor in ((1,) if args.pages else (1, 2))]
                     if not args.pages:
                         runs.append(("round 45", round45_config(q, k, False), 1))
+                if args.flip_tma:
+                    runs += [(f"{name} {'no tma' if cfg.use_tma else 'tma'}",
+                              dataclasses.replace(cfg, use_tma=not cfg.use_tma), factor) for name, cfg, factor in runs]
                 for name, cfg, split_factor in runs:
                     # the plan's share count for these tiles (auto), or twice it (two programs an SM where they fit)
                     auto = cfg.num_splits or kernels.forward_plan(q, k, opts, cfg).num_splits
