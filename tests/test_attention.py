@@ -1054,8 +1054,9 @@ def test_gpu_decode_plan_two_programs_an_sm():
 
 def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
-    pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two; D = 256,
-    float32 and dropout keep their tiles with the rows cut."""
+    pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
+    (no tensor descriptors), and 128-key blocks for a paged cache; D = 256, float32 and dropout
+    keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "has_tma", lambda device: True)
@@ -1065,8 +1066,11 @@ def test_decode_tiles(monkeypatch):
         return kernels.default_config(d, dtype, cuda, seqlen_k=4096, rows=rows, **kw)
 
     assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
-    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=True)
-    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=True)
+    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False)
+    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False)
+    assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
+    assert cfg(256, 4, paged=True) == cfg(256, 4)
     assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
     assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)
     assert cfg(64, 1, torch.float32) == dataclasses.replace(cfg(64, None, torch.float32), block_m=16)

@@ -85,7 +85,8 @@ def _cache_keys(cache_seqlens, cu_seqlens_k, cache_batch_idx, cache_leftpad, b, 
                 HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, PAGED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(cache row, first slot, keys, valid) of sequence b in a KV cache (cache_rows, slots, ...):
     slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b);
-    with packed queries (IS_VARLEN), cache_seqlens[b] is counted from cu_seqlens_k instead. PAGED: the slots of the sequence's block-table row (its pages x the page size; each program
+    with packed queries (IS_VARLEN), cache_seqlens[b] is counted from cu_seqlens_k instead.
+    PAGED: the slots of the sequence's block-table row (its pages x the page size; each program
     checks the pages it reads, ``_pages_ok``). A row outside the cache, or slots that leave the
     row or go backwards, are bad input (``set_debug(True)`` refuses them on the host): no
     product, NaN outputs."""
@@ -720,9 +721,11 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
         # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json, _s46b).
+        # Through pointers, not tensor descriptors: at D = 128 one query row a sequence took 0.82-1.00
+        # x the time with them (batch 1, 4, 16; 1k-64k keys; attention_decode_shares_tma_h200_2026-12-03_s48f.json).
         # block_m is decode_config's.
         return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
-                             use_tma=hopper and block_d > 64)
+                             use_tma=False)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
