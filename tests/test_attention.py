@@ -110,11 +110,14 @@ def test_window_forward_builds_for_sm90_with_asynchronous_wgmma(causal, window_l
 def test_decode_forward_builds_for_sm90_without_spills(kv_cache, d):
     """flash_attn_with_kvcache's forward as a decode step launches it (decoding's tiles, split,
     packed heads, left pads, cache rows or pages), built offline for sm_90: ptxas must not spill
-    (the D = 64 builds hold 164-168 registers of 255, the paged D = 128 one 246: 128-key blocks).
-    The paged D = 256 build spilled 40 bytes while its page lookups divided in 64 bits."""
+    (the D = 64 builds hold 164-168 registers of 255, the paged D = 128 one 244: 128-key blocks).
+    The paged D = 256 build is capped at 128 registers (two programs an SM) and may spill up to 8
+    bytes there, as ptxas chose for flash_attn_with_kvcache's launch on its own; it spilled 40
+    bytes while its page lookups divided in 64 bits."""
     kernel = sm90_build("qflash.kernels.attention", d, torch.bfloat16, causal=True, kernel="fwd", kv_cache=kv_cache)
     report = ptxas_report(kernel["ptx"])
-    assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report[-600:]
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert spilled <= (8 if (d, kv_cache) == (256, "paged") else 0), report[-600:]
 
 
 def test_causal_with_window():
@@ -1055,8 +1058,8 @@ def test_gpu_decode_plan_two_programs_an_sm():
 def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
-    (no tensor descriptors), and 128-key blocks for a paged cache; D = 256, float32 and dropout
-    keep their tiles with the rows cut."""
+    (no tensor descriptors), and 128-key blocks for a paged cache (D = 256: at most 128 registers);
+    D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "has_tma", lambda device: True)
@@ -1070,7 +1073,7 @@ def test_decode_tiles(monkeypatch):
     assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False)
     assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
     assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
-    assert cfg(256, 4, paged=True) == cfg(256, 4)
+    assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)
     assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
     assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)
     assert cfg(64, 1, torch.float32) == dataclasses.replace(cfg(64, None, torch.float32), block_m=16)
@@ -1353,6 +1356,25 @@ def test_load_paths_varlen_and_sdpa(load_path):
     assert_flash_rule(out, ref, pt)
     query = torch.randn(2, 3, 29, 32, device=DEVICE).half()
     _check_sdpa(query, query.flip(2), query.flip(1), attn_mask=torch.rand(29, 29, device=DEVICE) > 0.3)
+
+
+def test_forward_register_cap_reaches_the_launch(monkeypatch):
+    """A forward config's ``maxnreg`` (the paged D = 256 decode tiles cap registers at 128) is a
+    launch option of the kernel; none is passed without one."""
+    from qflash.kernels import attention as kernels
+
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(kernels, "_fwd_launcher", Launcher())
+    q, k, v = _qkv(1, 1, 64, 4, 2, 32)
+    for cap in (128, None):
+        cfg = kernels.AttnFwdConfig(16, 16, 4, 1, num_splits=1, maxnreg=cap)
+        kernels.attention_forward(q, k, v, kernels.AttnOptions(1.0), config=cfg)
+    assert launches[0]["maxnreg"] == 128 and "maxnreg" not in launches[1]
 
 
 def test_default_config_buckets(monkeypatch):

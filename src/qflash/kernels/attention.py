@@ -674,6 +674,7 @@ class AttnFwdConfig:
     use_tma: bool = False  # tensor descriptors (Hopper's copy engine) when strides allow
     num_splits: int = 0  # key shares a row block (split_kv); 0: chosen by kv_splits
     pack_gqa: bool = True  # where packs_gqa allows: a key/value head's query heads in one row block
+    maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
 
 
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
@@ -731,6 +732,13 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
     if block_d <= 128:
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
     short = seqlen_k is not None and seqlen_k <= SHORT_KEYS
+    if decoding and paged:
+        # At most 128 registers, so that two programs of 8 warps share an SM (decoding's shares
+        # count on two an SM): ptxas gave the paged forward 128 registers (8 bytes spilled) as
+        # flash_attn_with_kvcache launches it, but 184 as flash_attn_varlen_func does (batch 1,
+        # 64k keys in pages of 16, built offline as launched), and that launch took 1.62-1.80 x
+        # the other's time (attention_decode_paged_d256_h200_2026-12-03_s48e.json).
+        return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=False, maxnreg=128)
     return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
 
 
@@ -1054,6 +1062,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         USE_TMA=use_tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **_maxnreg(cfg),
         SPLIT_KV=num_splits > 1,
         PACK_GQA=plan.pack,
         seqlen_new=0 if cache is None else cache.new,
