@@ -81,6 +81,8 @@ def sm90_build(module: str, *args, **kwargs) -> dict:
             f"kernel = importlib.import_module({module!r}).compile_for_sm90(*{args!r}, **{kwargs!r})\n"
             "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared}, sys.stdout)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.abspath(__file__))  # (for modules of the tests, launch_builds)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)

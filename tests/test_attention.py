@@ -120,6 +120,18 @@ def test_decode_forward_builds_for_sm90_without_spills(kv_cache, d):
     assert spilled <= (8 if (d, kv_cache) == (256, "paged") else 0), report[-600:]
 
 
+@pytest.mark.parametrize("call", ["kvcache", "varlen"])
+def test_paged_decode_d256_leaves_room_for_two_programs_an_sm(call):
+    """The paged D = 256 decode forward (8 warps) built as flash_attn_with_kvcache and
+    flash_attn_varlen_func launch it on the H200 (launch_builds): at most 128 registers, so that
+    two programs share an SM as decoding's shares count on (varlen's launch held 184 before the
+    tiles capped it, and ran 1.6-1.8 x the other's time), with at most 8 bytes spilled."""
+    report = ptxas_report(sm90_build("launch_builds", call)["ptx"])
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert registers <= 128 and spilled <= 8, report[-600:]
+
+
 def test_causal_with_window():
     q, k, v = _qkv(1, 70, 70, 2, 1, 32)
     check_flash(q, k, v, causal=True, window_size=(9, 99))  # causal overrides the right side
