@@ -848,14 +848,18 @@ def test_gpu_varlen_paged():
 
 
 def test_varlen_paged_bad_counts_and_refusals():
-    """A key count past a sequence's pages gives NaN in that sequence only; dropout and gradients
-    are refused with a clear error."""
+    """A key count past a sequence's pages, or below zero, gives NaN in that sequence only; dropout
+    and gradients are refused with a clear error."""
     q, k, v, cu_q, cu_k = _varlen([2, 3], [10, 20])
     rows = [torch.randn(2, 21, *t.shape[1:], device=DEVICE).to(t.dtype) for t in (k, v)]
     k_pages, v_pages, table = _paged(*rows, 7)  # 3 pages: 21 slots a sequence
     cu_bad = torch.tensor([0, 10, 32], dtype=torch.int32, device=DEVICE)  # sequence 1: 22 keys
     with poisoned(FINITE_POISON):
         out = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_bad, 3, 22, block_table=table)
+    assert out[2:].isnan().all() and not out[:2].isnan().any()
+    cu_back = torch.tensor([0, 10, 5], dtype=torch.int32, device=DEVICE)  # sequence 1: -5 keys (the kernel counts)
+    with poisoned(FINITE_POISON):
+        out = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_back, 3, 10, block_table=table)
     assert out[2:].isnan().all() and not out[:2].isnan().any()
     with pytest.raises(ValueError, match="dropout_p must be 0 with block_table"):
         qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 20, dropout_p=0.1, block_table=table)
