@@ -68,7 +68,8 @@ def ptxas_report(ptx: str) -> str:
 
 
 def sm90_build(module: str, *args, **kwargs) -> dict:
-    """``module.compile_for_sm90(*args, **kwargs)`` in a fresh Python process: {"ptx", "shared"}.
+    """``module.compile_for_sm90(*args, **kwargs)`` in a fresh Python process: {"ptx", "shared",
+    "num_warps"}.
 
     Gluon kernels are built away from this process because Triton's interpreter (which the CPU
     tests run on) leaves some of its patches to triton.language in place after calling nested
@@ -79,7 +80,8 @@ def sm90_build(module: str, *args, **kwargs) -> dict:
 
     code = ("import importlib, json, sys, torch\n"
             f"kernel = importlib.import_module({module!r}).compile_for_sm90(*{args!r}, **{kwargs!r})\n"
-            "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared}, sys.stdout)\n")
+            "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared,\n"
+            "           'num_warps': kernel.metadata.num_warps}, sys.stdout)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tests = os.path.dirname(os.path.abspath(__file__))  # (for modules of the tests, launch_builds)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)

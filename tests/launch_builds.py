@@ -70,28 +70,36 @@ def _build(values, options):
 
 
 def compile_for_sm90(case: str, head_dim: int = 256, keys: int = 4096, page_size: int = 16):
-    """The forward of a paged decode step (batch 1, Llama-3-8B's 32 / 8 heads, bf16) as
-    ``flash_attn_with_kvcache`` ("kvcache") or ``flash_attn_varlen_func`` ("varlen") launches it on
-    the H200: the launcher's own tiles for Hopper, H200_SPLITS key shares."""
+    """The forward of a decode step (batch 1, Llama-3-8B's 32 / 8 heads, bf16) as a public call
+    launches it on the H200 (the launcher's own tiles for Hopper, H200_SPLITS key shares):
+    ``flash_attn_func`` on a dense cache ("func"), ``flash_attn_with_kvcache`` on a cache row named
+    by cache_batch_idx with a left pad ("rows") or on pages ("kvcache"), ``flash_attn_varlen_func``
+    on pages ("varlen")."""
     default = kernels.default_config
+    kernels.has_tma = lambda device: True
 
     def h200_tiles(*args, **kwargs):
-        kernels.has_tma = lambda device: True
         return dataclasses.replace(default(args[0], args[1], torch.device("cuda"), *args[3:], **kwargs),
                                    num_splits=H200_SPLITS)
 
     kernels.default_config = h200_tiles
     qflash.ops.common.interpreter_on = lambda: True  # CPU tensors get as far as the launch
     q = torch.randn(1, 1, 32, head_dim, dtype=torch.bfloat16)
-    k_pages, v_pages = (torch.randn(keys // page_size, page_size, 8, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    table = torch.arange(keys // page_size, dtype=torch.int32)[None]
-    if case == "kvcache":
-        lens = torch.full((1,), keys, dtype=torch.int32)
-        call = lambda: qflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens,  # noqa: E731
-                                                      block_table=table)
+    lens = torch.full((1,), keys, dtype=torch.int32)
+    if case in ("func", "rows"):
+        k, v = (torch.randn(2, keys, 8, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        calls = {"func": lambda: qflash.flash_attn_func(q, k[:1], v[:1]),
+                 "rows": lambda: qflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens - 1,
+                                                                cache_batch_idx=torch.ones(1, dtype=torch.int32),
+                                                                cache_leftpad=torch.ones(1, dtype=torch.int32))}
     else:
+        k_pages, v_pages = (torch.randn(keys // page_size, page_size, 8, head_dim, dtype=torch.bfloat16)
+                            for _ in range(2))
+        table = torch.arange(keys // page_size, dtype=torch.int32)[None]
         cu = torch.tensor([0, 1], dtype=torch.int32)
-        call = lambda: qflash.flash_attn_varlen_func(q[0], k_pages, v_pages, cu, cu * keys, 1, keys,  # noqa: E731
-                                                     block_table=table)
+        calls = {"kvcache": lambda: qflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens,
+                                                                   block_table=table),
+                 "varlen": lambda: qflash.flash_attn_varlen_func(q[0], k_pages, v_pages, cu, cu * keys, 1, keys,
+                                                                 block_table=table)}
     with torch.no_grad():
-        return _build(*_forward_launch(call))
+        return _build(*_forward_launch(calls[case]))

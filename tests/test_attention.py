@@ -105,31 +105,30 @@ def test_window_forward_builds_for_sm90_with_asynchronous_wgmma(causal, window_l
     assert "serialized" not in ptxas_report(kernel["ptx"])
 
 
-@pytest.mark.parametrize("kv_cache", ["rows", "paged"])
+# What one Hopper SM (sm_90: H100, H200) holds for its programs.
+SM90_REGISTERS_AN_SM = 65536
+SM90_SHARED_AN_SM = 228 * 1024
+
+
+@pytest.mark.parametrize("call", ["func", "rows", "kvcache", "varlen"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_decode_forward_builds_for_sm90_without_spills(kv_cache, d):
-    """flash_attn_with_kvcache's forward as a decode step launches it (decoding's tiles, split,
-    packed heads, left pads, cache rows or pages), built offline for sm_90: ptxas must not spill
-    (the D = 64 builds hold 164-168 registers of 255, the paged D = 128 one 244: 128-key blocks).
-    The paged D = 256 build is capped at 128 registers (two programs an SM) and may spill up to 8
-    bytes there, as ptxas chose for flash_attn_with_kvcache's launch on its own; it spilled 40
+def test_decode_forward_fits_two_programs_an_sm(call, d):
+    """A decode step's forward built for sm_90 as each public call launches it on the H200
+    (``launch_builds``: flash_attn_func; flash_attn_with_kvcache on a cache row with a left pad, or
+    on pages; flash_attn_varlen_func on pages; keys split, heads packed): two programs fit an SM,
+    in registers and in shared memory, as decoding's share counts assume (DECODE_PROGRAMS_PER_SM),
+    and ptxas does not spill. Known: the paged D = 256 tiles cap registers at 128 and may spill up
+    to 8 bytes there; without the cap the varlen launch held 184 registers (one program an SM) and
+    ran 1.6-1.8 x the time of the with_kvcache one (s48e). The paged D = 256 build spilled 40
     bytes while its page lookups divided in 64 bits."""
-    kernel = sm90_build("qflash.kernels.attention", d, torch.bfloat16, causal=True, kernel="fwd", kv_cache=kv_cache)
+    kernel = sm90_build("launch_builds", call, d)
     report = ptxas_report(kernel["ptx"])
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spilled <= (8 if (d, kv_cache) == (256, "paged") else 0), report[-600:]
-
-
-@pytest.mark.parametrize("call", ["kvcache", "varlen"])
-def test_paged_decode_d256_leaves_room_for_two_programs_an_sm(call):
-    """The paged D = 256 decode forward (8 warps) built as flash_attn_with_kvcache and
-    flash_attn_varlen_func launch it on the H200 (launch_builds): at most 128 registers, so that
-    two programs share an SM as decoding's shares count on (varlen's launch held 184 before the
-    tiles capped it, and ran 1.6-1.8 x the other's time), with at most 8 bytes spilled."""
-    report = ptxas_report(sm90_build("launch_builds", call)["ptx"])
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert registers <= 128 and spilled <= 8, report[-600:]
+    programs = attention_kernels.DECODE_PROGRAMS_PER_SM
+    assert programs * registers * 32 * kernel["num_warps"] <= SM90_REGISTERS_AN_SM, report[-600:]
+    assert programs * (kernel["shared"] + 1024) <= SM90_SHARED_AN_SM  # (1 KB a program is the system's)
+    assert spilled <= (8 if (d, call) in ((256, "kvcache"), (256, "varlen")) else 0), report[-600:]
 
 
 def test_causal_with_window():

@@ -1703,22 +1703,19 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      kernel: str = "dkdv", config=None, window_left: int = -1, dropout: bool = False,
-                     varlen: bool = False, kv_cache: str = ""):
+                     varlen: bool = False):
     """Build the ``tl`` forward ("fwd") or the backward's "dq" / "dkdv" kernel for sm_90 without a
     GPU (what the CPU tests read), specialized as a launch of its default tiles (or ``config``) on
     Hopper would be: contiguous (1, 16k, 2048 / head_dim, head_dim) q, k, v and dO, causal
     (top-left) or no mask, a left window edge if ``window_left`` >= 0, dropout if ``dropout``;
-    ``varlen``: the same rows packed (16k, heads, head_dim) with ``cu_seqlens``. ``kv_cache``
-    ("rows" or "paged"): the forward of a decode step of ``flash_attn_with_kvcache`` instead, one
-    query row and a group of 4 query heads packed, keys split, left pads, on cache rows chosen by
-    cache_batch_idx or on pages, with decoding's tiles, causal bottom-right."""
+    ``varlen``: the same rows packed (16k, heads, head_dim) with ``cu_seqlens``. (Decode steps, whose
+    register use moves with the launch's exact arguments: tests/launch_builds.py builds those from
+    a real call's launch.)"""
     from qflash.kernels.common import SIGNATURE_NAMES, build_tl_for_sm90
 
     seqlen, heads = 16384, 2048 // head_dim
     dq_cfg, dkdv_cfg = _bwd_tiles(_block_d(head_dim), tma=True)
-    fwd_cfg = _fwd_tiles(head_dim, dtype, True, seqlen, dropout, decoding=bool(kv_cache),
-                         paged=kv_cache == "paged")
-    defaults = dict(fwd=decode_config(fwd_cfg, 4) if kv_cache else fwd_cfg, dq=dq_cfg, dkdv=dkdv_cfg)
+    defaults = dict(fwd=_fwd_tiles(head_dim, dtype, True, seqlen, dropout), dq=dq_cfg, dkdv=dkdv_cfg)
     cfg = config or defaults[kernel]
     fn = dict(fwd=_attn_fwd_kernel, dq=_attn_bwd_dq_kernel, dkdv=_attn_bwd_dkdv_kernel)[kernel]
     has_left = window_left >= 0
@@ -1753,13 +1750,6 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
                          KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False, PAGE_SIZE=1)
-        if kv_cache:  # a decode step: 1 query row, 4 heads packed a row block, 17 key shares
-            # (pages of 16 slots, vLLM's)
-            args.update(seqlen_q=1, num_m_blocks=1, kv_group=4, num_heads=heads // 4, num_splits=17)
-            constants.update(BOTTOM_RIGHT=True, SPLIT_KV=True, PACK_GQA=True, KV_CACHE=True,
-                             HAS_BATCH_IDX=kv_cache == "rows", HAS_LEFTPAD=True, PAGED=kv_cache == "paged",
-                             PAGE_SIZE=16 if kv_cache == "paged" else 1,
-                             USE_TMA=cfg.use_tma and kv_cache != "paged")
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:
