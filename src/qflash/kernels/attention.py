@@ -121,7 +121,7 @@ def _page_slots(table_row, first_slot, cols, bound, PAGE_SIZE: tl.constexpr):
     give page 0 (their loads are masked). The slots stay int32 and the page size a constant: with
     a run-time page size and int64 slots, each key block cost 64-bit divisions (a software
     routine), and the paged decode step ran at half the dense one's speed (s48a)."""
-    slot = first_slot.to(tl.int32) + cols  # [BLOCK_N]
+    slot = first_slot + cols  # [BLOCK_N] int32
     page = tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0)
     return page.to(tl.int64), (slot % PAGE_SIZE).to(tl.int64)
 
@@ -513,10 +513,10 @@ def _attn_fwd_kernel(
         s_lo, s_hi = _split_share(lo, hi, split, num_splits, BLOCK_N)
     else:
         s_lo, s_hi = lo, hi
+    first_slot = k_start.to(tl.int32)  # (PAGED: slots of a block-table row, int32)
     if PAGED:  # the table entries of the keys this program reads name pages of the cache; a bad
         # one makes this share NaN, whose weight in the combine is then NaN: the whole row is NaN.
         # (Not every share the whole row: 4096 entries in 32 dependent steps at 64k keys in pages of 16.)
-        first_slot = k_start.to(tl.int32)
         valid_k &= _pages_ok(table_row, (first_slot + s_lo) // PAGE_SIZE, tl.cdiv(first_slot + s_hi, PAGE_SIZE),
                              cache_rows)
     if IS_VARLEN or KV_CACHE:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
@@ -594,7 +594,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            table_row, k_start, stride_kb, stride_vb, PAGE_SIZE,
+            table_row, first_slot, stride_kb, stride_vb, PAGE_SIZE,
             HEAD_DIM, BLOCK_D, BLOCK_N, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
             HAS_DROPOUT, DOT_PRECISION, USE_TMA, PAGED)
 
@@ -732,14 +732,15 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
     if block_d <= 128:
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=hopper)
     short = seqlen_k is not None and seqlen_k <= SHORT_KEYS
+    cfg = AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
     if decoding and paged:
         # At most 128 registers, so that two programs of 8 warps share an SM (decoding's shares
         # count on two an SM): ptxas gave the paged forward 128 registers (8 bytes spilled) as
         # flash_attn_with_kvcache launches it, but 184 as flash_attn_varlen_func does (batch 1,
         # 64k keys in pages of 16, built offline as launched), and that launch took 1.62-1.80 x
         # the other's time (attention_decode_paged_d256_h200_2026-12-03_s48e.json).
-        return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=False, maxnreg=128)
-    return AttnFwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=hopper and not short)
+        cfg = dataclasses.replace(cfg, use_tma=False, maxnreg=128)
+    return cfg
 
 
 # Split the keys only where each share keeps at least this many keys (a share's fixed cost, the

@@ -510,7 +510,7 @@ def flash_attn_varlen_func(
             b's key j lies in row j % page_size of page block_table[b, j // page_size], its key
             count cu_seqlens_k[b + 1] - cu_seqlens_k[b] (a count past its pages, or a page
             outside the cache: NaN). Inference only: no dropout, no gradient (a clear error
-            where one is asked for). CPU-tested only so far.
+            where one is asked for). One compile a page size.
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
         bottom-right within each sequence; alibi_slopes may be (batch, heads)).
 
@@ -773,8 +773,8 @@ def flash_attn_with_kvcache(
             = pages a sequence x page_size; no cache_batch_idx). Pages that a sequence's keys
             touch outside the cache make it NaN (set_debug(True): raises); pages that the new
             keys go into should not be shared between sequences (which one's keys land is then
-            unspecified, as in flash-attn). Pages are gathered key by key (no TMA); not yet
-            measured on the H200.
+            unspecified, as in flash-attn). Pages are gathered key by key (no TMA), one compile a
+            page size.
         return_softmax_lse: also return the log-sum-exp.
 
     Returns:
