@@ -1051,6 +1051,16 @@ def test_kv_splits_fill_the_sms_once():
     assert ks(programs=128, keys=4096, block_n=64, sms=132, decoding=True) == 2
     assert ks(programs=132, keys=4096, block_n=64, sms=132, decoding=True) == 1
     assert ks(programs=1, keys=10**6, block_n=64, sms=132, decoding=True) == attention_kernels.MAX_KV_SPLITS
+    # ... or one an SM where two would leave shares of at most short_share_keys keys
+    short = dict(sms=132, decoding=True, short_share_keys=512)
+    assert ks(programs=8, keys=4096, block_n=64, **short) == 16  # not 33 shares of 124 keys
+    assert ks(programs=8, keys=16384, block_n=64, **short) == 16  # not 33 of 496
+    assert ks(programs=8, keys=16896, block_n=64, **short) == 16  # 33 of 512 keys: at most 512
+    assert ks(programs=8, keys=16960, block_n=64, **short) == 33  # 33 of more than 512
+    assert ks(programs=8, keys=1024, block_n=64, **short) == 16  # one block a share either way
+    assert ks(programs=128, keys=1024, block_n=64, **short) == 1  # no split where two shares hold 512
+    assert ks(programs=128, keys=4096, block_n=64, **short) == 2
+    assert ks(programs=133, keys=1024, block_n=64, **short) == 1
     cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
     assert attention_kernels.decode_config(cfg, rows=40).block_m == 64
@@ -1060,11 +1070,14 @@ def test_kv_splits_fill_the_sms_once():
 @gpu
 def test_gpu_decode_plan_two_programs_an_sm():
     """On the H200: a decode step's plan gives every SM two programs (Llama-3-8B's 8 key heads at
-    batch 1: 2 x SMs // 8 shares); a prefill call that splits keeps one round of the SMs."""
+    batch 1 with 64k keys: 2 x SMs // 8 shares), or one where two would leave shares of at most 512
+    keys at D = 128 (4k keys: SMs // 8); a prefill call that splits keeps one round of the SMs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q, k, _ = _qkv(1, 1, 65536, 32, 8, 128, dtype=torch.bfloat16)
     plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
     assert plan.pack and plan.programs == 8 and plan.num_splits == 2 * sms // 8
+    plan = attention_kernels.forward_plan(q, k[:, :4096], attention_kernels.AttnOptions(1.0))
+    assert plan.pack and plan.programs == 8 and plan.num_splits == sms // 8
     q, k, _ = _qkv(2, 1023, 1023, 6, 2, 128, dtype=torch.bfloat16)
     plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0, window_right=0))
     assert plan.num_splits == -(-sms // plan.programs)
@@ -1084,8 +1097,8 @@ def test_decode_tiles(monkeypatch):
         return kernels.default_config(d, dtype, cuda, seqlen_k=4096, rows=rows, **kw)
 
     assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
-    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False)
-    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False)
+    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False, short_share_keys=512)
+    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512)
     assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
     assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
     assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)

@@ -675,6 +675,9 @@ class AttnFwdConfig:
     num_splits: int = 0  # key shares a row block (split_kv); 0: chosen by kv_splits
     pack_gqa: bool = True  # where packs_gqa allows: a key/value head's query heads in one row block
     maxnreg: Optional[int] = None  # registers a thread, at most (ptxas spills past it)
+    # Decoding: where two programs an SM would leave shares of at most this many keys, one an SM
+    # (kv_splits); 0: two an SM whatever the shares' length
+    short_share_keys: int = 0
 
 
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
@@ -724,9 +727,14 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json, _s46b).
         # Through pointers, not tensor descriptors: at D = 128 one query row a sequence took 0.82-1.00
         # x the time with them (batch 1, 4, 16; 1k-64k keys; attention_decode_shares_tma_h200_2026-12-03_s48f.json).
-        # block_m is decode_config's.
+        # block_m is decode_config's. At D = 128, where two programs an SM would leave shares of at
+        # most 512 keys, one an SM (``short_share_keys``) took 0.86 x the time at batch 1 with 4k keys,
+        # 0.94 with 16k, 0.85 at batch 16 with 1k (one share: no combine), 0.99-1.01 at batch 1 with 1k
+        # and batch 4 with 1k / 4k; with longer shares 0.97-1.03 (attention_decode_shares_tma_h200_
+        # 2026-12-03_s48f.json, both through pointers). Not at D = 64, where one an SM ran 0.89-1.09 x
+        # the time, nor at D = 256, 1.0-1.21 x (attention_decode_shares_d64_d256_h200_2026-12-03_s49a.json).
         return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
-                             use_tma=False)
+                             use_tma=False, short_share_keys=0 if block_d <= 64 else 512)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
@@ -751,19 +759,25 @@ MAX_KV_SPLITS = 64
 # Decoding's row blocks (at most DECODE_ROWS rows) leave room for two programs an SM: their shares
 # go down to one key block, as many as give every SM two programs and no more (a third program on
 # some SMs makes those the last to finish: 17 shares of 8 key heads, 136 programs, ran 0.81-0.86 x
-# as fast as 16 at batch 1 and 4k keys; attention_decode_shares_h200_2026-12-02_s47c.json).
+# as fast as 16 at batch 1 and 4k keys; attention_decode_shares_h200_2026-12-02_s47c.json); one an
+# SM where that leaves short shares and the tiles say so (AttnFwdConfig.short_share_keys).
 DECODE_PROGRAMS_PER_SM = 2
 
 
-def kv_splits(programs: int, keys: int, block_n: int, sms: int, decoding: bool = False) -> int:
+def kv_splits(programs: int, keys: int, block_n: int, sms: int, decoding: bool = False,
+              short_share_keys: int = 0) -> int:
     """Key shares a row block for a call of ``programs`` (batch x heads x row blocks) whose rows
     see ``keys`` keys in blocks of ``block_n``: 1 where the programs fill the SMs, else enough
     shares to fill them once, each of whole blocks and at least MIN_KEYS_PER_SPLIT keys; where
-    ``decoding``, shares of a block or more, DECODE_PROGRAMS_PER_SM an SM at most."""
+    ``decoding``, shares of a block or more, DECODE_PROGRAMS_PER_SM an SM at most, or one an SM
+    where those shares would hold at most ``short_share_keys`` keys."""
     if programs >= sms:
         return 1
     if decoding:
-        return max(1, min(DECODE_PROGRAMS_PER_SM * sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
+        shares = max(1, min(DECODE_PROGRAMS_PER_SM * sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
+        if keys <= shares * short_share_keys:
+            shares = max(1, min(sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
+        return shares
     min_blocks = max(1, MIN_KEYS_PER_SPLIT // block_n)
     return max(1, min(cdiv(sms, programs), cdiv(keys, block_n) // min_blocks, MAX_KV_SPLITS))
 
@@ -986,7 +1000,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
     programs = num_m_blocks * batch * grid_heads
     decoding = cfg.block_m <= DECODE_ROWS and (rows * kv_group if pack else rows) <= DECODE_ROWS
-    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding)
+    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding,
+                                              cfg.short_share_keys)
                                     if q.is_cuda and rows > 0 and programs > 0 else 1)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
