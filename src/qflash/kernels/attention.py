@@ -87,7 +87,7 @@ def _cache_keys(cache_seqlens, cu_seqlens_k, cache_batch_idx, cache_leftpad, b, 
     slots cache_leftpad[b] to cache_seqlens[b] + seqlen_new - 1 of row cache_batch_idx[b] (or b);
     with packed queries (IS_VARLEN), cache_seqlens[b] is counted from cu_seqlens_k instead.
     PAGED: the slots of the sequence's block-table row (its pages x the page size; each program
-    checks the pages it read after reading them, ``_pages_ok``). A row outside the cache, or slots that leave the
+    checks the pages it reads, ``_pages_ok``). A row outside the cache, or slots that leave the
     row or go backwards, are bad input (``set_debug(True)`` refuses them on the host): no
     product, NaN outputs."""
     if IS_VARLEN:  # (no launch on the host to take the differences)
@@ -104,21 +104,6 @@ def _cache_keys(cache_seqlens, cu_seqlens_k, cache_batch_idx, cache_leftpad, b, 
 
 
 @triton.jit
-def _page_slots(table_row, first_slot, cols, bound, num_pages, PAGE_SIZE: tl.constexpr):
-    """(page, row in the page) of keys ``cols`` ([BLOCK_N] each, int64) of a paged cache: key c is
-    slot first_slot + c of its sequence, in page table_row[slot // PAGE_SIZE]. An entry outside the
-    cache (not 0 <= page < num_pages) gives page 0, so that the loads stay inside it (``_pages_ok``
-    then spoils the result); keys past ``bound`` give page 0 (their loads are masked). The slots
-    stay int32 and the page size a constant: with a run-time page size and int64 slots, each key
-    block cost 64-bit divisions (a software routine), and the paged decode step ran at half the
-    dense one's speed (s48a)."""
-    slot = first_slot + cols  # [BLOCK_N] int32
-    page = tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0)
-    page = tl.where((page >= 0) & (page < num_pages), page, 0)
-    return page.to(tl.int64), (slot % PAGE_SIZE).to(tl.int64)
-
-
-@triton.jit
 def _pages_ok(table_row, first, end, num_pages, BLOCK: tl.constexpr = 128):
     """Whether block-table entries first : end all name pages of the cache (0 <= page < num_pages)."""
     bad = 0
@@ -127,6 +112,18 @@ def _pages_ok(table_row, first, end, num_pages, BLOCK: tl.constexpr = 128):
         page = tl.load(table_row + i, mask=i < end, other=0)
         bad += tl.sum(((page < 0) | (page >= num_pages)).to(tl.int32))
     return bad == 0
+
+
+@triton.jit
+def _page_slots(table_row, first_slot, cols, bound, PAGE_SIZE: tl.constexpr):
+    """(page, row in the page) of keys ``cols`` ([BLOCK_N] each, int64) of a paged cache: key c is
+    slot first_slot + c of its sequence, in page table_row[slot // PAGE_SIZE]; keys past ``bound``
+    give page 0 (their loads are masked). The slots stay int32 and the page size a constant: with
+    a run-time page size and int64 slots, each key block cost 64-bit divisions (a software
+    routine), and the paged decode step ran at half the dense one's speed (s48a)."""
+    slot = first_slot + cols  # [BLOCK_N] int32
+    page = tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0)
+    return page.to(tl.int64), (slot % PAGE_SIZE).to(tl.int64)
 
 
 @triton.jit
@@ -393,7 +390,7 @@ def _attn_fwd_stretch(
     seqlen_q, seqlen_k, shift, window_left, window_right,
     qk_scale, softcap_log2, slope_log2,
     dropout_p, dropout_seed, rng_row0, rng_cols,
-    table_row, first_slot, stride_kp, stride_vp, num_pages, PAGE_SIZE: tl.constexpr,
+    table_row, first_slot, stride_kp, stride_vp, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_KIND: tl.constexpr,
@@ -401,8 +398,7 @@ def _attn_fwd_stretch(
 ):
     """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
     PAGED: k_desc / v_desc are the head's base pointers in a paged cache, each key's row looked up
-    in the sequence's block-table row (``_page_slots``: an entry outside the cache reads page 0,
-    and the kernel spoils the result after the loop)."""
+    in the sequence's block-table row (``_page_slots``)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
     for start_n in range(start, end, BLOCK_N):
         if not MASKED:
@@ -410,7 +406,7 @@ def _attn_fwd_stretch(
         cols = start_n + offs_n  # [BLOCK_N]
         if PAGED:
             in_seq = cols < seqlen_k  # [BLOCK_N]
-            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, num_pages, PAGE_SIZE)
+            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, PAGE_SIZE)
             k_rows = page * stride_kp + in_page * stride_ks  # [BLOCK_N]
             k = tl.load(k_desc + k_rows[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None],
                         other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -518,6 +514,11 @@ def _attn_fwd_kernel(
     else:
         s_lo, s_hi = lo, hi
     first_slot = k_start.to(tl.int32)  # (PAGED: slots of a block-table row, int32)
+    if PAGED:  # the table entries of the keys this program reads name pages of the cache; a bad
+        # one makes this share NaN, whose weight in the combine is then NaN: the whole row is NaN.
+        # (Not every share the whole row: 4096 entries in 32 dependent steps at 64k keys in pages of 16.)
+        valid_k &= _pages_ok(table_row, (first_slot + s_lo) // PAGE_SIZE, tl.cdiv(first_slot + s_hi, PAGE_SIZE),
+                             cache_rows)
     if IS_VARLEN or KV_CACHE:  # bad contents (see _sequence), or a sequence longer than the grid: NaN
         if PACK_GQA:  # the one row block holds every head of the group
             fits = seqlen_q * kv_group <= BLOCK_M
@@ -593,7 +594,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, start, end, k_desc, v_desc, k_ptrs, v_ptrs, bias_base, stride_ks, stride_vs,
             stride_bm, stride_bn, rows, offs_n, offs_d, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, slope_log2, dropout_p, dropout_seed, rng_row0, rng_cols,
-            table_row, first_slot, stride_kb, stride_vb, cache_rows, PAGE_SIZE,
+            table_row, first_slot, stride_kb, stride_vb, PAGE_SIZE,
             HEAD_DIM, BLOCK_D, BLOCK_N, i != 1 - EDGES_LAST, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, BIAS_KIND,
             HAS_DROPOUT, DOT_PRECISION, USE_TMA, PAGED)
 
@@ -604,14 +605,6 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf") if SPLIT_KV else float("inf"),
                    (m_i + tl.math.log2(l_safe)) * tl.full([], LN2, ACC))
-    if PAGED:  # the table entries of the keys this program read name pages of the cache; a bad one
-        # (read as page 0) makes this share NaN, whose weight in the combine is then NaN: the whole
-        # row is NaN. Checked here, where the loop has just read the entries, not before the loop,
-        # whose loads then waited for the check's.
-        if not _pages_ok(table_row, (first_slot + s_lo) // PAGE_SIZE, tl.cdiv(first_slot + s_hi, PAGE_SIZE),
-                         cache_rows):
-            out = tl.full([BLOCK_M, BLOCK_D], float("nan"), ACC)
-            lse = tl.full([BLOCK_M], float("nan"), ACC)
     o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_os
     if USE_TMA and not (SPLIT_KV or PACK_GQA):
         o_desc = _tile_source(o_base, seqlen_q, stride_os, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
