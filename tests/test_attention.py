@@ -1032,7 +1032,8 @@ def test_forward_plan_packs_grouped_heads_and_splits_only_where_asked():
 def test_kv_splits_fill_the_sms_once():
     """The launcher's choice: no split where programs fill the SMs or keys are short, else enough
     shares to fill them once, each of whole key blocks and at least MIN_KEYS_PER_SPLIT keys, at
-    most MAX_KV_SPLITS; decoding's row blocks two programs an SM, shares down to one block."""
+    most MAX_KV_SPLITS; decoding's row blocks two programs an SM, shares down to one block, or one
+    an SM where two would leave shares of at most the tiles' short_share_keys keys."""
     ks = attention_kernels.kv_splits
     assert attention_kernels.MIN_KEYS_PER_SPLIT == 256
     assert ks(programs=132, keys=10**6, block_n=64, sms=132) == 1
@@ -1086,7 +1087,8 @@ def test_gpu_decode_plan_two_programs_an_sm():
 def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
-    (no tensor descriptors), and 128-key blocks for a paged cache (D = 256: at most 128 registers);
+    (no tensor descriptors; one program an SM for shares of up to 512 keys at D = 128), and 128-key
+    blocks for a paged cache (D = 256: at most 128 registers);
     D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
