@@ -12,24 +12,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import qflash
-from qflash.bench.harness import environment, save_json
+from qflash.bench.harness import environment, kernel_events, save_json
 from qflash.kernels import attention as kernels
 
 
 def kernel_times(fn, calls=50):
     """Kernel name (cut to 60 characters) -> (launches a call, mean device microseconds)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     return {e.key[:60]: dict(count=e.count // calls, us=round(e.device_time_total / e.count, 2))
-            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count}
+            for e in kernel_events(fn, calls, warmup=5) if e.device_type.name == "CUDA" and e.count}
 
 
 def main():

@@ -17,20 +17,14 @@ import torch
 import triton
 
 from qflash.bench.attention import BACKWARD_FLOPS, PROVIDERS, attention_flops, backward_of, sized_inputs
-from qflash.bench.harness import environment, save_json
+from qflash.bench.harness import environment, kernel_events, save_json
 from qflash.kernels.attention import AttnOptions, attention_backward, attention_forward, default_bwd_configs
 
 
 def kernel_times(fn, reps: int = 10):
     """Mean device time a call of each kernel that ``fn`` launches, in ms."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
     times = {"other": 0.0}  # other: zero-fills, the fused dQ's scale and cast
-    for event in prof.key_averages():
+    for event in kernel_events(fn, reps):
         name, ms = event.key, event.device_time_total / 1e3 / reps
         short = next((s for s in ("preprocess", "dq", "dkdv") if name.startswith(f"_attn_bwd_{s}")), None)
         if short:

@@ -84,6 +84,21 @@ def graph_ms(fn) -> Optional[float]:
         return None
 
 
+def kernel_events(fn: Callable[[], object], calls: int, warmup: int = 1):
+    """The torch profiler's averages over ``calls`` calls of ``fn`` (after ``warmup`` calls), CUDA
+    activity only: one entry a kernel name, its ``count`` and ``device_time_total`` over all calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages()
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 1 GiB, bytes read + written, in TB/s."""
     import triton
