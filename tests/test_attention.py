@@ -1062,6 +1062,14 @@ def test_kv_splits_fill_the_sms_once():
     assert ks(programs=128, keys=1024, block_n=64, **short) == 1  # no split where two shares hold 512
     assert ks(programs=128, keys=4096, block_n=64, **short) == 2
     assert ks(programs=133, keys=1024, block_n=64, **short) == 1
+    # ... or one an SM where that leaves one share (no combine kernel) of at most one_share_keys keys
+    one = dict(sms=132, decoding=True, one_share_keys=4096)
+    assert ks(programs=128, keys=4096, block_n=64, **one) == 1  # not 2 of 2048
+    assert ks(programs=128, keys=4160, block_n=64, **one) == 2
+    assert ks(programs=66, keys=1024, block_n=64, **one) == 4  # one an SM would still leave 2 shares: two an SM
+    assert ks(programs=67, keys=1024, block_n=64, **one) == 1  # not 3
+    assert ks(programs=8, keys=1024, block_n=64, **one) == 16  # many programs an SM's share: two an SM
+    assert ks(programs=128, keys=4096, block_n=64, sms=132, decoding=True, short_share_keys=128) == 2
     cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
     assert attention_kernels.decode_config(cfg, rows=40).block_m == 64
@@ -1082,13 +1090,35 @@ def test_gpu_decode_plan_two_programs_an_sm():
     q, k, _ = _qkv(2, 1023, 1023, 6, 2, 128, dtype=torch.bfloat16)
     plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0, window_right=0))
     assert plan.num_splits == -(-sms // plan.programs)
+    # batch 16 with 4k keys: 128 programs, all the keys in one share (no combine kernel)
+    q, k, _ = _qkv(16, 1, 4096, 32, 8, 128, dtype=torch.bfloat16)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
+    assert plan.programs == 128 and plan.num_splits == (1 if sms >= 128 else 2)
+
+
+@gpu
+def test_gpu_paged_decode_plan_short_shares():
+    """On the H200: a paged decode step whose shares would hold one 128-key block takes 64-key
+    blocks in two stages (batch 1 with 1k keys: 16 shares, 128 programs); long shares keep the
+    paged tiles."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
+        q, k, _ = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
+        pages = k.reshape(keys // 16, 16, 8, 128)
+        table = torch.arange(keys // 16, device=q.device, dtype=torch.int32)[None]
+        lens = torch.full((1,), keys, device=q.device, dtype=torch.int32)
+        opts = attention_kernels.AttnOptions(1.0, kv_cache=attention_kernels.KVCache(lens, block_table=table))
+        plan = attention_kernels.forward_plan(q, pages, opts)
+        assert (plan.config.block_n, plan.config.num_stages) == (block_n, stages)
+        assert plan.num_splits == min(2 * sms // 8, keys // block_n)
 
 
 def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
-    (no tensor descriptors; one program an SM for shares of up to 512 keys at D = 128), and 128-key
-    blocks for a paged cache (D = 256: at most 128 registers);
+    (no tensor descriptors; one program an SM for shares of up to 128 / 512 keys at D = 64 / 128,
+    or for one share of up to 4k keys), and 128-key blocks for a paged cache (D = 256: at most 128
+    registers), 64-key ones where a share would hold one block;
     D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
@@ -1098,12 +1128,23 @@ def test_decode_tiles(monkeypatch):
     def cfg(d, rows, dtype=torch.bfloat16, **kw):
         return kernels.default_config(d, dtype, cuda, seqlen_k=4096, rows=rows, **kw)
 
-    assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
-    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False, short_share_keys=512)
-    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512)
+    assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False, short_share_keys=128,
+                                               one_share_keys=4096)
+    assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False, short_share_keys=512,
+                                                 one_share_keys=4096)
+    assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512,
+                                                one_share_keys=4096)
     assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
     assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
     assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)
+    # paged, for the length of the key shares: one block a share, two of 64 keys; up to four, 3 stages
+    short = kernels.paged_share_tiles
+    assert short(cfg(64, 4, paged=True), 128) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
+    assert short(cfg(128, 4, paged=True), 100) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
+    assert short(cfg(64, 4, paged=True), 512) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert short(cfg(64, 4, paged=True), 640) == cfg(64, 4, paged=True)
+    assert short(cfg(128, 4, paged=True), 512) == cfg(128, 4, paged=True)
+    assert short(cfg(256, 4, paged=True), 64) == cfg(256, 4, paged=True)  # 64-key blocks already
     assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
     assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)
     assert cfg(64, 1, torch.float32) == dataclasses.replace(cfg(64, None, torch.float32), block_m=16)

@@ -678,6 +678,9 @@ class AttnFwdConfig:
     # Decoding: where two programs an SM would leave shares of at most this many keys, one an SM
     # (kv_splits); 0: two an SM whatever the shares' length
     short_share_keys: int = 0
+    # Decoding: where one program an SM takes all the keys in one share (no combine kernel), one
+    # an SM for up to this many keys (kv_splits); 0: never for that reason
+    one_share_keys: int = 0
 
 
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
@@ -718,7 +721,8 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # x the time of the dense cache's 64-key tiles on the same pages at D = 128 (pages of 16 and
         # 256, batch 1 and 16, 4k and 64k keys); at D = 64 five stages took 0.86 x the time of three
         # (one shape: batch 1, 64k keys; the pipeliner spends stages on the page numbers too)
-        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json).
+        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json). Short shares of keys take
+        # other tiles (paged_share_tiles).
         return AttnFwdConfig(block_m=128, block_n=128, num_warps=4, num_stages=5 if block_d <= 64 else 3,
                              use_tma=False)
     if decoding and block_d <= 128:
@@ -731,10 +735,16 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # most 512 keys, one an SM (``short_share_keys``) took 0.86 x the time at batch 1 with 4k keys,
         # 0.94 with 16k, 0.85 at batch 16 with 1k (one share: no combine), 0.99-1.01 at batch 1 with 1k
         # and batch 4 with 1k / 4k; with longer shares 0.97-1.03 (attention_decode_shares_tma_h200_
-        # 2026-12-03_s48f.json, both through pointers). Not at D = 64, where one an SM ran 0.89-1.09 x
-        # the time, nor at D = 256, 1.0-1.21 x (attention_decode_shares_d64_d256_h200_2026-12-03_s49a.json).
+        # 2026-12-03_s48f.json, both through pointers). At D = 64 (128-key blocks), one an SM where
+        # two would leave shares of one block: 0.91-0.92 x the time at batch 1 with 4k keys, but
+        # 1.09-1.10 at batch 4 with 4k (shares of 512 keys), 1.03 at batch 1 with 16k. Where one an SM
+        # takes all the keys in one share (no combine kernel): 0.89-0.90 x the time at D = 64 and batch
+        # 16 with 1k keys, 0.93-0.95 with 4k, 0.97 at D = 128 with 4k; 0.98-1.03 from 16k (three runs:
+        # attention_decode_shares_d64_d256_h200_2026-12-03_s49a.json, _h200_2026-12-03_s49b.json, and
+        # attention_decode_shares_d64_{1,2}_h200_2026-12-03_s50a.json). Not at D = 256, where one an SM
+        # ran 1.0-1.21 x the time (s49a).
         return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
-                             use_tma=False, short_share_keys=0 if block_d <= 64 else 512)
+                             use_tma=False, short_share_keys=128 if block_d <= 64 else 512, one_share_keys=4096)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
@@ -751,6 +761,23 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
     return cfg
 
 
+def paged_share_tiles(cfg: AttnFwdConfig, share_keys: int) -> AttnFwdConfig:
+    """Paged decoding's 128-key tiles (``_fwd_tiles``) for key shares of ``share_keys`` keys: a
+    share of one block takes two of 64 keys in a two-stage pipeline, one of up to four blocks at
+    most three stages. On pages of 16 and 256 (batch 1 / 4 / 16, 1k-4k keys), 64-key blocks took
+    0.76-0.87 x the time at D = 64 and 0.83-0.99 at D = 128 where a share held one 128-key block,
+    1.03-1.59 where it held more; three stages instead of D = 64's five 0.86-0.95 x where a share
+    held two to four blocks, 1.14-1.20 where it held eight or more (attention_decode_paged_tiles_
+    {16,256}_h200_2026-12-03_s50a.json)."""
+    if cfg.block_n != 128 or cfg.num_splits:
+        return cfg
+    if share_keys <= cfg.block_n:
+        return dataclasses.replace(cfg, block_n=64, num_stages=2)
+    if share_keys <= 4 * cfg.block_n:
+        return dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 3))
+    return cfg
+
+
 # Split the keys only where each share keeps at least this many keys (a share's fixed cost, the
 # Q tile and the float32 partial it writes, is then a small part), into at most MAX_KV_SPLITS
 # shares.
@@ -760,23 +787,26 @@ MAX_KV_SPLITS = 64
 # go down to one key block, as many as give every SM two programs and no more (a third program on
 # some SMs makes those the last to finish: 17 shares of 8 key heads, 136 programs, ran 0.81-0.86 x
 # as fast as 16 at batch 1 and 4k keys; attention_decode_shares_h200_2026-12-02_s47c.json); one an
-# SM where that leaves short shares and the tiles say so (AttnFwdConfig.short_share_keys).
+# SM where that leaves short shares, or one share of a short cache, and the tiles say so
+# (AttnFwdConfig.short_share_keys, one_share_keys).
 DECODE_PROGRAMS_PER_SM = 2
 
 
 def kv_splits(programs: int, keys: int, block_n: int, sms: int, decoding: bool = False,
-              short_share_keys: int = 0) -> int:
+              short_share_keys: int = 0, one_share_keys: int = 0) -> int:
     """Key shares a row block for a call of ``programs`` (batch x heads x row blocks) whose rows
     see ``keys`` keys in blocks of ``block_n``: 1 where the programs fill the SMs, else enough
     shares to fill them once, each of whole blocks and at least MIN_KEYS_PER_SPLIT keys; where
     ``decoding``, shares of a block or more, DECODE_PROGRAMS_PER_SM an SM at most, or one an SM
-    where those shares would hold at most ``short_share_keys`` keys."""
+    where those shares would hold at most ``short_share_keys`` keys, or where one an SM leaves a
+    single share of at most ``one_share_keys`` keys."""
     if programs >= sms:
         return 1
     if decoding:
         shares = max(1, min(DECODE_PROGRAMS_PER_SM * sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
-        if keys <= shares * short_share_keys:
-            shares = max(1, min(sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
+        one_an_sm = max(1, min(sms // programs, cdiv(keys, block_n), MAX_KV_SPLITS))
+        if keys <= shares * short_share_keys or (one_an_sm == 1 and keys <= one_share_keys):
+            shares = one_an_sm
         return shares
     min_blocks = max(1, MIN_KEYS_PER_SPLIT // block_n)
     return max(1, min(cdiv(sms, programs), cdiv(keys, block_n) // min_blocks, MAX_KV_SPLITS))
@@ -982,7 +1012,8 @@ class FwdPlan:
 def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
                  config: Optional[AttnFwdConfig] = None) -> FwdPlan:
     """The tl forward's plan for a call (``attention_forward`` launches by it; the tests and the
-    decode benchmark read it): ``config`` or the default tiles, made for decoding where rows are few."""
+    decode benchmark read it): ``config`` or the default tiles, made for decoding where rows are few
+    (through a block table: for the length of the key shares, ``paged_share_tiles``)."""
     if opts.varlen:  # rows and keys: the longest sequence's
         _, num_heads, head_dim = q.shape
         batch, rows, keys = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, opts.max_seqlen_k
@@ -1000,9 +1031,16 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
     programs = num_m_blocks * batch * grid_heads
     decoding = cfg.block_m <= DECODE_ROWS and (rows * kv_group if pack else rows) <= DECODE_ROWS
-    num_splits = cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding,
-                                              cfg.short_share_keys)
-                                    if q.is_cuda and rows > 0 and programs > 0 else 1)
+    def shares(cfg):
+        return cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding,
+                                            cfg.short_share_keys, cfg.one_share_keys)
+                                  if q.is_cuda and rows > 0 and programs > 0 else 1)
+
+    num_splits = shares(cfg)
+    if config is None and paged and decoding and q.is_cuda:
+        short_cfg = paged_share_tiles(cfg, cdiv(keys, num_splits))
+        if short_cfg != cfg:
+            cfg, num_splits = short_cfg, shares(short_cfg)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
 
