@@ -1100,7 +1100,7 @@ def test_gpu_decode_plan_two_programs_an_sm():
 def test_gpu_paged_decode_plan_short_shares():
     """On the H200: a paged decode step whose shares would hold one 128-key block takes 64-key
     blocks in two stages (batch 1 with 1k keys: 16 shares, 128 programs); long shares keep the
-    paged tiles."""
+    paged tiles. A dense one at D = 64 takes two stages for shares of up to 512 keys."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
         q, k, _ = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
@@ -1111,14 +1111,19 @@ def test_gpu_paged_decode_plan_short_shares():
         plan = attention_kernels.forward_plan(q, pages, opts)
         assert (plan.config.block_n, plan.config.num_stages) == (block_n, stages)
         assert plan.num_splits == min(2 * sms // 8, keys // block_n)
+    for keys, stages in ((4096, 2), (65536, 3)):
+        q, k, _ = _qkv(1, 1, keys, 32, 8, 64, dtype=torch.bfloat16)
+        plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
+        shares = min(2 * sms // 8, keys // 128)
+        assert (plan.config.block_n, plan.config.num_stages, plan.num_splits) == (128, stages, shares)
 
 
 def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
-    (no tensor descriptors; one program an SM for shares of up to 128 / 512 keys at D = 64 / 128,
-    or for one share of up to 4k keys), and 128-key blocks for a paged cache (D = 256: at most 128
-    registers), 64-key ones where a share would hold one block;
+    (no tensor descriptors; one program an SM for shares of up to 512 keys at D = 128, or for one
+    share of up to 4k keys; two stages for shares of up to 512 keys at D = 64), and 128-key blocks
+    for a paged cache (D = 256: at most 128 registers), 64-key ones where a share holds one block;
     D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
@@ -1128,8 +1133,10 @@ def test_decode_tiles(monkeypatch):
     def cfg(d, rows, dtype=torch.bfloat16, **kw):
         return kernels.default_config(d, dtype, cuda, seqlen_k=4096, rows=rows, **kw)
 
-    assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False, short_share_keys=128,
-                                               one_share_keys=4096)
+    assert cfg(64, 4) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False, one_share_keys=4096)
+    assert cfg(64, 4, share_keys=512) == kernels.AttnFwdConfig(16, 128, 4, 2, use_tma=False, one_share_keys=4096)
+    assert cfg(64, 4, share_keys=513) == cfg(64, 4)
+    assert cfg(128, 4, share_keys=64) == cfg(128, 4)
     assert cfg(128, 32) == kernels.AttnFwdConfig(32, 64, 4, 3, use_tma=False, short_share_keys=512,
                                                  one_share_keys=4096)
     assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512,
@@ -1138,13 +1145,12 @@ def test_decode_tiles(monkeypatch):
     assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
     assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)
     # paged, for the length of the key shares: one block a share, two of 64 keys; up to four, 3 stages
-    short = kernels.paged_share_tiles
-    assert short(cfg(64, 4, paged=True), 128) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
-    assert short(cfg(128, 4, paged=True), 100) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
-    assert short(cfg(64, 4, paged=True), 512) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
-    assert short(cfg(64, 4, paged=True), 640) == cfg(64, 4, paged=True)
-    assert short(cfg(128, 4, paged=True), 512) == cfg(128, 4, paged=True)
-    assert short(cfg(256, 4, paged=True), 64) == cfg(256, 4, paged=True)  # 64-key blocks already
+    assert cfg(64, 4, paged=True, share_keys=128) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
+    assert cfg(128, 4, paged=True, share_keys=100) == kernels.AttnFwdConfig(16, 64, 8, 2, use_tma=False)
+    assert cfg(64, 4, paged=True, share_keys=512) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert cfg(64, 4, paged=True, share_keys=640) == cfg(64, 4, paged=True)
+    assert cfg(128, 4, paged=True, share_keys=512) == cfg(128, 4, paged=True)
+    assert cfg(256, 4, paged=True, share_keys=64) == cfg(256, 4, paged=True)
     assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
     assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)
     assert cfg(64, 1, torch.float32) == dataclasses.replace(cfg(64, None, torch.float32), block_m=16)

@@ -35,6 +35,7 @@ Gluon kernels instead, ``attention_gluon.py``, unless determinism is asked for.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -683,6 +684,8 @@ class AttnFwdConfig:
     one_share_keys: int = 0
 
 
+# Decoding's key shares of at most this many keys take shallower pipelines (_fwd_tiles).
+SHORT_SHARE_KEYS = 512
 # Keys per (batch, head) up to which D = 256 loads through pointers: there the descriptors' set-up
 # is not paid back (512 tokens, two tile searches: 331 / 340 vs 314 / 311 TFLOP/s non-causal, 203
 # vs 182 / 183 causal); from 4k on they win (510 vs 480, 540 vs 493).
@@ -691,23 +694,27 @@ SHORT_KEYS = 512
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = False,
                    seqlen_k: Optional[int] = None, dropout: bool = False, rows: Optional[int] = None,
-                   paged: bool = False) -> AttnFwdConfig:
+                   paged: bool = False, share_keys: Optional[int] = None) -> AttnFwdConfig:
     """Tile shapes searched on the H200 (benchmarks/results/), by head-dim bucket and, for D = 256,
     by length bucket (``seqlen_k``: keys per sequence, the longest for varlen), and for dropout;
     small and quick to interpret on CPU. ``rows``: the query rows one row block must hold (the
     group's heads times the query rows where heads are packed); up to DECODE_ROWS, decoding's tiles
-    (``decode_config``), ``paged`` ones for keys gathered through a block table."""
+    (``decode_config``), ``paged`` ones for keys gathered through a block table, and for
+    ``share_keys``, the keys of a share (``forward_plan`` asks again once it knows them)."""
     decoding = rows is not None and rows <= DECODE_ROWS
     if device.type != "cuda":
         cfg = AttnFwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     else:
-        cfg = _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout, decoding, paged)
+        cfg = _fwd_tiles(head_dim, dtype, has_tma(device), seqlen_k, dropout, decoding, paged, share_keys)
     return decode_config(cfg, rows) if decoding else cfg
 
 
 def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Optional[int],
-               dropout: bool = False, decoding: bool = False, paged: bool = False) -> AttnFwdConfig:
+               dropout: bool = False, decoding: bool = False, paged: bool = False,
+               share_keys: Optional[int] = None) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
+    one_block_shares = share_keys is not None and share_keys <= 128
+    short_shares = share_keys is not None and share_keys <= SHORT_SHARE_KEYS
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
     if dropout and block_d <= 128:
@@ -721,10 +728,17 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # x the time of the dense cache's 64-key tiles on the same pages at D = 128 (pages of 16 and
         # 256, batch 1 and 16, 4k and 64k keys); at D = 64 five stages took 0.86 x the time of three
         # (one shape: batch 1, 64k keys; the pipeliner spends stages on the page numbers too)
-        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json). Short shares of keys take
-        # other tiles (paged_share_tiles).
-        return AttnFwdConfig(block_m=128, block_n=128, num_warps=4, num_stages=5 if block_d <= 64 else 3,
-                             use_tma=False)
+        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json). Where a share holds one such
+        # block, two of 64 keys in two stages took 0.76-0.87 x the time at D = 64, 0.83-0.99 at D =
+        # 128 (1.03-1.59 with longer shares); where it holds up to four, three stages instead of D =
+        # 64's five 0.86-0.95 x (1.14-1.20 from eight blocks on) (pages of 16 and 256, batch 1 / 4 /
+        # 16, 1k-4k keys: attention_decode_paged_tiles_{16,256}_h200_2026-12-03_s50a.json). At D = 128
+        # eight warps for the 64-key blocks: 0.92-0.95 x the time (_s50b.json).
+        if one_block_shares:
+            return AttnFwdConfig(block_m=128, block_n=64, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+                                 use_tma=False)
+        return AttnFwdConfig(block_m=128, block_n=128, num_warps=4,
+                             num_stages=5 if block_d <= 64 and not short_shares else 3, use_tma=False)
     if decoding and block_d <= 128:
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
@@ -735,16 +749,17 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # most 512 keys, one an SM (``short_share_keys``) took 0.86 x the time at batch 1 with 4k keys,
         # 0.94 with 16k, 0.85 at batch 16 with 1k (one share: no combine), 0.99-1.01 at batch 1 with 1k
         # and batch 4 with 1k / 4k; with longer shares 0.97-1.03 (attention_decode_shares_tma_h200_
-        # 2026-12-03_s48f.json, both through pointers). At D = 64 (128-key blocks), one an SM where
-        # two would leave shares of one block: 0.91-0.92 x the time at batch 1 with 4k keys, but
-        # 1.09-1.10 at batch 4 with 4k (shares of 512 keys), 1.03 at batch 1 with 16k. Where one an SM
-        # takes all the keys in one share (no combine kernel): 0.89-0.90 x the time at D = 64 and batch
-        # 16 with 1k keys, 0.93-0.95 with 4k, 0.97 at D = 128 with 4k; 0.98-1.03 from 16k (three runs:
-        # attention_decode_shares_d64_d256_h200_2026-12-03_s49a.json, _h200_2026-12-03_s49b.json, and
-        # attention_decode_shares_d64_{1,2}_h200_2026-12-03_s50a.json). Not at D = 256, where one an SM
-        # ran 1.0-1.21 x the time (s49a).
-        return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4, num_stages=3,
-                             use_tma=False, short_share_keys=128 if block_d <= 64 else 512, one_share_keys=4096)
+        # 2026-12-03_s48f.json, both through pointers). Not at D = 64, where one an SM ran 0.89-1.10 x
+        # the time, nor at D = 256, 1.0-1.21 x (attention_decode_shares_d64_d256_h200_2026-12-03_s49a.json).
+        # Where one an SM takes all the keys in one share (no combine kernel): 0.89-0.90 x the time at
+        # D = 64 and batch 16 with 1k keys, 0.93-0.95 with 4k, 0.97 at D = 128 with 4k; 0.98-1.03 from
+        # 16k (three runs at D = 64: s49a and attention_decode_shares_d64_{1,2}_h200_2026-12-03_s50a.json;
+        # attention_decode_shares_h200_2026-12-03_s49b.json). At D = 64, shares of up to 512 keys in two
+        # stages: 0.87-0.98 x the time at batch 1 and 4 with 1k-4k keys, but 1.25-1.59 x for batch 16's
+        # one share of 1k-4k (attention_decode_tiles_d64_h200_2026-12-03_s50b.json).
+        return AttnFwdConfig(block_m=128, block_n=128 if block_d <= 64 else 64, num_warps=4,
+                             num_stages=2 if block_d <= 64 and short_shares else 3, use_tma=False,
+                             short_share_keys=0 if block_d <= 64 else 512, one_share_keys=4096)
     if block_d <= 64:  # small tiles: pointer loads pipeline as well as descriptors and skip their setup
         return AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False)
     if block_d <= 128:
@@ -758,23 +773,6 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # 64k keys in pages of 16, built offline as launched), and that launch took 1.62-1.80 x
         # the other's time (attention_decode_paged_d256_h200_2026-12-03_s48e.json).
         cfg = dataclasses.replace(cfg, use_tma=False, maxnreg=128)
-    return cfg
-
-
-def paged_share_tiles(cfg: AttnFwdConfig, share_keys: int) -> AttnFwdConfig:
-    """Paged decoding's 128-key tiles (``_fwd_tiles``) for key shares of ``share_keys`` keys: a
-    share of one block takes two of 64 keys in a two-stage pipeline, one of up to four blocks at
-    most three stages. On pages of 16 and 256 (batch 1 / 4 / 16, 1k-4k keys), 64-key blocks took
-    0.76-0.87 x the time at D = 64 and 0.83-0.99 at D = 128 where a share held one 128-key block,
-    1.03-1.59 where it held more; three stages instead of D = 64's five 0.86-0.95 x where a share
-    held two to four blocks, 1.14-1.20 where it held eight or more (attention_decode_paged_tiles_
-    {16,256}_h200_2026-12-03_s50a.json)."""
-    if cfg.block_n != 128 or cfg.num_splits:
-        return cfg
-    if share_keys <= cfg.block_n:
-        return dataclasses.replace(cfg, block_n=64, num_stages=2)
-    if share_keys <= 4 * cfg.block_n:
-        return dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 3))
     return cfg
 
 
@@ -1013,7 +1011,7 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
                  config: Optional[AttnFwdConfig] = None) -> FwdPlan:
     """The tl forward's plan for a call (``attention_forward`` launches by it; the tests and the
     decode benchmark read it): ``config`` or the default tiles, made for decoding where rows are few
-    (through a block table: for the length of the key shares, ``paged_share_tiles``)."""
+    (for the length of their key shares, which the key blocks bound: a second look at the tiles)."""
     if opts.varlen:  # rows and keys: the longest sequence's
         _, num_heads, head_dim = q.shape
         batch, rows, keys = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, opts.max_seqlen_k
@@ -1023,24 +1021,26 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
     kv_group = num_heads // k.shape[-2]
     packable = packs_gqa(q, k, opts) and (config is None or config.pack_gqa)
     paged = opts.kv_cache is not None and opts.kv_cache.block_table is not None
-    cfg = config or default_config(head_dim, q.dtype, q.device, causal=opts.window_right >= 0, seqlen_k=keys,
-                                   dropout=opts.dropout_p > 0, rows=rows * kv_group if packable else rows,
-                                   paged=paged)
+    tiles = functools.partial(default_config, head_dim, q.dtype, q.device, causal=opts.window_right >= 0,
+                              seqlen_k=keys, dropout=opts.dropout_p > 0,
+                              rows=rows * kv_group if packable else rows, paged=paged)
+    cfg = config or tiles()
     pack = packable and cfg.block_m >= rows * kv_group  # one row block holds a whole group
     grid_heads = num_heads // kv_group if pack else num_heads
     num_m_blocks = 1 if pack else cdiv(max(rows, 1), cfg.block_m)
     programs = num_m_blocks * batch * grid_heads
     decoding = cfg.block_m <= DECODE_ROWS and (rows * kv_group if pack else rows) <= DECODE_ROWS
+
     def shares(cfg):
         return cfg.num_splits or (kv_splits(programs, keys, cfg.block_n, sm_count(q.device), decoding,
                                             cfg.short_share_keys, cfg.one_share_keys)
                                   if q.is_cuda and rows > 0 and programs > 0 else 1)
 
     num_splits = shares(cfg)
-    if config is None and paged and decoding and q.is_cuda:
-        short_cfg = paged_share_tiles(cfg, cdiv(keys, num_splits))
-        if short_cfg != cfg:
-            cfg, num_splits = short_cfg, shares(short_cfg)
+    if config is None and decoding and q.is_cuda:  # decoding's tiles for the shares' length
+        share_cfg = tiles(share_keys=cdiv(keys, num_splits))
+        if share_cfg != cfg:
+            cfg, num_splits = share_cfg, shares(share_cfg)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
 
