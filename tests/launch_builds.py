@@ -69,9 +69,11 @@ def _build(values, options):
     return build_tl_for_sm90(fn, args, constants, **options)
 
 
-def compile_for_sm90(case: str, head_dim: int = 256, keys: int = 4096, page_size: int = 16):
+def compile_for_sm90(case: str, head_dim: int = 256, keys: int = 4096, page_size: int = 16,
+                     share_keys: int = 4096 // H200_SPLITS):
     """The forward of a decode step (batch 1, Llama-3-8B's 32 / 8 heads, bf16) as a public call
-    launches it on the H200 (the launcher's own tiles for Hopper, H200_SPLITS key shares):
+    launches it on the H200 (the launcher's own tiles for Hopper and for shares of ``share_keys``
+    keys, H200_SPLITS key shares):
     ``flash_attn_func`` on a dense cache ("func"), ``flash_attn_with_kvcache`` on a cache row named
     by cache_batch_idx with a left pad ("rows") or on pages ("kvcache"), ``flash_attn_varlen_func``
     on pages ("varlen")."""
@@ -79,6 +81,7 @@ def compile_for_sm90(case: str, head_dim: int = 256, keys: int = 4096, page_size
     kernels.has_tma = lambda device: True
 
     def h200_tiles(*args, **kwargs):
+        kwargs.setdefault("share_keys", share_keys)
         return dataclasses.replace(default(args[0], args[1], torch.device("cuda"), *args[3:], **kwargs),
                                    num_splits=H200_SPLITS)
 
