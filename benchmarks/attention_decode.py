@@ -230,6 +230,7 @@ def main():
              for s in map(int, args.cache.split(","))]
     if "prefill" in kinds:
         cases += [(2, 1023, 1023, 6, 2, True), (1, 2000, 2000, 4, 4, True), (4, 700, 700, 8, 2, False)]
+    env = environment()
     for b, sq, sk, h, hkv, causal in cases:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -252,8 +253,10 @@ def main():
                 measure(rows, masked_providers(q, k, v), None, dict(info, kind="mask"), cache_bytes)
             if "varlen" in kinds:
                 measure(rows, varlen_providers(q, k, v), ref, dict(info, kind="varlen"), cache_bytes)
+        if args.out:  # after every shape, so that a run cut short keeps what it measured
+            save_json(args.out, {"env": env, "complete": False, "rows": rows})
     if args.out:
-        save_json(args.out, {"env": environment(), "rows": rows})
+        save_json(args.out, {"env": env, "complete": True, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     heads, heads_kv = map(int, args.heads.split(","))
-    rows = []
+    rows, env = [], environment()
     for d in map(int, args.head_dims.split(",")):
         for b in map(int, args.batches.split(",")):
             for s in map(int, args.cache.split(",")):
@@ -127,8 +127,10 @@ def main():
                     rows.append(row)
                     print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
                           flush=True)
+                if args.out:  # after every shape, so that a run cut short keeps what it measured
+                    save_json(args.out, {"env": env, "complete": False, "rows": rows})
     if args.out:
-        save_json(args.out, {"env": environment(), "rows": rows})
+        save_json(args.out, {"env": env, "complete": True, "rows": rows})
 
 
 if __name__ == "__main__":
