@@ -1072,7 +1072,7 @@ def test_kv_splits_fill_the_sms_once():
     assert ks(programs=128, keys=4160, block_n=64, **one) == 2
     assert ks(programs=66, keys=1024, block_n=64, **one) == 4  # one an SM would still leave 2 shares: two an SM
     assert ks(programs=67, keys=1024, block_n=64, **one) == 1  # not 3
-    assert ks(programs=8, keys=1024, block_n=64, **one) == 16  # many programs an SM's share: two an SM
+    assert ks(programs=8, keys=1024, block_n=64, **one) == 16  # one an SM leaves 16 shares: the rule is not for it
     assert ks(programs=128, keys=4096, block_n=64, sms=132, decoding=True, short_share_keys=128) == 2
     cfg = attention_kernels.AttnFwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert attention_kernels.decode_config(cfg, rows=1).block_m == 16
