@@ -1107,12 +1107,11 @@ def test_gpu_paged_decode_plan_short_shares():
     paged tiles. A dense one at D = 64 takes two stages for shares of up to 512 keys."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
-        q, k, _ = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
-        pages = k.reshape(keys // 16, 16, 8, 128)
-        table = torch.arange(keys // 16, device=q.device, dtype=torch.int32)[None]
+        q, k, v = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
+        k_pages, _, table = _paged(k, v, 16)
         lens = torch.full((1,), keys, device=q.device, dtype=torch.int32)
         opts = attention_kernels.AttnOptions(1.0, kv_cache=attention_kernels.KVCache(lens, block_table=table))
-        plan = attention_kernels.forward_plan(q, pages, opts)
+        plan = attention_kernels.forward_plan(q, k_pages, opts)
         assert (plan.config.block_n, plan.config.num_stages) == (block_n, stages)
         assert plan.num_splits == min(2 * sms // 8, keys // block_n)
     for keys, stages in ((4096, 2), (65536, 3)):

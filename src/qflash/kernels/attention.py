@@ -1038,9 +1038,8 @@ def forward_plan(q: torch.Tensor, k: torch.Tensor, opts: AttnOptions,
 
     num_splits = shares(cfg)
     if config is None and decoding and q.is_cuda:  # decoding's tiles for the shares' length
-        share_cfg = tiles(share_keys=cdiv(keys, num_splits))
-        if share_cfg != cfg:
-            cfg, num_splits = share_cfg, shares(share_cfg)
+        cfg = tiles(share_keys=cdiv(keys, num_splits))
+        num_splits = shares(cfg)
     return FwdPlan(cfg, pack, grid_heads, num_m_blocks, programs, num_splits)
 
 
