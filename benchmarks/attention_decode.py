@@ -31,6 +31,7 @@ import qflash
 from qflash.bench.attention import _qflash_provider
 from qflash.bench.harness import environment, graph_ms, save_json, time_ms
 from qflash.kernels import attention as kernels
+from qflash.testing import paged_cache
 
 
 def round45_config(q, k, causal):
@@ -156,21 +157,6 @@ def step_providers(q, k, v):
     }
 
 
-def to_pages(k, v, page):
-    """The dense caches k, v (B, S, Hkv, D) cut into pages of ``page`` slots, shuffled: ([k pages,
-    v pages] (B * S / page, page, Hkv, D), block_table (B, S / page) int32)."""
-    b, sk = k.shape[:2]
-    per_seq = sk // page
-    gen = torch.Generator(device="cpu").manual_seed(page)
-    table = torch.randperm(b * per_seq, generator=gen).view(b, per_seq).to(torch.int32).to(k.device)
-    pages = []
-    for cache in (k, v):
-        paged = torch.empty(b * per_seq, page, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
-        paged[table.long().flatten()] = cache.reshape(b * per_seq, page, *cache.shape[2:])
-        pages.append(paged)
-    return pages, table
-
-
 def paged_providers(q, k, v):
     """The same step on a paged cache: the cache cut into pages of 16 slots (vLLM's) and of 256
     (flash-attn's), shuffled, read through ``block_table`` by ``flash_attn_with_kvcache`` and by
@@ -180,13 +166,13 @@ def paged_providers(q, k, v):
     lens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
     out = {"qflash with_kvcache dense": lambda: qflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)}
     for page in (16, 256):
-        pages, table = to_pages(k, v, page)
+        k_pages, v_pages, table = paged_cache(k, v, page, seed=page)
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
         out[f"qflash with_kvcache paged {page}"] = (
-            lambda kp=pages[0], vp=pages[1], t=table: qflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
+            lambda kp=k_pages, vp=v_pages, t=table: qflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                                                      block_table=t))
         out[f"qflash varlen paged {page}"] = (
-            lambda kp=pages[0], vp=pages[1], t=table, cu_q=cu_q: qflash.flash_attn_varlen_func(
+            lambda kp=k_pages, vp=v_pages, t=table, cu_q=cu_q: qflash.flash_attn_varlen_func(
                 q.reshape(b, *q.shape[2:]), kp, vp, cu_q, cu_q * sk, 1, sk, block_table=t).unsqueeze(1))
     return out
 

@@ -23,8 +23,9 @@ import math
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.testing import paged_cache
 from qflash.kernels import attention as kernels
-from attention_decode import round45_config, to_pages
+from attention_decode import round45_config
 
 
 def variants(plan, deep=False):
@@ -88,7 +89,7 @@ def main():
                 ref = kernels.attention_forward(q, k, v, opts)[0].float()
                 cache_bytes = 2 * b * s * heads_kv * d * 2
                 if args.pages:  # the same keys through a block table
-                    (k, v), table = to_pages(k, v, args.pages)
+                    k, v, table = paged_cache(k, v, args.pages, seed=args.pages)
                     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
                     opts = kernels.AttnOptions(1 / math.sqrt(d), kv_cache=kernels.KVCache(lens, block_table=table))
                     plan = kernels.forward_plan(q, k, opts)

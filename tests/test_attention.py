@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import qflash
 from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import FINITE_POISON, assert_flash_rule, assert_written, poisoned, rel_l2_err
+from qflash.testing import FINITE_POISON, assert_flash_rule, assert_written, paged_cache, poisoned, rel_l2_err
 
 from conftest import DEVICE, HAS_CUDA, ptxas_report, sm90_build
 
@@ -742,24 +742,6 @@ def test_kvcache_caches_in_any_layout():
                    rotary_sin=sin, rotary_interleaved=False)
 
 
-def _paged(k_cache, v_cache, page_size, gen_seed=0):
-    """The caches (batch, slots, ...) cut into pages of ``page_size`` slots, shuffled into a paged
-    cache with two spare pages, and the block table that finds them: the same keys, paged."""
-    batch, slots = k_cache.shape[:2]
-    per_seq = -(-slots // page_size)
-    num_pages = batch * per_seq + 2
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(gen_seed))[: batch * per_seq]
-    table = order.view(batch, per_seq).to(torch.int32).to(k_cache.device)
-    pad = per_seq * page_size - slots
-    pages = []
-    for cache in (k_cache, v_cache):
-        rows = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, pad))  # (batch, per_seq * page_size, ...)
-        paged = torch.randn(num_pages, page_size, *cache.shape[2:], device=cache.device).to(cache.dtype)
-        paged[table.long().flatten()] = rows.view(batch * per_seq, page_size, *cache.shape[2:])
-        pages.append(paged)
-    return pages[0], pages[1], table
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("page_size,kw", [
     (16, {"causal": True}), (5, {"causal": True, "rotary": True}), (32, {"window_size": (20, 0), "leftpad": True}),
@@ -772,7 +754,7 @@ def test_kvcache_paged_matches_the_reference(monkeypatch, num_splits, page_size,
     _split_keys(monkeypatch, num_splits)
     kw = dict(kw)
     q, k_rows, v_rows, k, v = _kvcache(new=2, sq=2, slots=120)
-    k_cache, v_cache, table = _paged(k_rows, v_rows, page_size)
+    k_cache, v_cache, table = paged_cache(k_rows, v_rows, page_size, spare_pages=2)
     if kw.pop("rotary", False):
         kw["rotary_cos"], kw["rotary_sin"] = _rotary_tables(table.shape[1] * page_size, 16)
     if kw.pop("leftpad", False):
@@ -791,7 +773,7 @@ def test_kvcache_paged_bad_pages_stay_apart(monkeypatch, num_splits):
     share that reads the bad page sees it: the combine carries its NaN into the whole row."""
     _split_keys(monkeypatch, num_splits)
     q, k_rows, v_rows, k, v = _kvcache(batch=3, new=1, sq=1, slots=64)
-    k_pages, v_pages, table = _paged(k_rows, v_rows, 16)
+    k_pages, v_pages, table = paged_cache(k_rows, v_rows, 16, spare_pages=2)
     # the caches inside larger buffers of finite values: a page read past the cache would not be NaN
     k_cache, v_cache = (torch.cat([p, p[:2]]).clone()[: len(p)] for p in (k_pages, v_pages))
     lens = torch.tensor([10, 40, 20], dtype=torch.int32, device=DEVICE)
@@ -828,7 +810,7 @@ def _check_varlen_paged(lens_q, lens_k, page_size, slots, h=4, hkv=2, d=32, dtyp
         for b, n in enumerate(lens_k):
             r[b, :n] = t[sum(lens_k[:b]): sum(lens_k[:b]) + n]
         rows.append(r)
-    k_pages, v_pages, table = _paged(*rows, page_size)
+    k_pages, v_pages, table = paged_cache(*rows, page_size, spare_pages=2)
     _check_varlen(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), block_table=table, packed_kv=(k, v),
                   **kw)
 
@@ -855,7 +837,7 @@ def test_varlen_paged_bad_counts_and_refusals():
     and gradients are refused with a clear error."""
     q, k, v, cu_q, cu_k = _varlen([2, 3], [10, 20])
     rows = [torch.randn(2, 21, *t.shape[1:], device=DEVICE).to(t.dtype) for t in (k, v)]
-    k_pages, v_pages, table = _paged(*rows, 7)  # 3 pages: 21 slots a sequence
+    k_pages, v_pages, table = paged_cache(*rows, 7, spare_pages=2)  # 3 pages: 21 slots a sequence
     cu_bad = torch.tensor([0, 10, 32], dtype=torch.int32, device=DEVICE)  # sequence 1: 22 keys
     with poisoned(FINITE_POISON):
         out = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_bad, 3, 22, block_table=table)
@@ -987,7 +969,7 @@ def test_gpu_kvcache_paged(page_size):
     D = 128, causal, Llama's rotary; split and packed by the launcher."""
     lens = torch.tensor([1, 4097, 8190], dtype=torch.int32, device=DEVICE)
     q, k_rows, v_rows, k, v = _kvcache(batch=3, slots=8192, new=1, sq=1, h=16, hkv=4, d=128, dtype=torch.bfloat16)
-    k_cache, v_cache, table = _paged(k_rows, v_rows, page_size)
+    k_cache, v_cache, table = paged_cache(k_rows, v_rows, page_size, spare_pages=2)
     cos, sin = _rotary_tables(8192, 128)
     _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, block_table=table, rotary_cos=cos, rotary_sin=sin,
                    rotary_interleaved=False)
@@ -1108,7 +1090,7 @@ def test_gpu_paged_decode_plan_short_shares():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
         q, k, v = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
-        k_pages, _, table = _paged(k, v, 16)
+        k_pages, _, table = paged_cache(k, v, 16, spare_pages=2)
         lens = torch.full((1,), keys, device=q.device, dtype=torch.int32)
         opts = attention_kernels.AttnOptions(1.0, kv_cache=attention_kernels.KVCache(lens, block_table=table))
         plan = attention_kernels.forward_plan(q, k_pages, opts)

@@ -222,3 +222,25 @@ def large_logits(shape, *, dtype=torch.float32, device="cpu", seed: Optional[int
     std sqrt(magnitude) give logits of std ~magnitude: exp() overflows without a running max.
     """
     return gaussian(shape, dtype=dtype, device=device, seed=seed, std=math.sqrt(magnitude))
+
+
+def paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, *, spare_pages: int = 0,
+                seed: int = 0):
+    """The caches (batch, slots, heads_kv, D) cut into pages of ``page_size`` slots (the last one
+    padded), shuffled into a paged cache with ``spare_pages`` pages no sequence names, and the block
+    table that finds them: (k_pages, v_pages (num_pages, page_size, heads_kv, D), block_table
+    (batch, pages a sequence) int32), the same keys as ``flash_attn_with_kvcache``'s paged
+    ``block_table`` reads them. Slots and pages outside the keys hold random values."""
+    batch, slots = k_cache.shape[:2]
+    per_seq = -(-slots // page_size)
+    num_pages = batch * per_seq + spare_pages
+    order = torch.randperm(num_pages, generator=_generator(seed, "cpu"))[: batch * per_seq]
+    table = order.view(batch, per_seq).to(torch.int32).to(k_cache.device)
+    pad = per_seq * page_size - slots
+    pages = []
+    for cache in (k_cache, v_cache):
+        rows = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, pad))  # (batch, per_seq * page_size, ...)
+        paged = torch.randn(num_pages, page_size, *cache.shape[2:], device=cache.device).to(cache.dtype)
+        paged[table.long().flatten()] = rows.view(batch * per_seq, page_size, *cache.shape[2:])
+        pages.append(paged)
+    return pages[0], pages[1], table
