@@ -155,6 +155,100 @@ def test_alibi(slopes_shape):
     check_flash(q, k, v, causal=False, alibi_slopes=slopes, softcap=5.0)
 
 
+# ----------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): a score a query head beside the keys, with a value of zero.
+# ----------------------------------------------------------------------------------------------
+def _sinks(heads, dtype=torch.float32):
+    """A score a head drawn around the keys' own (mean 1, sd 2), so that each sink weighs in."""
+    return (torch.randn(heads, device=DEVICE) * 2 + 1).to(dtype)
+
+
+@pytest.mark.parametrize("sq,sk,d,kw", [
+    (113, 203, 80, {"causal": True}), (239, 1, 64, {}), (63, 63, 40, {"window_size": (5, 2)}),
+    (1, 239, 32, {"softcap": 3.0}), (77, 9, 32, {"causal": True}), (64, 128, 64, {"alibi_slopes": "yes"}),
+    (30, 45, 32, {"window_size": (0, 0), "causal": False}),
+])
+def test_sinks_match_the_reference(sq, sk, d, kw):
+    """Output and lse against the float64 reference by the rule (rows that see no key, causal with
+    Sq > Sk, hold the sink alone: 0 and lse = the sink), the sinks left as they were, and the
+    sinks mattered (the call without them is far off)."""
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "yes":
+        kw["alibi_slopes"] = torch.rand(4, device=DEVICE)
+    q, k, v = _qkv(2, sq, sk, 4, 2, d)
+    sinks = _sinks(4)
+    before = sinks.clone()
+    out, lse = check_flash(q, k, v, sinks=sinks, **kw)
+    assert torch.equal(sinks, before) and lse.isfinite().all()
+    assert rel_l2_err(out, qflash.flash_attn_func(q, k, v, **kw)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("sinks_dtype", [torch.float16, torch.float32, torch.float64])
+def test_sinks_in_any_precision(dtype, sinks_dtype):
+    """The kernel reads the sinks as they come (bfloat16 weights of a model, float32 ones); -inf
+    is no sink at all."""
+    q, k, v = _qkv(1, 40, 57, 4, 4, 32, dtype=dtype)
+    check_flash(q, k, v, causal=True, sinks=_sinks(4, sinks_dtype))
+    none = torch.full((4,), float("-inf"), device=DEVICE, dtype=sinks_dtype)
+    torch.testing.assert_close(qflash.flash_attn_func(q, k, v, causal=True, sinks=none),
+                               qflash.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+@pytest.mark.parametrize("sq,sk,kw", [(1, 239, {}), (1, 1023, {"causal": True}), (8, 200, {"window_size": (50, 0)}),
+                                      (3, 2, {"causal": True})])
+def test_sinks_with_split_keys_and_grouped_heads(monkeypatch, num_splits, sq, sk, kw):
+    """Decoding: the sink goes into one key share only (40: most shares empty, the sink's among
+    them where it falls on an empty one), with the grouped heads of a key/value head in one row
+    block, each row its own head's sink."""
+    _split_keys(monkeypatch, num_splits)
+    q, k, v = _qkv(2, sq, sk, 8, 2, 24)
+    check_flash(q, k, v, sinks=_sinks(8), **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_sinks_with_a_kv_cache(monkeypatch, num_splits, paged):
+    """flash_attn_with_kvcache with sinks: ragged caches (an empty one: the sink alone), new keys,
+    grouped heads; the paged cache in pages of 16."""
+    _split_keys(monkeypatch, num_splits)
+    q, k_cache, v_cache, k, v = _kvcache(new=2, sq=2)
+    lens = torch.tensor([0, 1, 63, 113], dtype=torch.int32, device=DEVICE)
+    sinks = _sinks(8)
+    if not paged:
+        _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True, sinks=sinks)
+        return
+    k_pages, v_pages, table = paged_cache(k_cache, v_cache, 16, spare_pages=2)
+    with poisoned():
+        out, lse = qflash.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lens, block_table=table,
+                                                  causal=True, sinks=sinks, return_softmax_lse=True)
+    ref, ref_lse, _, _ = attention_kvcache_ref(*_f64(q, k_cache, v_cache, k, v), lens, causal=True,
+                                               sinks=sinks.double())
+    pt, _, _, _ = attention_kvcache_ref(q, k_cache, v_cache, k, v, lens, causal=True, sinks=sinks, upcast=False,
+                                        reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_sinks_varlen_and_sdpa():
+    """Packed sequences (an empty one, a one-key one) and sdpa (a boolean mask with fully masked
+    rows: the sink alone; leading dims; one head of (seqlen, headdim))."""
+    lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
+    _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, sinks=_sinks(4))
+    query = torch.randn(2, 4, 30, 32, device=DEVICE).half()
+    key, value = torch.randn(2, 2, 41, 32, device=DEVICE).half(), torch.randn(2, 2, 41, 32, device=DEVICE).half()
+    mask = torch.rand(2, 1, 30, 41, device=DEVICE) > 0.3
+    mask[:, :, 3] = False
+    sinks = _sinks(4)
+    out = _check_sdpa(query, key, value, attn_mask=mask, enable_gqa=True, sinks=sinks)
+    assert out[:, :, 3].abs().max() == 0
+    _check_sdpa(query.unsqueeze(0), key.repeat(1, 2, 1, 1).unsqueeze(0), value.repeat(1, 2, 1, 1).unsqueeze(0),
+                is_causal=True, sinks=sinks)
+    _check_sdpa(query[0, 0], key[0, 0], value[0, 0], sinks=sinks[:1])
+
+
 def test_large_logits_and_custom_scale():
     # Scores of magnitude ~50: exp() overflows unless the running max does its job.
     q, k, v = _qkv(1, 64, 96, 2, 2, 64, scale=7.0)
@@ -1203,6 +1297,15 @@ def _bad_cases():
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8, -3), ValueError, "max_seqlen_k must be >= 0"),
         (lambda: vf(q[0], k[0], v[0], cu, cu, 8, 8, block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)),
          ValueError, "k must have 4 dimensions \\(num_pages, page_size, heads_kv, headdim\\) with block_table"),
+        (lambda: f(q, k, v, sinks=torch.zeros(2, device=DEVICE)), ValueError,
+         "sinks must be a floating tensor of shape \\(4,\\) \\(a score a query head\\), got \\(2,\\)"),
+        (lambda: f(q, k, v, sinks=torch.zeros(4, dtype=torch.int32, device=DEVICE)), ValueError, "sinks must be a floating"),
+        (lambda: f(q, k, v, sinks=[0.0] * 4), ValueError, "sinks must be a floating tensor .* got list"),
+        (lambda: f(q, k, v, sinks=torch.zeros(4, device="meta")), ValueError, "sinks is on meta"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu, 8, 8, sinks=torch.zeros(1, 4, device=DEVICE)), ValueError, "sinks must"),
+        (lambda: qflash.sdpa(q, q, q, sinks=torch.zeros(4, device=DEVICE)), ValueError, "shape \\(8,\\)"),
+        (lambda: qflash.flash_attn_with_kvcache(q, k, v, sinks=torch.zeros(3, device=DEVICE)), ValueError,
+         "sinks must"),
     ]
 
 

@@ -28,8 +28,9 @@ def _grads(fn, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
-def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
-    """Kernel grads vs fp64 reference grads, with PyTorch's same-precision grads as the yardstick."""
+def check_grads(fn, ref_fn, inputs, *, out_shape_from=0, names=("q", "k", "v", "attn_mask"), floors=None):
+    """Kernel grads vs fp64 reference grads, with PyTorch's same-precision grads as the yardstick.
+    ``floors``: input name -> a function of the reference gradient giving that gradient's floor."""
     dtype = inputs[0].dtype
     with torch.no_grad():
         out = fn(*inputs)
@@ -42,7 +43,7 @@ def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
     ref = _grads(lambda *a: ref_fn(*a, upcast=True), ref_inputs, dout.double())
     pt_inputs = [t.detach().clone().requires_grad_() for t in inputs]
     pt = _grads(lambda *a: ref_fn(*a, upcast=False), pt_inputs, dout)
-    for name, g, r, p, t in zip(("q", "k", "v", "attn_mask"), got, ref, pt, inputs):
+    for name, g, r, p, t in zip(names, got, ref, pt, inputs):
         assert g.shape == r.shape and g.dtype == t.dtype
         # In float64, PyTorch's "same precision" gradients are the reference itself (error 0), so
         # the bound is the rounding of sums as long as the longest axis: 64 sqrt(n) steps of max |ref|
@@ -50,6 +51,8 @@ def check_grads(fn, ref_fn, inputs, *, out_shape_from=0):
         longest = max(max(t.shape) for t in inputs)
         floor = (64 * torch.finfo(dtype).eps * longest ** 0.5 * float(r.abs().max())
                  if dtype == torch.float64 else None)
+        if floors and name in floors:
+            floor = floors[name](r)
         assert_flash_rule(g, r, p, factor=GRADIENT_FACTOR, floor=floor, what=f"d{name}")
 
 
@@ -461,3 +464,119 @@ def test_gpu_wide_dtypes(dtype, d):
 def test_gpu_gradcheck_float64():
     q, k, v = _leaves((1, 9, 2, 8), (1, 11, 1, 8), (1, 11, 1, 8), dtype=torch.float64, device="cuda")
     assert torch.autograd.gradcheck(lambda *a: qflash.flash_attn_func(*a, causal=True, softcap=3.0), (q, k, v))
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): their gradient, and q, k, v's through a softmax that holds them.
+# ----------------------------------------------------------------------------------------------
+def _sinks_leaf(heads: int, dtype=torch.float32):
+    """A score a head drawn around the keys' own (mean 1, sd 2), so that each sink weighs in."""
+    return (torch.randn(heads, device=DEVICE) * 2 + 1).to(dtype).requires_grad_()
+
+
+SINK_NAMES = ("q", "k", "v", "sinks")
+
+
+def _sinks_floor(inputs, ref_fn):
+    """The sinks' gradient is a sum of p_sink = exp(sink - lse) over a head's rows, and the kernels
+    keep lse in float32 (as flash-attn's): each p_sink is then off by up to a few float32 steps of
+    |lse| (relative), which PyTorch's own float32 softmax is not. Floor: 4 such steps of the
+    largest |lse| times the largest |dsinks| (float64 inputs keep lse in float64: no floor)."""
+    if inputs[0].dtype == torch.float64:
+        return None
+    with torch.no_grad():
+        lse = ref_fn(*(t.detach().double() for t in inputs), upcast=True)[1]
+    step = 4 * torch.finfo(torch.float32).eps * float(lse[lse.isfinite()].abs().max())
+    return {"sinks": lambda ref: step * float(ref.abs().max())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("sq,sk,kw", [(45, 70, {"causal": True}), (70, 45, {"causal": True}),
+                                      (33, 90, {"window_size": (7, 3)}), (40, 57, {"softcap": 4.0}), (1, 63, {})])
+def test_sinks_gradients(dtype, sq, sk, kw):
+    """dq, dk, dv and dsinks against float64 by the rule (factor 3): causal with Sq > Sk (rows that
+    see no key hold the sink alone), windows, soft-capping, one query row; GQA, head dim 40."""
+    inputs = _leaves((2, sq, 4, 40), (2, sk, 2, 40), (2, sk, 2, 40), dtype=dtype) + [_sinks_leaf(4)]
+
+    def ref(q, k, v, s, upcast):
+        return attention_ref(q, k, v, sinks=s, upcast=upcast, reorder_ops=not upcast, **kw)
+
+    check_grads(lambda q, k, v, s: qflash.flash_attn_func(q, k, v, sinks=s, **kw), lambda *a, upcast: ref(*a, upcast)[0],
+                inputs, names=SINK_NAMES, floors=_sinks_floor(inputs, ref))
+
+
+def test_sinks_gradients_varlen_and_sdpa():
+    """Packed sequences (an empty one among them; three packed rows after the last sequence, which
+    the sinks' gradient must leave out) and sdpa with a boolean mask, sinks in float16."""
+    cu_q = torch.tensor([0, 1, 64, 64, 104, 121], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 5, 68, 77, 88, 118], dtype=torch.int32, device=DEVICE)
+    inputs = _leaves((121, 4, 32), (118, 2, 32), (118, 2, 32), dtype=torch.float16) + [_sinks_leaf(4, torch.float16)]
+    check_grads(lambda q, k, v, s: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True, sinks=s),
+                lambda q, k, v, s, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, sinks=s,
+                                                                upcast=upcast, reorder_ops=not upcast)[0],
+                inputs, names=SINK_NAMES)
+    q, k, v, s = inputs
+    extra = torch.randn(3, 4, 32, device=DEVICE).to(q.dtype)
+    with poisoned():  # the rows after the last sequence: never written
+        out = qflash.flash_attn_varlen_func(torch.cat([q, extra]), k, v, cu_q, cu_k, 63, 63, causal=True, sinks=s)
+    dout = torch.randn(121, 4, 32, device=DEVICE).to(q.dtype)
+    got = torch.autograd.grad(out[:121], s, dout)[0]
+    want = torch.autograd.grad(qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True, sinks=s),
+                               s, dout)[0]
+    assert torch.equal(got, want)
+
+    mask = torch.rand(2, 1, 30, 41, device=DEVICE) > 0.3
+    inputs = _leaves((2, 4, 30, 32), (2, 2, 41, 32), (2, 2, 41, 32), dtype=torch.float16) + [_sinks_leaf(4)]
+    check_grads(lambda q, k, v, s: qflash.sdpa(q, k, v, attn_mask=mask, enable_gqa=True, sinks=s),
+                lambda q, k, v, s, upcast: sdpa_ref(q, k, v, attn_mask=mask, enable_gqa=True, sinks=s, upcast=upcast),
+                inputs, names=SINK_NAMES)
+
+
+def test_sinks_gradient_under_torch_compile():
+    """The custom ops take the sinks whole under torch.compile(fullgraph=True): one graph, the same
+    gradients as eager, none for sinks that need none."""
+    q, k, v, s = _leaves((1, 24, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32), dtype=torch.float16) + [_sinks_leaf(4)]
+    dout = torch.randn(1, 24, 4, 32, device=DEVICE).half()
+
+    def step(a, b, c, d):
+        return qflash.flash_attn_func(a, b, c, causal=True, sinks=d) * 2
+
+    compiled = one_graph(step)
+    expected = _grads(step, (q, k, v, s), dout)
+    for a, b in zip(_grads(compiled, (q, k, v, s), dout), expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(torch.autograd.grad(compiled(q, k, v, s.detach()), (q, k, v), dout)) == 3
+
+
+def test_sinks_with_dropout_match_the_same_mask():
+    """Dropout beside sinks: the sink takes its share of each row's softmax before the drop, as in
+    transformers' gpt-oss (its value is zero, so dropping it would change nothing)."""
+    from qflash.kernels.attention import dropout_keep_mask
+
+    p, b, sq, sk, h = 0.3, 2, 45, 70, 4
+    inputs = _leaves((b, sq, h, 32), (b, sk, 2, 32), (b, sk, 2, 32), dtype=torch.float16) + [_sinks_leaf(h)]
+    mask = dropout_keep_mask(b, h, sq, sk, dropout_p=p, dropout_seed=_seed_for(7), device=DEVICE)
+
+    def fn(q, k, v, s):
+        torch.manual_seed(7)  # the same mask on every call
+        return qflash.flash_attn_func(q, k, v, dropout_p=p, causal=True, sinks=s)
+
+    check_grads(fn, lambda q, k, v, s, upcast: attention_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=mask,
+                                                             sinks=s, upcast=upcast, reorder_ops=not upcast)[0],
+                inputs, names=SINK_NAMES)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,causal,sq,sk", [(64, True, 1024, 1024), (128, False, 512, 768), (64, False, 256, 256),
+                                            (128, True, 384, 1024), (80, True, 333, 517)])
+def test_gpu_sinks_gradients(dtype, d, causal, sq, sk):
+    """On the H200: the Gluon forward and backward (lengths multiple of 128, D = 64 / 128) and the tl
+    kernels (D = 80, ragged) with sinks; gpt-oss's grouping (8 query heads a key/value head)."""
+    inputs = _leaves((2, sq, 16, d), (2, sk, 2, d), (2, sk, 2, d), dtype=dtype) + [_sinks_leaf(16)]
+
+    def ref(q, k, v, s, upcast):
+        return attention_ref(q, k, v, causal=causal, sinks=s, upcast=upcast, reorder_ops=not upcast)
+
+    check_grads(lambda q, k, v, s: qflash.flash_attn_func(q, k, v, causal=causal, sinks=s),
+                lambda *a, upcast: ref(*a, upcast)[0], inputs, names=SINK_NAMES, floors=_sinks_floor(inputs, ref))

@@ -9,6 +9,7 @@ not at D = 256, where it gives the same bits run after run."""
 import functools
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -38,6 +39,24 @@ def test_builds_for_sm90(d, dtype, causal, seqlen_k):
     assert "serialized" not in ptxas_report(ptx)  # S and P V stay asynchronous
     # the output leaves by bulk copies from shared memory (D = 256 in two 64 x 128 halves, up to 1k keys)
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == (d <= 128 or seqlen_k <= 1024)
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)])
+def test_builds_for_sm90_with_sinks(d, causal):
+    """With attention sinks (one load a work item, the running max and sum starting from it): the
+    same asynchronous products as without, and no spills at D = 64 / 128; at D = 256, whose three
+    consumers spill 12 bytes without sinks, 8 more with them."""
+    plain, with_sinks = (sm90_build("qflash.kernels.attention_gluon", d, torch.bfloat16, causal=causal, sinks=s)
+                         for s in (False, True))
+
+    def spilled(kernel):
+        report = ptxas_report(kernel["ptx"])
+        assert "serialized" not in report
+        return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+    assert spilled(with_sinks) <= (0 if d <= 128 else spilled(plain) + 8)
+    assert with_sinks["ptx"].count("wgmma.mma_async") == plain["ptx"].count("wgmma.mma_async")
+    assert with_sinks["shared"] <= 227 * 1024
 
 
 def _qkv(b=1, sq=128, sk=None, h=2, hkv=None, d=64, dtype=torch.float16, device=DEVICE):

@@ -317,11 +317,67 @@ def test_t5_position_bias_training_matches_sdpa():
         assert rel_l2_err(got_grads[name], g) < 1e-10, name
 
 
+def _gpt_oss(dtype=torch.float64, **overrides):
+    """Two layers, a sliding window of 4 on the first and full attention on the second, grouped-query
+    heads (4 on 2, head dim 16), four experts (transformers' plain loop over them: its grouped
+    products take no float64); sinks drawn at scale 2 and query / key projections scaled up, so
+    that both weigh in the softmax."""
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+               experts_implementation="eager")
+    cfg.update(overrides)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg)).to(DEVICE, dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 2.0)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)
+    return model
+
+
+@torch.no_grad()
+def test_gpt_oss_sinks_match_eager():
+    """gpt-oss's attention sinks (``s_aux``, a learned score a head): without padding (no mask: the
+    causal flag and the window reach the kernel) and left-padded (a boolean mask), against
+    transformers' eager attention (gpt-oss has no SDPA path), which here computes in float64; and
+    the sinks matter: with them at -inf (no sink) the logits move."""
+    model = _gpt_oss()
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    mask[0, :4] = 0
+    real = mask.bool()
+    assert rel_l2_err(_logits(model, NAME, ids), _logits(model, "eager", ids)) < 1e-12
+    out = _logits(model, NAME, ids, attention_mask=mask)
+    assert out.isfinite().all()
+    assert rel_l2_err(out[real], _logits(model, "eager", ids, attention_mask=mask)[real]) < 1e-12
+    for layer in model.model.layers:
+        layer.self_attn.sinks.fill_(float("-inf"))
+    assert rel_l2_err(_logits(model, NAME, ids, attention_mask=mask)[real], out[real]) > 1e-2
+
+
+def test_gpt_oss_training_gradients_match_eager():
+    """Training gpt-oss: every parameter's gradient through qflash's backward, the sinks' among them."""
+    model = _gpt_oss()
+    model.train()
+    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
+    grads = {}
+    for impl in ("eager", NAME):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[NAME].keys() == grads["eager"].keys()
+    assert sum(name.endswith("sinks") for name in grads[NAME]) == 2
+    for name, g in grads["eager"].items():
+        assert g.abs().max() > 0, name
+        assert rel_l2_err(grads[NAME][name], g) < 1e-10, name
+
+
 def test_unsupported_arguments_raise():
     q = torch.randn(1, 2, 5, 16, device=DEVICE)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        qhf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, weights = qhf.attention_forward(module, q, q, q, None, output_attentions=True)
@@ -353,4 +409,26 @@ def test_gpu_bf16_logits_within_the_accuracy_rule():
     assert rel_l2_err(out, ref) <= 2 * rel_l2_err(pt, ref) + 1e-3
     out = _logits(model, NAME, ids, attention_mask=mask)[mask.bool()].double()
     pt = _logits(model, "sdpa", ids, attention_mask=mask)[mask.bool()].double()
+    assert rel_l2_err(out, ref_padded) <= 2 * rel_l2_err(pt, ref_padded) + 1e-3
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_gpt_oss_bf16_logits_within_the_accuracy_rule():
+    """gpt-oss in bfloat16 on the GPU (head dim 64 as the real model's, a window of 128 on the first
+    layer; 256 tokens, so that the full-attention layer takes the Gluon kernel), without and with
+    padding: logits against the float64 model, within twice eager attention's own bfloat16 error
+    (plus a rounding floor)."""
+    model = _gpt_oss(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                     sliding_window=128, max_position_embeddings=512)
+    ids = torch.randint(0, 97, (2, 256), device=DEVICE)
+    mask = torch.ones(2, 256, dtype=torch.long, device=DEVICE)
+    mask[1, :37] = 0
+    real = mask.bool()
+    ref = _logits(model, "eager", ids)
+    ref_padded = _logits(model, "eager", ids, attention_mask=mask)[real]
+    model = model.to(torch.bfloat16)
+    out, pt = (_logits(model, impl, ids).double() for impl in (NAME, "eager"))
+    assert rel_l2_err(out, ref) <= 2 * rel_l2_err(pt, ref) + 1e-3
+    out, pt = (_logits(model, impl, ids, attention_mask=mask)[real].double() for impl in (NAME, "eager"))
     assert rel_l2_err(out, ref_padded) <= 2 * rel_l2_err(pt, ref_padded) + 1e-3

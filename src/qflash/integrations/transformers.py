@@ -12,11 +12,11 @@ the causal flag says everything (then the kernel masks by position), else a bool
 attend) of padding, sliding windows or packed sequences, which the kernel reads tile by tile.
 Inference (prefill and decoding with any cache) and training (gradients and attention dropout),
 grouped-query heads, sliding windows, logit soft-capping (Gemma 2), learned position biases
-added to the scores (T5), which get their gradients through ``qflash.sdpa``'s float mask, and a
-value head dim other than the query's (DeepSeek's MLA), zero-padded to one (exact).
+added to the scores (T5), which get their gradients through ``qflash.sdpa``'s float mask, a
+value head dim other than the query's (DeepSeek's MLA), zero-padded to one (exact), and
+attention sinks (gpt-oss's ``s_aux``: a learned score a head, with its gradient).
 
-Not taken (a clear error instead): attention sinks (``s_aux``). ``output_attentions=True``
-returns no attention weights, as with "sdpa".
+``output_attentions=True`` returns no attention weights, as with "sdpa".
 
 The name has neither "flash" nor "sdpa" in it: transformers takes a name with "flash" in it for a
 flash-attn package (unpadded inputs, a kernel looked up by that name), and one with "sdpa" only
@@ -64,9 +64,7 @@ def attention_forward(
     """
     from qflash.ops.attention import autocast_inputs, flash_attn_func, pad_head_dims, sdpa
 
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("qflash attention takes no attention sinks (s_aux): load this model with another "
-                                  "attn_implementation ('sdpa' or 'eager')")
+    sinks = kwargs.get("s_aux")  # gpt-oss: a score a query head beside the keys (value zero)
     if kwargs.get("output_attentions", False):
         warnings.warn("qflash attention returns no attention weights (output_attentions=True)", stacklevel=2)
     # Under autocast with float32 weights, rotary embeddings leave query and key in float32 beside a
@@ -89,11 +87,12 @@ def attention_forward(
         # transformers' sliding window: query i sees keys i - window < j (<= i when causal).
         window = (sliding_window - 1, sliding_window - 1) if sliding_window and kv_len > sliding_window else (-1, -1)
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
-                              softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+                              softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0,
+                              sinks=sinks)
         return out[..., :headdim_v], None  # (batch, seqlen_q, heads, headdim_v)
     mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask.to(query.dtype)
     out = sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-               enable_gqa=key.shape[1] != query.shape[1], softcap=softcap or 0.0)
+               enable_gqa=key.shape[1] != query.shape[1], softcap=softcap or 0.0, sinks=sinks)
     return out.transpose(1, 2)[..., :headdim_v], None  # a view of the kernel's (batch, seqlen_q, heads, headdim)
 
 

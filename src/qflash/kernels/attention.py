@@ -445,7 +445,7 @@ def _attn_fwd_kernel(
     stride_o_split, stride_l_split,
     seqlen_q, seqlen_k, num_heads, kv_group, num_m_blocks, num_splits,
     qk_scale: tl.float64, softcap_log2: tl.float64, window_left, window_right,
-    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows, stride_table,
+    dropout_p, dropout_seed, rng_rows, rng_cols, seqlen_new, cache_rows, stride_table, Sinks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -454,8 +454,10 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr, ACC: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES_LAST: tl.constexpr = False,
     SPLIT_KV: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
     KV_CACHE: tl.constexpr = False, HAS_BATCH_IDX: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
-    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1, HAS_SINKS: tl.constexpr = False,
 ):
+    # HAS_SINKS (gpt-oss's attention sinks): Sinks holds a score a query head that its rows take into
+    # the softmax beside the keys, with a value of zero.
     # KV_CACHE (``flash_attn_with_kvcache``): K / V are a cache of rows of seqlen_k slots, sequence
     # b's keys where ``_cache_keys`` puts them; PAGED: a cache of ``cache_rows`` pages of
     # PAGE_SIZE slots, sequence b's slot j in page block_table[b, j // PAGE_SIZE] (a compile a page size).
@@ -582,6 +584,12 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    if HAS_SINKS:  # the sink is the first score the running max and sum hold (in one key share only)
+        sink_heads = h + (head_of_row if PACK_GQA else tl.zeros([BLOCK_M], tl.int64))  # [BLOCK_M]
+        m_i = tl.load(Sinks + sink_heads, mask=row_ok, other=0.0).to(ACC) * RCP_LN2
+        if SPLIT_KV:
+            m_i = tl.where(split == 0, m_i, float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0).to(ACC)  # exp(sink - sink), or no sink (-inf)
 
     # Three stretches: left window edge (masked), interior (no mask), diagonal / right window
     # edge / sequence end (masked); static_range makes MASKED a compile-time constant in each.
@@ -600,7 +608,8 @@ def _attn_fwd_kernel(
             HAS_DROPOUT, DOT_PRECISION, USE_TMA, PAGED)
 
     # ---- one division at the end; empty rows give 0 and lse = +inf -----------------------
-    # (a share with no visible key: lse = -inf, so that the combine gives it no weight)
+    # (a share with no visible key: lse = -inf, so that the combine gives it no weight; a row
+    # with a sink is never empty: it gives 0 and lse = the sink where it sees no key)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -911,6 +920,7 @@ class AttnOptions:
     dropout_seed: int = 0
     deterministic: bool = False  # the backward: bitwise-identical gradients (no atomics)
     kv_cache: Optional[KVCache] = None  # k / v are a KV cache (dense forward only)
+    sinks: Optional[torch.Tensor] = None  # (heads,) attention sinks: a score a query head, value zero
 
     @property
     def varlen(self) -> bool:
@@ -1058,7 +1068,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         from qflash.kernels import attention_gluon
 
         return attention_gluon.launch(q, k, v, opts.softmax_scale, causal=opts.window_right == 0,
-                                      bottom_right=opts.bottom_right)
+                                      bottom_right=opts.bottom_right, sinks=opts.sinks)
     varlen = opts.varlen
     if varlen:
         total_q, num_heads, head_dim = q.shape
@@ -1126,6 +1136,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         HAS_LEFTPAD=cache is not None and cache.leftpad is not None,
         PAGED=paged,
         PAGE_SIZE=k.shape[1] if paged else 1,  # (a constant: one compile a page size)
+        Sinks=q if opts.sinks is None else opts.sinks,
+        HAS_SINKS=opts.sinks is not None,
         **variant,
     )
     if num_splits > 1:
@@ -1674,13 +1686,14 @@ def _maxnreg(cfg) -> dict:
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, opts: AttnOptions, configs=None, bias_grad: bool = False):
-    """Gradients (dq, dk, dv, dbias) of the forward pass, from its output and log-sum-exp.
+    """Gradients (dq, dk, dv, dbias, dsinks) of the forward pass, from its output and log-sum-exp.
 
     Same layouts and options as ``attention_forward`` (the same dropout seed regenerates
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
     query heads of each GQA group. ``bias_grad`` (an additive ``opts.bias``, dense calls): dbias is
     the gradient of the scores, (B, H, Sq, Sk) in the bias's dtype, written by the dQ kernel, which
-    visits each (query, key) tile once; else None. Without explicit ``configs``, calls that the
+    visits each (query, key) tile once; else None. dsinks: that of ``opts.sinks`` (``_sinks_grad``),
+    else None; the sinks need nothing else, since lse holds them. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256,
     lengths multiple of 128, not ``deterministic``) go there after the delta pass where
     ``bwd_preferred`` says so (every head dim it has).
@@ -1704,7 +1717,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if bias_grad:  # every entry is written or stays 0 (tiles the masks skip)
         dbias = torch.zeros((batch, num_heads, seqlen_q, seqlen_k), dtype=opts.bias.dtype, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
-        return (*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dbias)
+        dsinks = None if opts.sinks is None else torch.zeros_like(opts.sinks)
+        return (*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dbias, dsinks)
     delta = torch.empty_like(lse, dtype=acc)
     pointers, bias_strides, slope_strides, variant = _variant(q, k, opts)
     block_d = _block_d(head_dim)
@@ -1720,12 +1734,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
     )
+    dsinks = None if opts.sinks is None else _sinks_grad(opts.sinks, lse, delta,
+                                                         opts.cu_seqlens_q[-1] if varlen else None)
     if configs is None and _fast_backward_fits(dout, q, k, v, out, lse, opts):
         from qflash.kernels import attention_gluon
 
         return (*attention_gluon.launch_backward(dout, q, k, v, lse, delta, opts.softmax_scale,
                                                  causal=opts.window_right == 0, bottom_right=opts.bottom_right),
-                None)
+                None, dsinks)
     dq = new_output(q.shape, dtype=q.dtype, device=q.device)
     dk = new_output(k.shape, dtype=k.dtype, device=k.device)
     dv = new_output(v.shape, dtype=v.dtype, device=v.device)
@@ -1751,7 +1767,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
         **_maxnreg(dkdv_cfg), **shared,
     )
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dsinks
+
+
+def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                packed_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gradient of the attention sinks (heads,). A sink's value is zero, so raising its score
+    only takes weight from what a row's output holds: d out / d sink = -p_sink * out, and
+    d loss / d sink = -sum over the head's rows of p_sink * delta, with p_sink = exp(sink - lse)
+    and delta = rowsum(dO * O). lse and delta: (batch, heads, rows), or (heads, rows) packed, of
+    which the first ``packed_rows`` (cu_seqlens_q[-1], on the device) belong to sequences."""
+    terms = torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta  # [..., heads, rows]
+    if packed_rows is not None:  # rows after the last sequence: never written, left out
+        terms = torch.where(torch.arange(lse.shape[-1], device=lse.device) < packed_rows, terms, 0.0)
+    return -terms.transpose(0, -2).flatten(1).sum(1).to(sinks.dtype)
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
@@ -1802,7 +1831,8 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
                      HAS_DROPOUT=dropout, USE_TMA=cfg.use_tma)
     if kernel == "fwd":
         constants.update(HEAVY_FIRST=causal, EDGES_LAST=has_left, SPLIT_KV=False, PACK_GQA=False,
-                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False, PAGE_SIZE=1)
+                         KV_CACHE=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, PAGED=False, PAGE_SIZE=1,
+                         HAS_SINKS=False)
     elif kernel == "dq":
         constants.update(HAS_DBIAS=False)
     else:

@@ -253,10 +253,10 @@ def _store_block(block, o_desc, o_buf, row, col):
 @gluon.jit
 def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                        v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks, heads_per_group, qk_scale,
-                       which, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                       CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr):
+                       Sinks, which, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                       CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr, HAS_SINKS: gl.constexpr):
     """One warpgroup (consumer ``which``): for each work item, the online softmax over its K/V
-    tiles for 64 query rows."""
+    tiles for 64 query rows (HAS_SINKS: starting from the head's sink score, ``Sinks[h]``)."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_ring.shape[1]
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
@@ -285,6 +285,9 @@ def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready
             rows = m0 + gl.arange(0, ROWS, layout=row_s)  # query rows of the sequence
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
             l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)  # running sum
+            if HAS_SINKS:  # the sink is the first score they hold (a value of zero: acc stays 0)
+                m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s) + gl.load(Sinks + h).to(gl.float32) * RCP_LN2
+                l_i = gl.where(m_i == float("-inf"), 0.0, 1.0)
             acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)  # [ROWS, HEAD_DIM]
             qb = i % Q_BUFFERS
             q = q_smem.index(CONSUMERS * qb + which)
@@ -368,9 +371,9 @@ def _attn_fwd_consumer(Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seqlen_k, shift, num_heads, kv_group,
-                        num_bh, num_m_blocks, heads_per_group, qk_scale, HEAD_DIM: gl.constexpr,
+                        num_bh, num_m_blocks, heads_per_group, qk_scale, Sinks, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                        TMA_STORE: gl.constexpr):
+                        TMA_STORE: gl.constexpr, HAS_SINKS: gl.constexpr = False):
     """Persistent: each CTA takes work items in rounds (a block of CONSUMERS x 64 queries of one
     (batch, head) each), so one item's loads overlap the previous item's last tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -392,12 +395,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                  heads_per_group, qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
-                                  TMA_STORE)),
+                                  heads_per_group, qk_scale, Sinks, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS,
+                                  CAUSAL, TMA_STORE, HAS_SINKS)),
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                  heads_per_group, qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
-                                  TMA_STORE)),
+                                  heads_per_group, qk_scale, Sinks, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS,
+                                  CAUSAL, TMA_STORE, HAS_SINKS)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
@@ -406,16 +409,16 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, o_desc, Lse, seqlen_q, seql
         gl.warp_specialize([
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                  heads_per_group, qk_scale, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
-                                  TMA_STORE)),
+                                  heads_per_group, qk_scale, Sinks, gl.to_tensor(0), HEAD_DIM, STAGES, CONSUMERS,
+                                  CAUSAL, TMA_STORE, HAS_SINKS)),
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                  heads_per_group, qk_scale, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
-                                  TMA_STORE)),
+                                  heads_per_group, qk_scale, Sinks, gl.to_tensor(1), HEAD_DIM, STAGES, CONSUMERS,
+                                  CAUSAL, TMA_STORE, HAS_SINKS)),
             (_attn_fwd_consumer, (Out, o_desc, o_smem, Lse, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, num_bh, num_m_blocks,
-                                  heads_per_group, qk_scale, gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS, CAUSAL,
-                                  TMA_STORE)),
+                                  heads_per_group, qk_scale, Sinks, gl.to_tensor(2), HEAD_DIM, STAGES, CONSUMERS,
+                                  CAUSAL, TMA_STORE, HAS_SINKS)),
             (_attn_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                                 k_empty, v_empty, seqlen_q, seqlen_k, shift, num_heads, kv_group, num_bh,
                                 num_m_blocks, heads_per_group, HEAD_DIM, STAGES, CONSUMERS, CAUSAL)),
@@ -575,10 +578,10 @@ _fwd_launcher = CachedLauncher(_attn_fwd_ws_kernel)
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
            bottom_right: bool, heads_per_group: Optional[int] = None,
-           tma_store: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           tma_store: Optional[bool] = None, sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward_gluon`` for a call that ``why_not`` has already accepted.
     ``heads_per_group`` overrides ``causal_heads_per_group`` and ``tma_store`` ``stores_by_tma``
-    (to measure other choices)."""
+    (to measure other choices); ``sinks``: (heads,) attention sinks, contiguous."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     out = new_output(q.shape, dtype=q.dtype, device=q.device)
@@ -599,17 +602,17 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
     _fwd_launcher[grid](
         desc(q, SUB_M), desc(k, block_n), desc(v, block_n), out, desc(out, SUB_M, output_block_cols(head_dim)), lse,
         seqlen_q, seqlen_k, shift, heads, heads // heads_kv, batch * heads, num_m_blocks, heads_per_group,
-        softmax_scale * RCP_LN2.value,
+        softmax_scale * RCP_LN2.value, q if sinks is None else sinks,
         HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers, CONSUMERS=consumers, CAUSAL=causal,
-        TMA_STORE=tma_store, num_warps=4,
+        TMA_STORE=tma_store, HAS_SINKS=sinks is not None, num_warps=4,
     )
     return out, lse
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     backward: bool = False, seqlen_k: int = 0, dq: bool = False):
+                     backward: bool = False, seqlen_k: int = 0, dq: bool = False, sinks: bool = False):
     """Build the forward (or backward; ``dq``: D = 256's dQ kernel) kernel for sm_90 without a GPU
-    (what the CPU tests check): the compiled kernel."""
+    (what the CPU tests check): the compiled kernel. ``sinks``: the forward with attention sinks."""
     if backward or dq:
         return _compile_backward_for_sm90(head_dim, dtype, causal, dq=dq)
     name = SIGNATURE_NAMES[dtype]
@@ -621,10 +624,11 @@ def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, c
     types = {"q_desc": desc(SUB_M), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": f"*{name}",
              "o_desc": desc(SUB_M, output_block_cols(head_dim)), "Lse": "*fp32", "seqlen_q": "i32",
              "seqlen_k": "i32", "shift": "i32", "num_heads": "i32", "kv_group": "i32", "num_bh": "i32",
-             "num_m_blocks": "i32", "heads_per_group": "i32", "qk_scale": "fp32"}
+             "num_m_blocks": "i32", "heads_per_group": "i32", "qk_scale": "fp32", "Sinks": f"*{name}"}
     return build_for_sm90(_attn_fwd_ws_kernel, types, dict(HEAD_DIM=head_dim, STAGES=stages, Q_BUFFERS=q_buffers,
                                                            CONSUMERS=consumers, CAUSAL=causal,
-                                                           TMA_STORE=stores_by_tma(head_dim, seqlen_k)))
+                                                           TMA_STORE=stores_by_tma(head_dim, seqlen_k),
+                                                           HAS_SINKS=sinks))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,13 +73,15 @@ def _attention_forward_impl(
     dropout_p: float,
     dropout_seed: int,
     deterministic: bool,
+    sinks: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     from qflash.kernels.attention import AttnOptions, attention_forward
 
     with on_device_of(q):
         return attention_forward(q, k, v, AttnOptions(
             softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic))
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic,
+            sinks=sinks))
 
 
 def _attention_backward_impl(
@@ -104,22 +106,25 @@ def _attention_backward_impl(
     dropout_seed: int,
     deterministic: bool,
     bias_grad: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias); dbias has no elements unless ``bias_grad`` (a custom op returns tensors)."""
+    sinks: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias, dsinks); dbias has no elements unless ``bias_grad``, dsinks none without
+    sinks (a custom op returns tensors)."""
     from qflash.kernels.attention import AttnOptions, attention_backward
 
     with on_device_of(q):
-        dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, AttnOptions(
+        dq, dk, dv, dbias, dsinks = attention_backward(dout, q, k, v, out, lse, AttnOptions(
             softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic),
-            bias_grad=bias_grad)
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic,
+            sinks=sinks), bias_grad=bias_grad)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), dsinks if dsinks is not None else q.new_empty(0)
 
 
-# Where the bias (qflash.sdpa's attn_mask, the one input besides q, k, v with a gradient) stands
-# among the forward op's 17 inputs.
+# Where the inputs besides q, k, v with a gradient stand among the forward op's 18: the bias
+# (qflash.sdpa's attn_mask) and the attention sinks.
 _BIAS = 9
-_NUM_INPUTS = 17
+_SINKS = 17
+_NUM_INPUTS = 18
 
 _attention_forward_op = torch.library.custom_op("qflash::attention_forward", mutates_args=())(
     _attention_forward_impl)
@@ -143,26 +148,27 @@ def _empty_outputs(q: torch.Tensor, varlen: bool):
 @_attention_forward_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
       alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-      deterministic):
+      deterministic, sinks):
     return _empty_outputs(q, varlen=cu_seqlens_q is not None)
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, bias,
       *args):
-    bias_grad = args[-1]
+    bias_grad, sinks = args[-2:]
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
-            bias.new_empty(bias.shape) if bias_grad else q.new_empty(0))
+            bias.new_empty(bias.shape) if bias_grad else q.new_empty(0),
+            sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
      alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-     deterministic) = inputs
+     deterministic, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, sinks)
     ctx.options = (softmax_scale, window_left, window_right, bottom_right, softcap)
     # An additive mask that requires grad (qflash.sdpa) gets the gradient of the scores.
     ctx.rest = (max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic, ctx.needs_input_grad[_BIAS])
@@ -170,7 +176,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     # lse is returned for inspection, not differentiated (as in flash-attn): dlse is ignored.
-    q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, bias, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
     if dout.dtype != out.dtype or dout.shape != out.shape:
         raise TypeError(f"the gradient of the attention output (dout) must match the output: expected "
                         f"{out.dtype} {tuple(out.shape)}, got {dout.dtype} {tuple(dout.shape)}")
@@ -178,10 +184,11 @@ def _backward(ctx, dout, dlse):
     # compiling) or on meta tensors, the backward is the opaque op; eager, the launcher itself.
     traced = through_custom_op(dout) or type(dout) is not torch.Tensor
     backward = torch.ops.qflash.attention_backward if traced else _attention_backward_impl
-    dq, dk, dv, dbias = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes, bias,
-                                 cu_seqlens_q, cu_seqlens_k, *ctx.rest)
+    dq, dk, dv, dbias, dsinks = backward(_unit_last_stride(dout), q, k, v, out, lse, *ctx.options, alibi_slopes,
+                                         bias, cu_seqlens_q, cu_seqlens_k, *ctx.rest, sinks)
     grads = [dq, dk, dv] + [None] * (_NUM_INPUTS - 3)
     grads[_BIAS] = dbias if ctx.rest[-1] else None
+    grads[_SINKS] = dsinks if ctx.needs_input_grad[_SINKS] else None
     return tuple(grads)
 
 
@@ -207,7 +214,7 @@ def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     implementation: shapes only), through ``_Attention`` otherwise."""
     if through_custom_op(args[0]):
         return torch.ops.qflash.attention_forward(*args)
-    differentiable = (*args[:3], args[_BIAS])
+    differentiable = (*args[:3], args[_BIAS], args[_SINKS])
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
         return _Attention.apply(*args)
     return _attention_forward_impl(*args)
@@ -346,6 +353,18 @@ def _check_alibi(alibi_slopes, batch: int, heads: int, device) -> Optional[torch
     return alibi_slopes.to(torch.float32)
 
 
+def _check_sinks(sinks, heads: int, device) -> Optional[torch.Tensor]:
+    """Attention sinks: None, or a floating (heads,) tensor on the inputs' device, one score a query head."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must be a floating tensor of shape ({heads},) (a score a query head), got "
+                         f"{_shape(sinks)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}: they must match")
+    return sinks.contiguous()
+
+
 def _finish(out, lse, return_attn_probs: bool):
     if return_attn_probs:
         # flash-attn returns (out, softmax_lse, S_dmask); qflash never materializes the
@@ -369,6 +388,7 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Exact attention, a drop-in for ``flash_attn.flash_attn_func``.
 
@@ -392,11 +412,16 @@ def flash_attn_func(
             ``torch.use_deterministic_algorithms(True)`` keeps a call on the tl kernels. At
             head dim 256 the Gluon backward sums in a fixed order and takes such calls too.
         return_attn_probs: also return the log-sum-exp (and None in place of probabilities).
+        sinks: (heads,) attention sinks (gpt-oss; ``s_aux`` in vLLM's flash-attn, ``learnable_sink``
+            in flash-attn 4): a score a query head that each of its rows takes into the softmax
+            beside the keys, with a value of zero, so that a row may give part of its weight to
+            nothing; a floating tensor of any precision (the kernel reads it in float32). With
+            gradients where it requires grad. A NaN or +inf sink gives NaN rows, as in PyTorch.
 
     Returns:
         out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse, None)`` with
-        ``softmax_lse`` (batch, heads, seqlen_q) float32, natural log. Rows that see no
-        key give out = 0 and lse = +inf.
+        ``softmax_lse`` (batch, heads, seqlen_q) float32, natural log (the sink's score among
+        the terms). Rows that see no key give out = 0 and lse = +inf (the sink's score with one).
     """
     _check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, heads, headdim)")
     batch, seqlen_q, heads, headdim = q.shape
@@ -408,29 +433,30 @@ def flash_attn_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, None, None, seqlen_q, k.shape[1],
-        *_dropout(dropout_p), bool(deterministic),
+        *_dropout(dropout_p), bool(deterministic), _check_sinks(sinks, heads, q.device),
     )
     return _finish(out, lse, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """``flash_attn_func`` with kv packed as (batch, seqlen_k, 2, heads_kv, headdim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_kv, headdim), got {_shape(kv)}")
     k, v = kv.unbind(dim=2)  # views; the gradient comes back as one stack (indexing: a zero-fill per part)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, deterministic, return_attn_probs)
+                           softcap, alibi_slopes, deterministic, return_attn_probs, sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              sinks=None):
     """``flash_attn_func`` with qkv packed as (batch, seqlen, 3, heads, headdim)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, headdim), got {_shape(qkv)}")
     q, k, v = qkv.unbind(dim=2)  # views; the gradient comes back as one stack (indexing: a zero-fill per part)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sinks)
 
 
 def _shape(t):
@@ -489,6 +515,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention over packed sequences, a drop-in for ``flash_attn.flash_attn_varlen_func``.
 
@@ -512,7 +539,8 @@ def flash_attn_varlen_func(
             outside the cache: NaN). Inference only: no dropout, no gradient (a clear error
             where one is asked for). One compile a page size.
         Other arguments as in ``flash_attn_func``, applied per sequence (causal is
-        bottom-right within each sequence; alibi_slopes may be (batch, heads)).
+        bottom-right within each sequence; alibi_slopes may be (batch, heads); sinks (heads,)
+        the same for every sequence).
 
     Returns:
         out (total_q, heads, headdim), or ``(out, softmax_lse, None)`` with lse of shape
@@ -520,7 +548,7 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         return _finish(*_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, alibi_slopes, block_table),
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes, block_table, sinks),
                        return_attn_probs)
     _check_tensors(("q", "k", "v"), (q, k, v), 3, "(total, heads, headdim)")
     total_q, heads, headdim = q.shape
@@ -540,13 +568,13 @@ def flash_attn_varlen_func(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v),
         _scale(softmax_scale, headdim), left, right, True, _check_softcap(softcap),
         _check_alibi(alibi_slopes, batch, heads, q.device), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, *_dropout(dropout_p), bool(deterministic),
+        max_seqlen_k, *_dropout(dropout_p), bool(deterministic), _check_sinks(sinks, heads, q.device),
     )
     return _finish(out, lse, return_attn_probs)
 
 
 def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, block_table):
+                  window_size, softcap, alibi_slopes, block_table, sinks):
     """``flash_attn_varlen_func`` on a paged cache: the KV-cache forward with packed queries, each
     sequence's keys counted by cu_seqlens_k and found through its block-table row."""
     _check_tensors(("q",), (q,), 3, "(total, heads, headdim)")
@@ -555,7 +583,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _check_heads(k, v, heads, k.shape[2], headdim)
     if dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 with block_table (a paged cache is read for inference), got {dropout_p}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None):
         raise ValueError("block_table (a paged cache) is forward-only: call it under torch.no_grad() or with inputs "
                          "that do not require grad")
     for name, t in (("k", k), ("v", v)):
@@ -578,33 +606,34 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     from qflash.kernels.attention import AttnOptions, KVCache, attention_forward
 
     opts = AttnOptions(*opts_args, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, kv_cache=KVCache(cu_seqlens_k, 0, None, None, block_table))
+                       max_seqlen_k=max_seqlen_k, kv_cache=KVCache(cu_seqlens_k, 0, None, None, block_table),
+                       sinks=_check_sinks(sinks, heads, q.device))
     with torch.no_grad(), on_device_of(q):
         return attention_forward(_unit_last_stride(q), k, v, opts)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """``flash_attn_varlen_func`` with kv packed as (total_k, 2, heads_kv, headdim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, heads_kv, headdim), got {_shape(kv)}")
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, sinks=sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, sinks=None):
     """``flash_attn_varlen_func`` with qkv packed as (total, 3, heads, headdim)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, heads, headdim), got {_shape(qkv)}")
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -695,13 +724,13 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, positions, options, rotary=None)
     start, batch_idx, leftpad, block_table = positions
     cache = KVCache(start, 0 if k is None else k.shape[1], batch_idx, leftpad, block_table)
 
-    scale, left, right, softcap, alibi_slopes = options
+    scale, left, right, softcap, alibi_slopes, sinks = options
     if q.is_meta:  # shapes only, as the launcher's outputs would have them
         return _empty_outputs(q, varlen=False)
     with torch.no_grad(), on_device_of(q):
         if rotary is not None or k is not None:
             q = kvcache_update(q, k_cache, v_cache, k, v, cache, rotary, q_moves=left >= 0 or right >= 0)
-        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, kv_cache=cache)
+        opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, kv_cache=cache, sinks=sinks)
         return attention_forward(q, k_cache, v_cache, opts)
 
 
@@ -725,6 +754,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention of new query rows against a KV cache (decoding), a drop-in for
     ``flash_attn.flash_attn_with_kvcache``. Inference only: no gradient flows.
@@ -757,7 +787,7 @@ def flash_attn_with_kvcache(
             gets NaN outputs; its new rows go in where they land inside its cache row (none for
             a row outside the cache), so no other sequence's slots change; ``qflash.set_debug(True)``
             raises instead (a sync).
-        softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, sinks: as in ``flash_attn_func``,
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
         rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache,
             rotary_dim / 2), floating, on q's device (needs k and v): the new keys are rotated at
@@ -826,8 +856,8 @@ def flash_attn_with_kvcache(
                                               bool(rotary_interleaved))
     new_kv = (None, None) if k is None else (_unit_last_stride(k), _unit_last_stride(v))
     positions = (start, batch_idx, leftpad, block_table)
-    out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *new_kv, positions,
-                                (scale, left, right, softcap, alibi_slopes), rotary)
+    options = (scale, left, right, softcap, alibi_slopes, _check_sinks(sinks, heads, q.device))
+    out, lse = _kvcache_forward(_unit_last_stride(q), k_cache, v_cache, *new_kv, positions, options, rotary)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -842,6 +872,7 @@ def sdpa(
     enable_gqa: bool = False,
     *,
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the same semantics, on qflash's kernel.
 
@@ -860,6 +891,7 @@ def sdpa(
         enable_gqa: allow heads_kv < heads (heads % heads_kv == 0).
         softcap: qflash's extension: > 0 makes the scaled scores ``softcap * tanh(scores /
             softcap)`` before the masks (Gemma 2's logit soft-capping), as ``flash_attn_func``.
+        sinks: qflash's extension: (heads,) attention sinks (gpt-oss), as ``flash_attn_func``'s.
 
     Under ``torch.autocast`` the floating inputs (mask included) go in autocast's dtype first, as
     PyTorch casts them for its own SDPA (float64 excepted).
@@ -876,14 +908,16 @@ def sdpa(
                 raise ValueError(f"{name} must be (seqlen_k, headdim) as query is (seqlen_q, headdim), got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         return sdpa(query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    softcap=softcap)[0]
+                    softcap=softcap, sinks=sinks)[0]
     if isinstance(query, torch.Tensor) and query.dim() != 4 and query.dim() >= 3:
-        return _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
+        return _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap,
+                                  sinks)
     _check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, heads, seqlen, headdim)")
     batch, heads, seqlen_q, headdim = query.shape
     heads_kv, seqlen_k = key.shape[1], key.shape[2]
     if value.shape[-1] != headdim and value.shape[:-1] == key.shape[:-1] and key.shape[-1] == headdim:
-        return _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
+        return _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap,
+                                    sinks)
     _check_heads(key, value, heads, heads_kv, headdim, names=("key", "value"))
     if key.shape[0] != batch:
         raise ValueError(f"key has batch {key.shape[0]} but query has batch {batch}")
@@ -918,7 +952,7 @@ def sdpa(
     q, k, v = (_unit_last_stride(t.transpose(1, 2)) for t in (query, key, value))  # views in (B, S, H, D)
     out, _ = _attention(
         q, k, v, scale, -1, 0 if is_causal else -1, False, _check_softcap(softcap), None, bias, None,
-        None, seqlen_q, seqlen_k, *_dropout(dropout_p), False,
+        None, seqlen_q, seqlen_k, *_dropout(dropout_p), False, _check_sinks(sinks, heads, query.device),
     )
     return out.transpose(1, 2)
 
@@ -937,14 +971,15 @@ def pad_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
                  for t in (query, key, value))  # (the wider side as it is: no copy)
 
 
-def _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+def _sdpa_value_head_dim(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks):
     """``sdpa`` of a value whose head dim is not the query's (``pad_head_dims``)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])  # the query's own head dim
-    out = sdpa(*pad_head_dims(query, key, value), attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=softcap)
+    out = sdpa(*pad_head_dims(query, key, value), attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=softcap,
+               sinks=sinks)
     return out[..., :value.shape[-1]].contiguous()
 
 
-def _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+def _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks):
     """``sdpa`` of (..., heads, seqlen, headdim) inputs other than 4-D: their leading dims as one
     batch (views where the strides allow), the mask expanded over them, the output shaped back."""
     lead = query.shape[:-3]
@@ -962,5 +997,5 @@ def _sdpa_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale
                              f"{(*lead, heads, seqlen_q, seqlen_k)}") from None
         attn_mask = attn_mask.reshape(-1, heads, seqlen_q, seqlen_k)  # a copy only where its strides do not merge
     out = sdpa(*flat, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-               enable_gqa=enable_gqa, softcap=softcap)
+               enable_gqa=enable_gqa, softcap=softcap, sinks=sinks)
     return out.reshape(*lead, *out.shape[-3:])

@@ -23,6 +23,8 @@ to the bottom-right corner, as flash-attn >= 2.1 does::
 
 Rows with no visible key give output 0 (not NaN) and log-sum-exp ``+inf``, the
 flash-attn convention that makes ``exp(score - lse)`` vanish in a backward pass.
+With attention sinks (``sinks``: a score a head, gpt-oss's) such a row's softmax holds the
+sink alone: output 0 and log-sum-exp the sink's score.
 """
 
 from __future__ import annotations
@@ -97,13 +99,22 @@ def _repeat_kv(x: torch.Tensor, heads_q: int, dim: int = 2) -> torch.Tensor:
     return x.repeat_interleave(heads_q // heads_kv, dim=dim)
 
 
-def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_mask=None):
+def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_mask=None,
+                      sinks: Optional[torch.Tensor] = None):
     """softmax(scores) @ v and logsumexp(scores) over the last axis, safe for all -inf rows.
 
-    scores: [B, H, Sq, Sk] in the compute dtype, -inf where masked; v: [B, H, Sk, Dv].
+    scores: [..., H, Sq, Sk] in the compute dtype, -inf where masked; v: [..., H, Sk, Dv].
     With dropout, the probabilities that multiply v are ``p * keep / (1 - dropout_p)``
     (``dropout_mask``, bool, True = keep); the log-sum-exp is that of the full softmax.
+    ``sinks`` (H,): one more score a row for each head, beside the keys, whose value is zero
+    (gpt-oss's attention sinks): it takes its share of the softmax and adds nothing.
     """
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.shape[-1])], dim=-2)
+        if dropout_mask is not None:  # (the sink's value is zero: dropping it changes nothing)
+            dropout_mask = torch.cat([dropout_mask, dropout_mask.new_ones(*dropout_mask.shape[:-1], 1)], dim=-1)
     row_max = scores.amax(dim=-1, keepdim=True)
     empty = torch.isneginf(row_max)
     row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
@@ -133,6 +144,7 @@ def attention_ref(
     reorder_ops: bool = False,
     dropout_p: float = 0.0,
     dropout_mask: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention in three plain steps: scores, softmax, weighted sum.
 
@@ -149,11 +161,13 @@ def attention_ref(
             (changes rounding only; flash-attn's tests use it to measure PyTorch's error).
         dropout_p, dropout_mask: drop probabilities where the bool (batch, heads, seqlen_q,
             seqlen_k) mask is False and scale the rest by 1 / (1 - dropout_p).
+        sinks: (heads,) attention sinks (gpt-oss): a score a head that every row of that head
+            takes into its softmax beside the keys, with a value of zero.
 
     Returns:
         out: (batch, seqlen_q, heads, headdim) in q's dtype.
-        lse: (batch, heads, seqlen_q) natural-log log-sum-exp of the final scores,
-            in the compute dtype; +inf for rows with no visible key.
+        lse: (batch, heads, seqlen_q) natural-log log-sum-exp of the final scores (the sink's
+            among them), in the compute dtype; +inf for rows with no visible key and no sink.
     """
     dtype_out = q.dtype
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
@@ -175,7 +189,7 @@ def attention_ref(
     visible = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=q.device)
     if visible is not None:
         scores = scores.masked_fill(~visible, -math.inf)
-    out, lse = _softmax_with_lse(scores, vt, dropout_p, dropout_mask)
+    out, lse = _softmax_with_lse(scores, vt, dropout_p, dropout_mask, sinks)
     return out.transpose(1, 2).to(dtype_out), lse
 
 
@@ -305,11 +319,13 @@ def attention_kvcache_ref(
     outs, lses = [], []
     for b, n in enumerate(lens):
         r, pad = rows[b], pads[b]
-        if n + new - pad == 0:  # no key: out 0 and lse +inf, as every row that sees no key
+        if n + new - pad == 0:  # no key: out 0 and lse +inf (or the sink's score), as every row that sees no key
             outs.append(torch.zeros_like(q[b : b + 1]))
             upcast = kwargs.get("upcast", True) and q.dtype in (torch.float16, torch.bfloat16)
-            lses.append(torch.full((1, q.shape[2], q.shape[1]), math.inf, dtype=torch.float32 if upcast else q.dtype,
-                                   device=q.device))
+            lse_dtype = torch.float32 if upcast else q.dtype
+            sinks = kwargs.get("sinks")
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), math.inf, dtype=lse_dtype, device=q.device)
+                        if sinks is None else sinks.to(lse_dtype).view(1, -1, 1).expand(1, -1, q.shape[1]))
             continue
         s = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
         o, lse = attention_ref(q[b : b + 1], k_cache[r : r + 1, pad : n + new], v_cache[r : r + 1, pad : n + new],
@@ -330,6 +346,7 @@ def sdpa_ref(
     enable_gqa: bool = False,
     *,
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
     upcast: bool = True,
 ):
     """``F.scaled_dot_product_attention`` semantics, written out.
@@ -338,14 +355,14 @@ def sdpa_ref(
     keys j <= i); ``attn_mask`` boolean (True = attend) or additive float,
     broadcastable to (batch, heads, seqlen_q, seqlen_k). ``softcap`` > 0 (qflash's
     extension) makes the scaled scores ``softcap * tanh(scores / softcap)`` before
-    the masks. Unlike PyTorch, a row whose every key is masked gives 0, not NaN.
-    Returns the output only.
+    the masks; ``sinks`` (heads,) as in ``attention_ref`` (qflash's extension too). Unlike
+    PyTorch, a row whose every key is masked gives 0, not NaN. Returns the output only.
     """
     if dropout_p != 0.0:
         raise NotImplementedError("sdpa_ref: dropout_p must be 0")
     if query.dim() == 2:  # (seqlen, headdim): one head
         return sdpa_ref(query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        softcap=softcap, upcast=upcast)[0]
+                        softcap=softcap, sinks=sinks, upcast=upcast)[0]
     dtype_out = query.dtype
     if upcast and query.dtype in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
@@ -367,7 +384,7 @@ def sdpa_ref(
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask.to(scores.dtype)
-    out, _ = _softmax_with_lse(scores, value)
+    out, _ = _softmax_with_lse(scores, value, sinks=sinks)
     return out.to(dtype_out)
 
 
