@@ -501,8 +501,8 @@ def test_sinks_gradients(dtype, sq, sk, kw):
     def ref(q, k, v, s, upcast):
         return attention_ref(q, k, v, sinks=s, upcast=upcast, reorder_ops=not upcast, **kw)
 
-    check_grads(lambda q, k, v, s: qflash.flash_attn_func(q, k, v, sinks=s, **kw), lambda *a, upcast: ref(*a, upcast)[0],
-                inputs, names=SINK_NAMES, floors=_sinks_floor(inputs, ref))
+    check_grads(lambda q, k, v, s: qflash.flash_attn_func(q, k, v, sinks=s, **kw),
+                lambda *a, upcast: ref(*a, upcast)[0], inputs, names=SINK_NAMES, floors=_sinks_floor(inputs, ref))
 
 
 def test_sinks_gradients_varlen_and_sdpa():
