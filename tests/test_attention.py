@@ -232,11 +232,13 @@ def test_sinks_with_a_kv_cache(monkeypatch, num_splits, paged):
 
 
 def test_sinks_varlen_and_sdpa():
-    """Packed sequences (an empty one, a one-key one) and sdpa (a boolean mask with fully masked
-    rows: the sink alone; leading dims; one head of (seqlen, headdim))."""
+    """Packed sequences (an empty one, a one-key one; keys packed and in pages of 16) and sdpa (a
+    boolean mask with fully masked rows: the sink alone; leading dims; one head of (seqlen,
+    headdim))."""
     lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
     q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
     _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, sinks=_sinks(4))
+    _check_varlen_paged([1, 3, 0, 5], [70, 1, 9, 130], 16, 144, causal=True, sinks=_sinks(4))
     query = torch.randn(2, 4, 30, 32, device=DEVICE).half()
     key, value = torch.randn(2, 2, 41, 32, device=DEVICE).half(), torch.randn(2, 2, 41, 32, device=DEVICE).half()
     mask = torch.rand(2, 1, 30, 41, device=DEVICE) > 0.3

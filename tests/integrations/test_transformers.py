@@ -103,17 +103,22 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(ids, mask)[real], eager[real], rtol=0, atol=0)
 
 
-def test_training_gradients_match_sdpa():
-    """Training: the loss's gradients through qflash's backward, every parameter."""
-    model = _llama()
+def _training_grads(model, impls):
+    """{impl: {parameter name: gradient}} of one language-model loss on random tokens, each impl in turn."""
     model.train()
     ids = torch.randint(0, 97, (2, 12), device=DEVICE)
     grads = {}
-    for impl in ("sdpa", NAME):
+    for impl in impls:
         model.zero_grad()
         model.set_attn_implementation(impl)
         model(ids, labels=ids).loss.backward()
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads
+
+
+def test_training_gradients_match_sdpa():
+    """Training: the loss's gradients through qflash's backward, every parameter."""
+    grads = _training_grads(_llama(), ("sdpa", NAME))
     assert grads[NAME].keys() == grads["sdpa"].keys()
     for name, g in grads["sdpa"].items():
         assert rel_l2_err(grads[NAME][name], g) < 1e-10, name
@@ -359,15 +364,7 @@ def test_gpt_oss_sinks_match_eager():
 
 def test_gpt_oss_training_gradients_match_eager():
     """Training gpt-oss: every parameter's gradient through qflash's backward, the sinks' among them."""
-    model = _gpt_oss()
-    model.train()
-    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
-    grads = {}
-    for impl in ("eager", NAME):
-        model.zero_grad()
-        model.set_attn_implementation(impl)
-        model(ids, labels=ids).loss.backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = _training_grads(_gpt_oss(), ("eager", NAME))
     assert grads[NAME].keys() == grads["eager"].keys()
     assert sum(name.endswith("sinks") for name in grads[NAME]) == 2
     for name, g in grads["eager"].items():
