@@ -1415,6 +1415,40 @@ def test_gpu_options(dtype, kw):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,causal,sq,sk", [(64, True, 1024, 1024), (128, False, 512, 768), (256, True, 256, 384),
+                                            (64, True, 128, 4096)])
+def test_gpu_sinks_gluon_forward(dtype, d, causal, sq, sk):
+    """The Gluon forward (taken: checked) with sinks, gpt-oss's grouping (8 query heads a key/value
+    head), causal bottom-right with Sk > Sq; output and lse by the rule."""
+    q, k, v = _qkv(2, sq, sk, 16, 2, d, dtype=dtype)
+    sinks = _sinks(16)
+    opts = attention_kernels.AttnOptions(d ** -0.5, window_right=0 if causal else -1, sinks=sinks)
+    assert attention_kernels._fast_path_fits(q, k, v, opts)
+    check_flash(q, k, v, causal=causal, sinks=sinks)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b,sk", [(1, 4097), (16, 30000)])
+def test_gpu_sinks_decode_splits_the_keys(d, b, sk):
+    """Decoding with sinks on the launcher's own plan (keys split, grouped heads packed: checked),
+    dense and from a paged cache."""
+    q, k, v = _qkv(b, 1, sk, 16, 2, d, dtype=torch.bfloat16)
+    sinks = _sinks(16)
+    plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0, sinks=sinks))
+    assert plan.num_splits > 1 and plan.pack
+    check_flash(q, k, v, sinks=sinks)
+    k_pages, v_pages, table = paged_cache(k, v, 16)
+    lens = torch.full((b,), sk, dtype=torch.int32, device=DEVICE)
+    with poisoned():
+        out = qflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table, sinks=sinks)
+    ref, _ = attention_ref(*_f64(q, k, v), sinks=sinks.double())
+    pt, _ = attention_ref(q, k, v, sinks=sinks, upcast=False, reorder_ops=True)
+    assert_flash_rule(out, ref, pt)
+
+
+@gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b,sk", [(1, 4097), (3, 30000)])
 def test_gpu_decode_splits_the_keys(d, b, sk):
