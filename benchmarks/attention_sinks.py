@@ -20,14 +20,14 @@ import math
 import torch
 
 from qflash.bench.harness import environment, graph_ms, save_json, time_ms
+from qflash.testing import attention_sinks
 
 HEADS, HEADS_KV, HEAD_DIM = 64, 8, 64
-WINDOW = 128  # gpt-oss's sliding window
-EAGER_MAX_SCORES = 2**31  # score elements eager attention may materialize (float32: 8 GB, and its softmax)
+EAGER_MAX_SCORES = 2**31  # score elements eager attention may materialize (bf16: 4 GB, then its softmax's copies)
 
 
-def _sinks():
-    return (torch.randn(HEADS, device="cuda") * 2 + 1).to(torch.bfloat16)
+def _sinks(seed: int):
+    return attention_sinks(HEADS, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
 def qflash_prefill(q, k, v, sinks, window):
@@ -87,6 +87,11 @@ def _with_backward(fn, leaves, dout):
     return run
 
 
+# provider -> (builder, whether it takes the sinks)
+PREFILL = {"qflash_sinks": (qflash_prefill, True), "qflash_no_sinks": (qflash_prefill, False),
+           "flex_sinks_after": (flex_prefill, True), "eager_hf": (eager_prefill, True)}
+
+
 def prefill_rows(seqlens, windows, backward, rows, save):
     for n in seqlens:
         batch = max(1, 16384 // n)
@@ -94,27 +99,21 @@ def prefill_rows(seqlens, windows, backward, rows, save):
         q = torch.randn(batch, n, HEADS, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
         k, v = (torch.randn(batch, n, HEADS_KV, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
                 for _ in range(2))
-        sinks = _sinks()
+        sinks = _sinks(n)
         for window in windows:
-            providers = {"qflash_sinks": qflash_prefill(q, k, v, sinks, window),
-                         "qflash_no_sinks": qflash_prefill(q, k, v, None, window),
-                         "flex_sinks_after": flex_prefill(q, k, v, sinks, window)}
-            if batch * HEADS * n * n <= EAGER_MAX_SCORES:
-                providers["eager_hf"] = eager_prefill(q, k, v, sinks, window)
-            ref = providers["qflash_sinks"]().float()
+            names = [name for name in PREFILL if name != "eager_hf" or batch * HEADS * n * n <= EAGER_MAX_SCORES]
+            ref = qflash_prefill(q, k, v, sinks, window)().float()
             visible = sum(min(i + 1, window) if window else i + 1 for i in range(n))
             flops = 4.0 * batch * HEADS * HEAD_DIM * visible * (3.5 if backward else 1.0)
-            for name, fn in providers.items():
+            for name in names:
+                build, takes_sinks = PREFILL[name]
                 try:
+                    # leaves of their own for the backward (the sinks among them where taken)
+                    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v, sinks)][:4 if takes_sinks else 3]
+                    fn = build(*leaves[:3], leaves[3] if takes_sinks else None, window)
                     diff = float((fn().float() - ref).abs().max())
                     if backward:
-                        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-                        if name == "qflash_no_sinks":
-                            leaves = leaves[:3]
-                        built = {"qflash_sinks": qflash_prefill, "qflash_no_sinks": qflash_prefill,
-                                 "flex_sinks_after": flex_prefill, "eager_hf": eager_prefill}[name]
-                        inner = built(*leaves[:3], leaves[3] if len(leaves) == 4 else None, window)
-                        fn = _with_backward(inner, leaves, torch.randn_like(q))
+                        fn = _with_backward(fn, leaves, torch.randn_like(q))
                     t = time_ms(fn, rep_ms=100)
                 except Exception as e:  # noqa: BLE001 - a provider that cannot run this shape: its row says why
                     rows.append(dict(part="prefill", provider=name, seqlen=n, batch=batch, window=window,
@@ -141,7 +140,7 @@ def decode_rows(batches, caches, rows, save):
             k_cache, v_cache = (torch.randn(batch, slots, HEADS_KV, HEAD_DIM, device="cuda", generator=g)
                                 .to(torch.bfloat16) for _ in range(2))
             lens = torch.full((batch,), slots, dtype=torch.int32, device="cuda")
-            sinks = _sinks()
+            sinks = _sinks(batch)
             ref = qflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, sinks=sinks).float()
             for name, s in (("qflash_sinks", sinks), ("qflash_no_sinks", None)):
                 def fn(s=s):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import qflash
 from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import FINITE_POISON, assert_flash_rule, assert_written, paged_cache, poisoned, rel_l2_err
+from qflash.testing import (FINITE_POISON, assert_flash_rule, assert_written, attention_sinks, paged_cache,
+                            poisoned, rel_l2_err)
 
 from conftest import DEVICE, HAS_CUDA, ptxas_report, sm90_build
 
@@ -159,8 +160,7 @@ def test_alibi(slopes_shape):
 # Attention sinks (gpt-oss): a score a query head beside the keys, with a value of zero.
 # ----------------------------------------------------------------------------------------------
 def _sinks(heads, dtype=torch.float32):
-    """A score a head drawn around the keys' own (mean 1, sd 2), so that each sink weighs in."""
-    return (torch.randn(heads, device=DEVICE) * 2 + 1).to(dtype)
+    return attention_sinks(heads, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("sq,sk,d,kw", [

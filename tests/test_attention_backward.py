@@ -12,7 +12,8 @@ import torch
 import qflash
 from qflash.kernels import attention as attention_kernels
 from qflash.reference import attention_ref, attention_varlen_ref, sdpa_ref
-from qflash.testing import FINITE_POISON, GRADIENT_FACTOR, assert_flash_rule, assert_written, poisoned
+from qflash.testing import (FINITE_POISON, GRADIENT_FACTOR, assert_flash_rule, assert_written, attention_sinks,
+                            poisoned)
 
 from conftest import DEVICE, one_graph, ptxas_report, sm90_build
 
@@ -470,8 +471,7 @@ def test_gpu_gradcheck_float64():
 # Attention sinks (gpt-oss): their gradient, and q, k, v's through a softmax that holds them.
 # ----------------------------------------------------------------------------------------------
 def _sinks_leaf(heads: int, dtype=torch.float32):
-    """A score a head drawn around the keys' own (mean 1, sd 2), so that each sink weighs in."""
-    return (torch.randn(heads, device=DEVICE) * 2 + 1).to(dtype).requires_grad_()
+    return attention_sinks(heads, dtype=dtype, device=DEVICE).requires_grad_()
 
 
 SINK_NAMES = ("q", "k", "v", "sinks")

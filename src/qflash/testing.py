@@ -34,6 +34,8 @@ __all__ = [
     "gaussian",
     "with_outlier_channels",
     "large_logits",
+    "paged_cache",
+    "attention_sinks",
 ]
 
 FORWARD_FACTOR = 2.0
@@ -222,6 +224,12 @@ def large_logits(shape, *, dtype=torch.float32, device="cpu", seed: Optional[int
     std sqrt(magnitude) give logits of std ~magnitude: exp() overflows without a running max.
     """
     return gaussian(shape, dtype=dtype, device=device, seed=seed, std=math.sqrt(magnitude))
+
+
+def attention_sinks(heads: int, *, dtype=torch.float32, device="cpu", seed: Optional[int] = None):
+    """A sink score a head (gpt-oss's attention sinks) drawn around the keys' own scores (mean 1,
+    sd 2), so that each sink takes a visible share of its rows' softmax."""
+    return (gaussian((heads,), device=device, seed=seed, std=2.0) + 1.0).to(dtype)
 
 
 def paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, *, spare_pages: int = 0,

@@ -415,8 +415,9 @@ def flash_attn_func(
         sinks: (heads,) attention sinks (gpt-oss; ``s_aux`` in vLLM's flash-attn, ``learnable_sink``
             in flash-attn 4): a score a query head that each of its rows takes into the softmax
             beside the keys, with a value of zero, so that a row may give part of its weight to
-            nothing; a floating tensor of any precision (the kernel reads it in float32). With
-            gradients where it requires grad. A NaN or +inf sink gives NaN rows, as in PyTorch.
+            nothing; a floating tensor of any precision (the kernels read it in their accumulator's:
+            float32, float64 for float64 inputs). With gradients where it requires grad. A NaN or
+            +inf sink gives NaN rows, as in PyTorch.
 
     Returns:
         out (batch, seqlen_q, heads, headdim), or ``(out, softmax_lse, None)`` with
