@@ -1296,15 +1296,19 @@ def kvcache_update(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, dOut, Delta, cu_seqlens_q,
+    Out, dOut, Delta, cu_seqlens_q, Lse, Sinks, SinkParts,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls,
     seqlen_q, num_heads, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACC: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
-    """delta = rowsum(dO * O): the softmax backward's correction term, one value per query row."""
+    """delta = rowsum(dO * O): the softmax backward's correction term, one value per query row.
+
+    HAS_SINKS: also this block's share of its head's sink gradient, -sum over its rows of
+    exp(sink - lse) * delta (the sink's probability times delta), to SinkParts[pid]; the launcher
+    sums the shares in a fixed order (deterministic, unlike atomics)."""
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
     bh = pid // num_m_blocks
@@ -1312,6 +1316,8 @@ def _attn_bwd_preprocess_kernel(
     h = bh % num_heads
     q_start, seqlen_q, valid = _sequence(cu_seqlens_q, b, seqlen_q, IS_VARLEN)
     if not valid:  # bad cu_seqlens contents: the products that read delta give NaN without it
+        if HAS_SINKS:
+            tl.store(SinkParts + pid, float("nan"))
         return
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)
@@ -1321,7 +1327,12 @@ def _attn_bwd_preprocess_kernel(
     o = tl.load(Out + b64 * stride_ob + h * stride_oh + r64 * stride_os + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(dOut + b64 * stride_dob + h * stride_doh + r64 * stride_dos + offs_d[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(ACC) * do.to(ACC), axis=1)  # [BLOCK_M]
-    tl.store(Delta + b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls, delta, mask=rows < seqlen_q)
+    row_offs = b64 * stride_lb + h * stride_lh + (q_start + rows) * stride_ls  # [BLOCK_M]
+    tl.store(Delta + row_offs, delta, mask=rows < seqlen_q)
+    if HAS_SINKS:
+        lse = tl.load(Lse + row_offs, mask=rows < seqlen_q, other=float("inf"))  # rows past the end: p_sink = 0
+        p_sink = tl.exp(tl.load(Sinks + h).to(ACC) - lse.to(ACC))  # [BLOCK_M]
+        tl.store(SinkParts + pid, -tl.sum(p_sink * delta, axis=0))
 
 
 @triton.jit
@@ -1692,8 +1703,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
     query heads of each GQA group. ``bias_grad`` (an additive ``opts.bias``, dense calls): dbias is
     the gradient of the scores, (B, H, Sq, Sk) in the bias's dtype, written by the dQ kernel, which
-    visits each (query, key) tile once; else None. dsinks: that of ``opts.sinks`` (``_sinks_grad``),
-    else None; the sinks need nothing else, since lse holds them. Without explicit ``configs``, calls that the
+    visits each (query, key) tile once; else None. dsinks: that of ``opts.sinks`` (summed by the delta pass), else None: a sink's
+    value is zero, so raising its score only takes weight from what a row's output holds, and
+    d loss / d sink = -sum over the head's rows of exp(sink - lse) * delta. Without explicit ``configs``, calls that the
     Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256,
     lengths multiple of 128, not ``deterministic``) go there after the delta pass where
     ``bwd_preferred`` says so (every head dim it has).
@@ -1729,13 +1741,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     tail = (*sl, *bias_strides, *slope_strides)
 
     num_m = cdiv(max(grid_q, 1), 64)
+    sink_parts = None if opts.sinks is None else torch.empty((batch, num_heads, num_m), dtype=acc, device=q.device)
     _bwd_preprocess_launcher[(num_m * batch * num_heads,)](
-        out, dout, delta, pointers[2], *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
+        out, dout, delta, pointers[2], lse, delta if opts.sinks is None else opts.sinks,
+        delta if sink_parts is None else sink_parts,
+        *_bshd_strides(out, varlen), *_bshd_strides(dout, varlen), *sl,
         seqlen_q=seqlen_q, num_heads=num_heads, num_m_blocks=num_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64, IS_VARLEN=varlen, ACC=variant["ACC"],
+        HAS_SINKS=opts.sinks is not None,
     )
-    dsinks = None if opts.sinks is None else _sinks_grad(opts.sinks, lse, delta,
-                                                         opts.cu_seqlens_q[-1] if varlen else None)
+    # the sinks need nothing more than this: lse holds them, so the products below leave them out
+    dsinks = None if sink_parts is None else sink_parts.sum((0, 2)).to(opts.sinks.dtype)
     if configs is None and _fast_backward_fits(dout, q, k, v, out, lse, opts):
         from qflash.kernels import attention_gluon
 
@@ -1768,19 +1784,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         **_maxnreg(dkdv_cfg), **shared,
     )
     return dq, dk, dv, dbias, dsinks
-
-
-def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                packed_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The gradient of the attention sinks (heads,). A sink's value is zero, so raising its score
-    only takes weight from what a row's output holds: d out / d sink = -p_sink * out, and
-    d loss / d sink = -sum over the head's rows of p_sink * delta, with p_sink = exp(sink - lse)
-    and delta = rowsum(dO * O). lse and delta: (batch, heads, rows), or (heads, rows) packed, of
-    which the first ``packed_rows`` (cu_seqlens_q[-1], on the device) belong to sequences."""
-    terms = torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta  # [..., heads, rows]
-    if packed_rows is not None:  # rows after the last sequence: never written, left out
-        terms = torch.where(torch.arange(lse.shape[-1], device=lse.device) < packed_rows, terms, 0.0)
-    return -terms.transpose(0, -2).flatten(1).sum(1).to(sinks.dtype)
 
 
 def compile_for_sm90(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
