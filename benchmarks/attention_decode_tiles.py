@@ -14,6 +14,9 @@ number of pipeline stages set (a stage of 64 keys at D = 128 is 32 KB of K and V
 256 keys, enough of them to fill the SMs once (rounded up) or twice, or as many as give no SM a
 second program; "shares >= 256 keys, 1 a SM"
 is session 46's rule (``--rules``: that one only).
+
+``--share-tiles``: for each share count (the plan's, one, as many as fill the SMs once or twice),
+the tiles the rule gives shares of that length, and a few other key blocks, depths and warp counts.
 """
 
 import argparse
@@ -60,6 +63,28 @@ def share_counts(plan, keys, sms, only_s46=False):
     return out
 
 
+def share_tiles(plan, q, k, keys, paged, sms):
+    """Name -> tiles with their share count: ``share_counts``'s counts (and one share), each with
+    ``default_config``'s tiles for shares of that length and the other tiles of SHARE_TILES."""
+    counts = {1, plan.num_splits, *share_counts(plan, keys, sms).values()}
+    rows = q.shape[1] * (q.shape[2] // k.shape[2] if plan.pack else 1)  # what a row block holds
+    out = {}
+    for count in sorted(counts):
+        share = math.ceil(keys / count)
+        base = kernels.default_config(q.shape[-1], q.dtype, q.device, seqlen_k=keys, rows=rows, paged=paged,
+                                      share_keys=share)
+        out[f"{count} shares, rule tiles"] = dataclasses.replace(base, num_splits=count)
+        for block_n, stages, warps in SHARE_TILES:
+            if share >= block_n and (q.shape[-1] > 64 or warps == 4):
+                out[f"{count} shares, n{block_n} s{stages} w{warps}"] = dataclasses.replace(
+                    base, num_splits=count, block_n=block_n, num_stages=stages, num_warps=warps)
+    return out
+
+
+# (key block, stages, warps) beside the rule's tiles for ``--share-tiles`` (8 warps at D > 64 only)
+SHARE_TILES = ((64, 2, 8), (64, 3, 4), (128, 3, 4), (128, 5, 4), (128, 5, 8))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,4,16")
@@ -68,6 +93,8 @@ def main():
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--shares", action="store_true", help="share counts instead of tiles")
     p.add_argument("--rules", action="store_true", help="with --shares: the plan beside session 46's rule only")
+    p.add_argument("--share-tiles", action="store_true", help="share counts, each with the rule's tiles for that "
+                   "share length and others")
     p.add_argument("--splits", default=None, help="share counts (e.g. 1,2,4) for every tile variant instead of "
                    "the plan's count and twice it")
     p.add_argument("--flip-tma", action="store_true", help="every run also with tensor descriptors flipped")
@@ -98,6 +125,10 @@ def main():
                     runs = [("plan", plan.config, 1)] + [
                         (name, dataclasses.replace(plan.config, num_splits=count), 1)
                         for name, count in share_counts(plan, s, sms, args.rules).items()]
+                elif args.share_tiles:
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    runs = [("plan", plan.config, 1)] + [
+                        (name, cfg, 1) for name, cfg in share_tiles(plan, q, k, s, bool(args.pages), sms).items()]
                 elif args.splits:
                     runs = [(f"{name} {count} shares", dataclasses.replace(cfg, num_splits=int(count)), 1)
                             for name, cfg in variants(plan, bool(args.pages)).items()
