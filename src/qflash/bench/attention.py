@@ -24,6 +24,7 @@ import torch
 
 from qflash.bench.harness import (
     bench_parser,
+    compiled_flex_attention,
     environment,
     finish,
     fmt,
@@ -139,14 +140,14 @@ def _naive(q, k, v, causal):
 
 
 def _flex(q, k, v, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     block_mask = None
     if causal:
         n = q.shape[1]
         block_mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
-    compiled = torch.compile(flex_attention)
+    compiled = compiled_flex_attention()
     return lambda: compiled(qt, kt, vt, block_mask=block_mask).transpose(1, 2)
 
 

@@ -84,6 +84,19 @@ def graph_ms(fn) -> Optional[float]:
         return None
 
 
+def compiled_flex_attention():
+    """``torch.compile(flex_attention)``, compiled afresh for each shape a benchmark builds. Dynamo
+    keeps a few compiled versions of one function (its cache size limit); past them it runs
+    flex_attention eagerly, whose math path materializes the scores: a run over many shapes then
+    timed that path from its eighth build on (78-289 ms where the compiled kernel takes 1-5 ms) or
+    ran out of memory (attention_sinks_prefill_h200_2026-12-03_s52a.json)."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention)
+
+
 def kernel_events(fn: Callable[[], object], calls: int, warmup: int = 1):
     """The torch profiler's averages over ``calls`` calls of ``fn`` (after ``warmup`` calls), CUDA
     activity only: one entry a kernel name, its ``count`` and ``device_time_total`` over all calls."""
