@@ -1182,18 +1182,16 @@ def test_gpu_decode_plan_two_programs_an_sm():
 def test_gpu_paged_decode_plan_short_shares():
     """On the H200: a paged decode step whose shares would hold one 128-key block takes 64-key
     blocks in two stages (batch 1 with 1k keys: 16 shares, 128 programs); long shares keep the
-    paged tiles; at batch 16 with 1k keys (128 programs) one share in five stages. A dense one at
-    D = 64 takes two stages for shares of up to 512 keys."""
+    paged tiles. A dense one at D = 64 takes two stages for shares of up to 512 keys."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, keys, block_n, stages, shares in ((1, 1024, 64, 2, min(2 * sms // 8, 16)),
-                                                 (1, 65536, 128, 3, 2 * sms // 8),
-                                                 (16, 1024, 128, 5, 1)):  # (132 SMs)
-        q, k, v = _qkv(batch, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
+    for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
+        q, k, v = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
         k_pages, _, table = paged_cache(k, v, 16, spare_pages=2)
-        lens = torch.full((batch,), keys, device=q.device, dtype=torch.int32)
+        lens = torch.full((1,), keys, device=q.device, dtype=torch.int32)
         opts = attention_kernels.AttnOptions(1.0, kv_cache=attention_kernels.KVCache(lens, block_table=table))
         plan = attention_kernels.forward_plan(q, k_pages, opts)
-        assert (plan.config.block_n, plan.config.num_stages, plan.num_splits) == (block_n, stages, shares)
+        assert (plan.config.block_n, plan.config.num_stages) == (block_n, stages)
+        assert plan.num_splits == min(2 * sms // 8, keys // block_n)
     for keys, stages in ((4096, 2), (65536, 3)):
         q, k, _ = _qkv(1, 1, keys, 32, 8, 64, dtype=torch.bfloat16)
         plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
@@ -1206,9 +1204,8 @@ def test_decode_tiles(monkeypatch):
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
     (no tensor descriptors; one program an SM for shares of up to 512 keys at D = 128, or for one
     share of up to 4k keys; two stages for shares of up to 512 keys at D = 64), and 128-key blocks
-    for a paged cache (D = 256: at most 128 registers), 64-key ones where a share holds one block,
-    five stages for one share of up to 2k keys at D = 128; D = 256, float32 and dropout keep their
-    tiles with the rows cut."""
+    for a paged cache (D = 256: at most 128 registers), 64-key ones where a share holds one block;
+    D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "has_tma", lambda device: True)
@@ -1225,18 +1222,12 @@ def test_decode_tiles(monkeypatch):
                                                  one_share_keys=4096)
     assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512,
                                                 one_share_keys=4096)
-    assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False, one_share_keys=2048)
+    assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
     assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
     assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)
     # paged, for the length of the key shares: one block a share, two of 64 keys; up to four, 3 stages
     assert cfg(64, 4, paged=True, share_keys=128) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
     assert cfg(128, 4, paged=True, share_keys=100) == kernels.AttnFwdConfig(16, 64, 8, 2, use_tma=False)
-    # ... and at D = 128 one share of all the keys, 513 to one_share_keys of them, five stages
-    for keys, stages in ((512, 3), (513, 5), (2048, 5), (2049, 3)):
-        one_share = kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=keys, rows=4, paged=True,
-                                           share_keys=keys)
-        assert one_share == kernels.AttnFwdConfig(16, 128, 4, stages, use_tma=False, one_share_keys=2048)
-    assert cfg(128, 4, paged=True, share_keys=4096) == cfg(128, 4, paged=True)  # 4k keys: over 2048
     assert cfg(64, 4, paged=True, share_keys=512) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
     assert cfg(64, 4, paged=True, share_keys=640) == cfg(64, 4, paged=True)
     assert cfg(128, 4, paged=True, share_keys=512) == cfg(128, 4, paged=True)
