@@ -742,19 +742,12 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # 128 (1.03-1.59 with longer shares); where it holds up to four, three stages instead of D =
         # 64's five 0.86-0.95 x (1.14-1.20 from eight blocks on) (pages of 16 and 256, batch 1 / 4 /
         # 16, 1k-4k keys: attention_decode_paged_tiles_{16,256}_h200_2026-12-03_s50a.json). At D = 128
-        # eight warps for the 64-key blocks: 0.92-0.95 x the time (_s50b.json). At D = 128 one share
-        # of all the keys (no combine kernel) in five stages took 0.89 x the time of two shares in
-        # three at batch 16 with 1k keys (two runs), 0.94 with 2k, 1.00 with 4k; one share in three
-        # stages 1.00 (pages of 16; attention_decode_paged_shares_h200_2026-12-03_s52a.json, _s52b).
+        # eight warps for the 64-key blocks: 0.92-0.95 x the time (_s50b.json).
         if one_block_shares:
             return AttnFwdConfig(block_m=128, block_n=64, num_warps=4 if block_d <= 64 else 8, num_stages=2,
                                  use_tma=False)
-        one_share_keys = 0 if block_d <= 64 else 2048
-        one_share = share_keys is not None and seqlen_k is not None and SHORT_SHARE_KEYS < seqlen_k <= min(
-            share_keys, one_share_keys)
         return AttnFwdConfig(block_m=128, block_n=128, num_warps=4,
-                             num_stages=5 if (block_d <= 64 and not short_shares) or one_share else 3,
-                             use_tma=False, one_share_keys=one_share_keys)
+                             num_stages=5 if block_d <= 64 and not short_shares else 3, use_tma=False)
     if decoding and block_d <= 128:
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
