@@ -11,10 +11,9 @@ import argparse
 import itertools
 import math
 
-import torch
 
 from qflash.bench.attention import sized_inputs
-from qflash.bench.harness import environment, save_json, time_ms
+from qflash.bench.harness import compiled_flex_attention, environment, save_json, time_ms
 from qflash.kernels import attention as kernels
 
 
@@ -42,12 +41,12 @@ def qflash_forward(q, k, v, left, edges_last):
 
 
 def flex_forward(q, k, v, left):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = q.shape[1]
     mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= left), None, None, n, n, device=q.device)
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    compiled = torch.compile(flex_attention)
+    compiled = compiled_flex_attention()
     return lambda: compiled(qt, kt, vt, block_mask=mask).transpose(1, 2)
 
 
