@@ -11,7 +11,6 @@ import argparse
 import itertools
 import math
 
-
 from qflash.bench.attention import sized_inputs
 from qflash.bench.harness import compiled_flex_attention, environment, save_json, time_ms
 from qflash.kernels import attention as kernels
