@@ -1703,12 +1703,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     the same mask); ``dout`` has out's shape and a unit last stride. dk and dv are summed over the
     query heads of each GQA group. ``bias_grad`` (an additive ``opts.bias``, dense calls): dbias is
     the gradient of the scores, (B, H, Sq, Sk) in the bias's dtype, written by the dQ kernel, which
-    visits each (query, key) tile once; else None. dsinks: that of ``opts.sinks`` (summed by the delta pass), else None: a sink's
-    value is zero, so raising its score only takes weight from what a row's output holds, and
-    d loss / d sink = -sum over the head's rows of exp(sink - lse) * delta. Without explicit ``configs``, calls that the
-    Gluon backward takes (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256,
-    lengths multiple of 128, not ``deterministic``) go there after the delta pass where
-    ``bwd_preferred`` says so (every head dim it has).
+    visits each (query, key) tile once; else None. dsinks: that of ``opts.sinks``, summed by the
+    delta pass, else None: a sink's value is zero, so raising its score only takes weight from
+    what a row's output holds, and d loss / d sink = -sum over the head's rows of
+    exp(sink - lse) * delta. Without explicit ``configs``, calls that the Gluon backward takes
+    (``attention_gluon.py``: Hopper, causal or no mask, D = 64 / 128 / 256, lengths multiple of
+    128, not ``deterministic``) go there after the delta pass where ``bwd_preferred`` says so
+    (every head dim it has).
     """
     if opts.kv_cache is not None:
         raise ValueError("kv_cache (keys read from a KV cache) is a forward-only option: no backward")
