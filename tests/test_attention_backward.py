@@ -532,6 +532,20 @@ def test_sinks_gradients_varlen_and_sdpa():
                 inputs, names=SINK_NAMES)
 
 
+def test_sinks_gradient_of_a_bad_sequence_is_nan():
+    """A sequence the delta pass finds bad (it ends past the packed rows) makes the sinks' gradient,
+    which sums every sequence's rows, NaN, as it makes that sequence's dq, dk and dv."""
+    q, k, v = _leaves((312, 2, 32), (312, 2, 32), (312, 2, 32), dtype=torch.float16)
+    sinks = _sinks_leaf(2)
+    dout = torch.randn(312, 2, 32, device=DEVICE).to(torch.float16)
+    for ends, bad in ((312, False), (320, True)):
+        cu = torch.tensor([0, 5, 305, ends], dtype=torch.int32, device=DEVICE)
+        with poisoned(FINITE_POISON):
+            out = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True, sinks=sinks)
+            dsinks = torch.autograd.grad(out, sinks, dout)[0]
+        assert dsinks.isnan().all() if bad else dsinks.isfinite().all()
+
+
 def test_sinks_gradient_under_torch_compile():
     """The custom ops take the sinks whole under torch.compile(fullgraph=True): one graph, the same
     gradients as eager, none for sinks that need none."""
