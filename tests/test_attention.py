@@ -1180,18 +1180,18 @@ def test_gpu_decode_plan_two_programs_an_sm():
 
 @gpu
 def test_gpu_paged_decode_plan_short_shares():
-    """On the H200: a paged decode step takes the dense one's tiles and key shares (its page
-    numbers are looked up a key block ahead, so its K / V tiles pipeline as the dense cache's). A
-    dense one at D = 64 takes two stages for shares of up to 512 keys."""
+    """On the H200: a paged decode step whose shares would hold one 128-key block takes 64-key
+    blocks in two stages (batch 1 with 1k keys: 16 shares, 128 programs); long shares keep the
+    paged tiles. A dense one at D = 64 takes two stages for shares of up to 512 keys."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for d, batch, keys in ((128, 1, 1024), (128, 1, 65536), (128, 16, 1024), (64, 1, 4096), (64, 16, 1024)):
-        q, k, v = _qkv(batch, 1, keys, 32, 8, d, dtype=torch.bfloat16)
+    for keys, block_n, stages in ((1024, 64, 2), (65536, 128, 3)):
+        q, k, v = _qkv(1, 1, keys, 32, 8, 128, dtype=torch.bfloat16)
         k_pages, _, table = paged_cache(k, v, 16, spare_pages=2)
-        lens = torch.full((batch,), keys, device=q.device, dtype=torch.int32)
+        lens = torch.full((1,), keys, device=q.device, dtype=torch.int32)
         opts = attention_kernels.AttnOptions(1.0, kv_cache=attention_kernels.KVCache(lens, block_table=table))
-        paged = attention_kernels.forward_plan(q, k_pages, opts)
-        dense = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
-        assert (paged.config, paged.num_splits) == (dense.config, dense.num_splits)
+        plan = attention_kernels.forward_plan(q, k_pages, opts)
+        assert (plan.config.block_n, plan.config.num_stages) == (block_n, stages)
+        assert plan.num_splits == min(2 * sms // 8, keys // block_n)
     for keys, stages in ((4096, 2), (65536, 3)):
         q, k, _ = _qkv(1, 1, keys, 32, 8, 64, dtype=torch.bfloat16)
         plan = attention_kernels.forward_plan(q, k, attention_kernels.AttnOptions(1.0))
@@ -1203,9 +1203,9 @@ def test_decode_tiles(monkeypatch):
     """Decoding's tiles (rows up to DECODE_ROWS), as the launcher asks for them on an H200: deeper
     pipelines, 128-key blocks at D <= 64, row blocks of the rows' next power of two, pointer loads
     (no tensor descriptors; one program an SM for shares of up to 512 keys at D = 128, or for one
-    share of up to 4k keys; two stages for shares of up to 512 keys at D = 64), the same for a paged
-    cache (D = 256: at most 128 registers); D = 256, float32 and dropout keep their tiles with the
-    rows cut."""
+    share of up to 4k keys; two stages for shares of up to 512 keys at D = 64), and 128-key blocks
+    for a paged cache (D = 256: at most 128 registers), 64-key ones where a share holds one block;
+    D = 256, float32 and dropout keep their tiles with the rows cut."""
     from qflash.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "has_tma", lambda device: True)
@@ -1222,11 +1222,15 @@ def test_decode_tiles(monkeypatch):
                                                  one_share_keys=4096)
     assert cfg(96, 64) == kernels.AttnFwdConfig(64, 64, 4, 3, use_tma=False, short_share_keys=512,
                                                 one_share_keys=4096)
-    # paged, D <= 128: the dense cache's tiles, whatever the shares' length
-    for d in (64, 96, 128):
-        for share_keys in (None, 100, 128, 512, 640):
-            assert cfg(d, 4, paged=True, share_keys=share_keys) == cfg(d, 4, share_keys=share_keys)
+    assert cfg(128, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert cfg(64, 4, paged=True) == kernels.AttnFwdConfig(16, 128, 4, 5, use_tma=False)
     assert cfg(256, 4, paged=True) == dataclasses.replace(cfg(256, 4), use_tma=False, maxnreg=128)
+    # paged, for the length of the key shares: one block a share, two of 64 keys; up to four, 3 stages
+    assert cfg(64, 4, paged=True, share_keys=128) == kernels.AttnFwdConfig(16, 64, 4, 2, use_tma=False)
+    assert cfg(128, 4, paged=True, share_keys=100) == kernels.AttnFwdConfig(16, 64, 8, 2, use_tma=False)
+    assert cfg(64, 4, paged=True, share_keys=512) == kernels.AttnFwdConfig(16, 128, 4, 3, use_tma=False)
+    assert cfg(64, 4, paged=True, share_keys=640) == cfg(64, 4, paged=True)
+    assert cfg(128, 4, paged=True, share_keys=512) == cfg(128, 4, paged=True)
     assert cfg(256, 4, paged=True, share_keys=64) == cfg(256, 4, paged=True)
     assert cfg(128, 65) == cfg(128, None) == kernels.default_config(128, torch.bfloat16, cuda, seqlen_k=4096)
     assert cfg(256, 1) == dataclasses.replace(cfg(256, None), block_m=16)

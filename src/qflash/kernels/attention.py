@@ -116,15 +116,15 @@ def _pages_ok(table_row, first, end, num_pages, BLOCK: tl.constexpr = 128):
 
 
 @triton.jit
-def _page_numbers(table_row, first_slot, cols, bound, PAGE_SIZE: tl.constexpr):
-    """The cache pages (int64) of keys ``cols`` ([BLOCK_N]) of a paged cache: key c is slot
-    first_slot + c of its sequence, row slot % PAGE_SIZE of page table_row[slot // PAGE_SIZE];
-    keys past ``bound`` give page 0 (their loads are masked). The slots stay int32 and the page
-    size a constant: with a run-time page size and int64 slots, each key block cost 64-bit
-    divisions (a software routine), and the paged decode step ran at half the dense one's speed
-    (s48a)."""
+def _page_slots(table_row, first_slot, cols, bound, PAGE_SIZE: tl.constexpr):
+    """(page, row in the page) of keys ``cols`` ([BLOCK_N] each, int64) of a paged cache: key c is
+    slot first_slot + c of its sequence, in page table_row[slot // PAGE_SIZE]; keys past ``bound``
+    give page 0 (their loads are masked). The slots stay int32 and the page size a constant: with
+    a run-time page size and int64 slots, each key block cost 64-bit divisions (a software
+    routine), and the paged decode step ran at half the dense one's speed (s48a)."""
     slot = first_slot + cols  # [BLOCK_N] int32
-    return tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0).to(tl.int64)
+    page = tl.load(table_row + slot // PAGE_SIZE, mask=cols < bound, other=0)
+    return page.to(tl.int64), (slot % PAGE_SIZE).to(tl.int64)
 
 
 @triton.jit
@@ -399,23 +399,15 @@ def _attn_fwd_stretch(
 ):
     """The online softmax over key blocks [start, end): returns the updated (acc, m_i, l_i).
     PAGED: k_desc / v_desc are the head's base pointers in a paged cache, each key's row looked up
-    in the sequence's block-table row (``_page_numbers``), one key block ahead: a block's K and V
-    loads then wait on no load of their own block, and the pipeliner gives them as many buffers as
-    the dense cache's (looked up in the block itself, the page numbers took a stage: one buffer
-    each at three stages, offline TTGIR)."""
+    in the sequence's block-table row (``_page_slots``)."""
     d_ok = offs_d < HEAD_DIM  # [BLOCK_D]
-    if PAGED:
-        bound = tl.minimum(end, seqlen_k)
-        next_page = _page_numbers(table_row, first_slot, start + offs_n, bound, PAGE_SIZE)  # [BLOCK_N]
     for start_n in range(start, end, BLOCK_N):
         if not MASKED:
             start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n  # [BLOCK_N]
         if PAGED:
             in_seq = cols < seqlen_k  # [BLOCK_N]
-            page = next_page
-            next_page = _page_numbers(table_row, first_slot, cols + BLOCK_N, bound, PAGE_SIZE)
-            in_page = ((first_slot + cols) % PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
+            page, in_page = _page_slots(table_row, first_slot, cols, seqlen_k, PAGE_SIZE)
             k_rows = page * stride_kp + in_page * stride_ks  # [BLOCK_N]
             k = tl.load(k_desc + k_rows[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None],
                         other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -563,7 +555,7 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qs
-    if PAGED:  # each key's row is looked up in the block table (_page_numbers): the head's column only
+    if PAGED:  # each key's row is looked up in the block table (_page_slots): the head's column only
         k_base = K + h_kv.to(tl.int64) * stride_kh
         v_base = V + h_kv.to(tl.int64) * stride_vh
     else:
@@ -730,6 +722,7 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
                dropout: bool = False, decoding: bool = False, paged: bool = False,
                share_keys: Optional[int] = None) -> AttnFwdConfig:
     block_d = _block_d(head_dim)
+    one_block_shares = share_keys is not None and share_keys <= 128
     short_shares = share_keys is not None and share_keys <= SHORT_SHARE_KEYS
     if dtype in (torch.float32, torch.float64):  # wider elements: smaller tiles fit shared memory
         return AttnFwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, use_tma=hopper)
@@ -739,9 +732,23 @@ def _fwd_tiles(head_dim: int, dtype: torch.dtype, hopper: bool, seqlen_k: Option
         # 128 (attention_dropout_h200_2026-11-30_s16a.json).
         return AttnFwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2 if block_d > 64 else 3,
                              use_tma=hopper and block_d > 64)
+    if decoding and paged and block_d <= 128:
+        # Keys gathered through the block table (no descriptors): blocks of 128 keys took 0.89-0.92
+        # x the time of the dense cache's 64-key tiles on the same pages at D = 128 (pages of 16 and
+        # 256, batch 1 and 16, 4k and 64k keys); at D = 64 five stages took 0.86 x the time of three
+        # (one shape: batch 1, 64k keys; the pipeliner spends stages on the page numbers too)
+        # (attention_decode_paged_tiles_*_h200_2026-12-03_s48c.json). Where a share holds one such
+        # block, two of 64 keys in two stages took 0.76-0.87 x the time at D = 64, 0.83-0.99 at D =
+        # 128 (1.03-1.59 with longer shares); where it holds up to four, three stages instead of D =
+        # 64's five 0.86-0.95 x (1.14-1.20 from eight blocks on) (pages of 16 and 256, batch 1 / 4 /
+        # 16, 1k-4k keys: attention_decode_paged_tiles_{16,256}_h200_2026-12-03_s50a.json). At D = 128
+        # eight warps for the 64-key blocks: 0.92-0.95 x the time (_s50b.json).
+        if one_block_shares:
+            return AttnFwdConfig(block_m=128, block_n=64, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+                                 use_tma=False)
+        return AttnFwdConfig(block_m=128, block_n=128, num_warps=4,
+                             num_stages=5 if block_d <= 64 and not short_shares else 3, use_tma=False)
     if decoding and block_d <= 128:
-        # (Paged caches too: their page numbers are looked up one key block ahead, so their K / V
-        # tiles get the dense cache's pipeline; PROVISIONAL, timed in s52e.)
         # A few rows against many keys: the time is the cache's bytes, which one program an SM
         # pulls as fast as it keeps bytes in flight: three stages of 128 keys at D = 64 (32 KB of K
         # and V a stage), of 64 keys at D = 128 (attention_decode_tiles_h200_2026-12-02_s46a.json, _s46b).
