@@ -30,9 +30,9 @@ from qflash.reference.matmul import fp8_matmul_ref
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
 # xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G; auto[G][T]: tile_config's
-# (T: A's block scales column-major); w[N][sM][cP][xC][e]: the transposed
+# (T: A's block scales column-major); w[N][sM][cP][xC][kG][e]: the transposed
 # product (swap_ab) with swap_config's tile, N ring slots, K in M runs, P consumers (64-row parts of
-# B a tile; by default one), C CTAs an SM (by default swap_ctas_per_sm's), e as above;
+# B a tile; by default one), C CTAs an SM (by default swap_ctas_per_sm's), K steps in groups of G, e as above;
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
 # the same with the Gluon kernel's programmatic dependent launch on (``common.PDL``; session
 # 35's runs, before it became opt-in, named "public" the launch on and "publicN" off);
@@ -53,10 +53,11 @@ def variant(text):
     if auto:
         group, cols = auto.groups()
         return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}))
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(e?)", text)
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(?:k(\d))?(e?)", text)
     if swap:
-        stages, split, consumers, ctas, early = swap.groups()
+        stages, split, consumers, ctas, k_group, early = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
+                    **({"k_group": int(k_group)} if k_group else {}),
                     **({"early_scales": True} if early else {}),
                     **({"split_k": int(split)} if split else {}),
                     **({"consumers": int(consumers)} if consumers else {}),
@@ -64,7 +65,7 @@ def variant(text):
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(e?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?",
                          text)
     if match is None:
-        raise SystemExit(f"a variant is auto[G][T], w[N][sM][cP][xC][e], or block_n x stages [t] [n] [e] [sN] [gN] "
+        raise SystemExit(f"a variant is auto[G][T], w[N][sM][cP][xC][kG][e], or block_n x stages [t] [n] [e] [sN] [gN] "
                          f"[cN] [xC] [bB] [kG], got {text!r}")
     block_n, stages, tma, split_n, early, split, group, consumers, ctas, bufs, k_group = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
