@@ -96,8 +96,9 @@ def test_swap_ab_two_consumers_build():
                                                     ("block", 16, 1), ("block", 32, 1)])
 def test_swap_ab_two_ctas_an_sm_build(scales, block_n, split_k):
     """Two CTAs an SM: the build capped at 128 registers a thread (256 threads, two CTAs in the
-    SM's 64 K registers) spills nothing, and two rings of 8 slots fit in the SM's shared memory."""
-    stages = (gluon.TWO_CTA_BLOCK_STAGES if scales == "block" else gluon.TWO_CTA_STAGES)[block_n]
+    SM's 64 K registers) spills nothing, and two rings of the launch's depth (8 slots with block
+    scales, 6 without) fit in the SM's shared memory."""
+    stages = (gluon.TWO_CTA_BLOCK_STAGES if scales == "block" else gluon.SWAP_TWO_CTA_STAGES)[block_n]
     kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=block_n, stages=stages, consumers=1,
                         swap_ab=True, split_k=split_k, ctas_per_sm=2, k_group=8 if scales == "block" else 2)
     report = ptxas_report(kernel["ptx"])
@@ -621,12 +622,12 @@ def test_plan_consumers():
     assert plan(64, 4096, 4096, block_n=128).consumers == 1
     swapped = plan(6144, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
     assert (swapped.block_n, swapped.consumers, swapped.constexprs["SWAP_AB"]) == (16, 1, True)
-    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1
+    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 6 and swapped.split_k == 1  # 32 steps an item
     swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
     assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
     assert swapped.options == {"launch_pdl": True}  # the runs meet in the kernel: no second kernel
-    swapped = plan(10240, 16, 8192, swap_ab=True)  # 160 tiles: two CTAs an SM, each with 8 slots
-    assert swapped.grid == (160,) and swapped.constexprs["STAGES"] == 8
+    swapped = plan(10240, 16, 8192, swap_ab=True)  # 160 tiles: two CTAs an SM, each with 6 slots
+    assert swapped.grid == (160,) and swapped.constexprs["STAGES"] == 6
     assert swapped.options == {"maxnreg": 128, "launch_pdl": False}
     assert plan(10240, 16, 8192, swap_ab=True, stages=10).constexprs["STAGES"] == 10  # the caller's depth
     with pytest.raises(ValueError, match="do not fit"):
@@ -1221,14 +1222,26 @@ def test_gpu_public_block_scales_at_decode_sizes(m, n, k, monkeypatch):
 
 def test_swap_ab_takes_what_it_can():
     """The transposed product writes C with plain stores: it says so for bulk stores; its tile is
-    A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for 64-wide tiles)."""
+    A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for 64-wide tiles), 6 where one round
+    of one CTA an SM runs items of up to 32 K steps, and 6 a CTA where two share an SM (16- and
+    32-wide tiles with tensor or row scales)."""
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="swap_ab"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, tma_store=True)
     with pytest.raises(ValueError, match="consumers must be 1, 2 or 3"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=4)
-    assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)
-    assert gluon.swap_config(17, 4096, 4096)[0] == 32 and gluon.swap_config(64, 4096, 4096)[0] == 64
+    assert gluon.swap_config(1, 4096, 4096) == (16, 6, False, 1, 1)  # 64 items of 32 K steps
+    assert gluon.swap_config(16, 4096, 4096) == (16, 6, False, 2, 1)  # 128 items of 16 steps
+    assert gluon.swap_config(32, 6144, 4096) == (32, 6, False, 1, 1)  # 96 items of 32 steps
+    assert gluon.swap_config(16, 6144, 4096, block_scales=True)[1] == 10
+    assert gluon.swap_config(16, 8192, 8192)[1] == 10  # 128 items of 64 steps
+    assert gluon.swap_config(16, 28672, 4096)[1] == 10  # 448 items: rounds of the SMs
+    assert gluon.swap_config(16, 4096, 14336)[1:4] == (10, False, 2)  # 2 runs of 56 steps
+    assert gluon.swap_config(17, 4096, 4096)[0] == 32 and gluon.swap_config(64, 4096, 4096)[:2] == (64, 8)
+    two_ctas = {scales: gluon._plan(10240, 16, 8192, False, torch.bfloat16, scales, False, None, None, None, None,
+                                    None, 132, None, True) for scales in ("tensor", "row", "block")}  # 160 tiles
+    assert [(p.options.get("maxnreg"), p.constexprs["STAGES"]) for p in two_ctas.values()] == [(128, 6), (128, 6),
+                                                                                               (128, 8)]
     for m in (1, 16, 32, 64):
         block_n, stages, _, _, consumers = gluon.swap_config(m, 4096, 4096)
         assert stages * gluon._slot_bytes(block_n, consumers) <= gluon.SMEM_BYTES

@@ -810,14 +810,34 @@ def split_columns(config: tuple) -> bool:
     return block_n == 256 and consumers == 1
 
 
-def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
+# Ring slots of the transposed product's 16- and 32-wide tiles where its items are short: one round
+# of the SMs, one CTA an SM, at most SWAP_SHORT_MAX_STEPS K steps an item; and for two CTAs an SM
+# (tensor and row scales). Six against ten (and two CTAs' eight), x cuBLAS per tensor, same run
+# (matmul_fp8_swap_rings_*_s53c.json): M = 16 8B qkv (96 items of 32 steps) 1.015 against 0.982,
+# 8B o (128 of 16) 0.939 against 0.908, 70B qkv (160, two CTAs an SM) 1.024 against 0.981; at
+# M = 1 / 32 the same three 1.04-1.05 / 1.00, 0.88 / 0.87, 1.04 / 1.02 against 0.99 / 0.96, 0.85 /
+# 0.84, 1.01 / 0.96. Longer items kept ten (M = 16 70B o, 64 steps: 0.958 against 0.988; 8B down
+# and 70B down 2-4 % slower with six), as did several rounds (8B gate_up 0.918 against 0.956).
+SWAP_SHORT_STAGES = 6
+SWAP_SHORT_MAX_STEPS = 32
+
+
+def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = False) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
     decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
     width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
-    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles;
-    K in ``_swap_runs`` runs (at least one)."""
+    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles,
+    and with tensor or row scales SWAP_SHORT_STAGES where one round of one CTA an SM runs items of
+    up to SWAP_SHORT_MAX_STEPS K steps; K in ``_swap_runs`` runs (at least one)."""
     block_n = max(16, 1 << max(0, m - 1).bit_length())
-    return block_n, RING_STAGES[1][block_n], False, max(1, _swap_runs(m, cdiv(n, SUB_M), k, sms)), 1
+    tiles = cdiv(n, SUB_M)
+    runs = max(1, _swap_runs(m, tiles, k, sms))
+    stages = RING_STAGES[1][block_n]
+    short = (tiles * runs <= sms and swap_ctas_per_sm(tiles, sms) == 1
+             and cdiv(cdiv(k, BLOCK_K), runs) <= SWAP_SHORT_MAX_STEPS)
+    if short and block_n <= 32 and not block_scales:
+        stages = SWAP_SHORT_STAGES
+    return block_n, stages, False, runs, 1
 
 
 # Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
@@ -825,6 +845,8 @@ def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
 # (block scales: 3 of 128 wide, since each slot's scales, 384 bytes, would leave no room for C)
 TWO_CTA_BLOCK_STAGES = {**TWO_CTA_STAGES, 128: 3}
+# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SWAP_SHORT_STAGES, s53c)
+SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: SWAP_SHORT_STAGES, 32: SWAP_SHORT_STAGES}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
 # the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
@@ -999,7 +1021,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     if split_n and (int8 or scales == "block" or swap_ab or (ctas_per_sm or 1) != 1 or (split_k or 1) != 1):
         raise ValueError("split_n takes FP8 with tensor or row scales, one CTA an SM, no swap_ab and no K split")
     if swap_ab:
-        config = swap_config(n, m, k, sms)
+        config = swap_config(n, m, k, sms, block_scales=scales == "block")
         if ctas_per_sm is None:
             ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
     else:
@@ -1033,7 +1055,8 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
         elif tail:
             stages = _tail_stages(block_n, consumers)
         else:
-            two_cta = TWO_CTA_BLOCK_STAGES if scales == "block" else TWO_CTA_STAGES
+            two_cta = (TWO_CTA_BLOCK_STAGES if scales == "block" else SWAP_TWO_CTA_STAGES if swap_ab
+                       else TWO_CTA_STAGES)
             stages = (two_cta[block_n] if ctas_per_sm == 2 else RING_STAGES[consumers][block_n] if own_width
                       else config[1])
     if tma_store is None:  # tile_config's choice, or for FP8 tiles of the caller's width bulk stores
