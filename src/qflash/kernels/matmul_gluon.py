@@ -703,6 +703,25 @@ THREE_CONSUMER_GAIN = {False: 1.0, True: 1.02}
 THREE_CONSUMER_MIN_M = 8192
 
 
+# Ring slots where a product's items are short: one round of the SMs, one CTA an SM, at most
+# SHORT_MAX_STEPS K steps an item (tensor and row scales). Fewer slots than the deeper rings that
+# longer items take; the transposed product's 16- and 32-wide tiles take as many where two CTAs
+# share an SM. x cuBLAS per tensor, same run:
+# - the transposed product, six slots against ten (two CTAs an SM: eight), M = 16
+#   (matmul_fp8_swap_rings_dispatch_*_s53d.log): 8B qkv (96 items of 32 steps) 1.01 against 0.98,
+#   8B o (128 of 16) 0.93 against 0.90, 70B qkv (160 items, two CTAs an SM) 1.01 against 1.00;
+#   M = 1 / 32: 8B qkv 1.04 / 0.99 against 0.98 / 0.96, 70B qkv 1.03 / 1.02 against 0.98 (M = 1);
+#   in s53c also 70B qkv at M = 32 1.015 against 0.956. Longer items kept ten (s53c, M = 16: 70B o,
+#   64 steps, 0.958 against 0.988 with six; 8B and 70B down 2-4 % slower), as did several rounds
+#   (8B gate_up 0.918 against 0.956);
+# - 64-wide tiles of one round, six slots against eight, M = 128 (matmul_fp8_rings_m128_*_s53e.json):
+#   8B qkv (96 tiles of 128 x 64, 32 steps) 0.917 against 0.896 (per row 1.391 against 1.347), 8B o
+#   (128 of 64 x 64) 1.050 against 1.031 (1.763 against 1.742); 70B o (64 steps) kept eight (0.953
+#   against 0.974).
+SHORT_STAGES = 6
+SHORT_MAX_STEPS = 32
+
+
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False,
                 row_scales: bool = False, c_bytes: int = 2) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for a product on ``sms`` SMs, as measured on
@@ -746,6 +765,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       rows of A and B instead of 160 (M = 128 8B o: 0.90 -> 1.02 x cuBLAS, s23c); 64-row tiles
       halve their width to fill half of the SMs whatever K (M = 64 8B down, 32 wide: 0.92 against
       0.88 with 64-wide tiles in two runs; 70B down, 64 wide: 0.98 against 0.97, s23c);
+    - SHORT_STAGES ring slots for 64-wide tiles of one round with up to SHORT_MAX_STEPS K steps;
     - split K into ``sms // tiles`` runs when the tiles still fill less than half of the SMs
       (M = 128 8B down: 64-wide tiles in two runs, 0.88 -> 0.95 x cuBLAS; 128-wide tiles in
       ..._split_k_h200_2026-11-29_s9d.json, 307 -> 378 TFLOP/s and 369 -> 576 against no
@@ -794,6 +814,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if (consumers == 2 and block_n == 128 and not block_scales and k >= SIX_SLOT_MIN_K
             and (split_k > 1 or (c_bytes == 2 and m <= SIX_SLOT_MAX_M[row_scales]))):
         return block_n, 6, split_k == 1, split_k, consumers  # a sixth slot (float32 sums by plain stores)
+    if block_n == 64 and not block_scales and split_k == 1 and tiles <= sms and cdiv(k, BLOCK_K) <= SHORT_MAX_STEPS:
+        return block_n, SHORT_STAGES, True, 1, consumers  # short items in one round
     return block_n, stages[block_n], True, split_k, consumers
 
 
@@ -810,33 +832,21 @@ def split_columns(config: tuple) -> bool:
     return block_n == 256 and consumers == 1
 
 
-# Ring slots of the transposed product's 16- and 32-wide tiles where its items are short: one round
-# of the SMs, one CTA an SM, at most SWAP_SHORT_MAX_STEPS K steps an item; and for two CTAs an SM
-# (tensor and row scales). Six against ten (and two CTAs' eight), x cuBLAS per tensor, same run
-# (matmul_fp8_swap_rings_*_s53c.json): M = 16 8B qkv (96 items of 32 steps) 1.015 against 0.982,
-# 8B o (128 of 16) 0.939 against 0.908, 70B qkv (160, two CTAs an SM) 1.024 against 0.981; at
-# M = 1 / 32 the same three 1.04-1.05 / 1.00, 0.88 / 0.87, 1.04 / 1.02 against 0.99 / 0.96, 0.85 /
-# 0.84, 1.01 / 0.96. Longer items kept ten (M = 16 70B o, 64 steps: 0.958 against 0.988; 8B down
-# and 70B down 2-4 % slower with six), as did several rounds (8B gate_up 0.918 against 0.956).
-SWAP_SHORT_STAGES = 6
-SWAP_SHORT_MAX_STEPS = 32
-
-
 def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = False) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
     decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
     width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
     M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles,
-    and with tensor or row scales SWAP_SHORT_STAGES where one round of one CTA an SM runs items of
-    up to SWAP_SHORT_MAX_STEPS K steps; K in ``_swap_runs`` runs (at least one)."""
+    and with tensor or row scales SHORT_STAGES where one round of one CTA an SM runs items of
+    up to SHORT_MAX_STEPS K steps; K in ``_swap_runs`` runs (at least one)."""
     block_n = max(16, 1 << max(0, m - 1).bit_length())
     tiles = cdiv(n, SUB_M)
     runs = max(1, _swap_runs(m, tiles, k, sms))
     stages = RING_STAGES[1][block_n]
     short = (tiles * runs <= sms and swap_ctas_per_sm(tiles, sms) == 1
-             and cdiv(cdiv(k, BLOCK_K), runs) <= SWAP_SHORT_MAX_STEPS)
+             and cdiv(cdiv(k, BLOCK_K), runs) <= SHORT_MAX_STEPS)
     if short and block_n <= 32 and not block_scales:
-        stages = SWAP_SHORT_STAGES
+        stages = SHORT_STAGES
     return block_n, stages, False, runs, 1
 
 
@@ -845,8 +855,8 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
 TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
 # (block scales: 3 of 128 wide, since each slot's scales, 384 bytes, would leave no room for C)
 TWO_CTA_BLOCK_STAGES = {**TWO_CTA_STAGES, 128: 3}
-# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SWAP_SHORT_STAGES, s53c)
-SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: SWAP_SHORT_STAGES, 32: SWAP_SHORT_STAGES}
+# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SHORT_STAGES, s53c)
+SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: SHORT_STAGES, 32: SHORT_STAGES}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
 # the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
