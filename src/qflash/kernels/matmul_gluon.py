@@ -32,8 +32,8 @@ and A's few rows its narrow one (16 or 32 columns) instead of being padded to 64
 epilogue writes each block back to C transposed, by plain stores; block scales keep their roles
 (A's 1 x 128 scales, one a row of A, run along the tile's columns, and B's 128 x 128 block holds
 the tile's 64 rows of B). One CTA streams B at about 40 GB/s, so where B's tiles make one to two
-rounds of the SMs two CTAs share each SM (registers capped at 128 a thread, 8 ring slots each)
-and the second round runs beside the first.
+rounds of the SMs two CTAs share each SM (registers capped at 128 a thread, 6 ring slots each;
+8 with block scales) and the second round runs beside the first.
 
 C = (A_q * a_scale) @ (B_q * b_scale)^T + bias, with A (M, K) and B (N, K) (``nn.Linear``'s weight
 layout), both K-major as wgmma wants 8-bit operands. INT8 accumulates exactly in int32. FP8 (e4m3)
@@ -704,20 +704,19 @@ THREE_CONSUMER_MIN_M = 8192
 
 
 # Ring slots where a product's items are short: one round of the SMs, one CTA an SM, at most
-# SHORT_MAX_STEPS K steps an item (tensor and row scales). Fewer slots than the deeper rings that
-# longer items take; the transposed product's 16- and 32-wide tiles take as many where two CTAs
-# share an SM. x cuBLAS per tensor, same run:
-# - the transposed product, six slots against ten (two CTAs an SM: eight), M = 16
-#   (matmul_fp8_swap_rings_dispatch_*_s53d.log): 8B qkv (96 items of 32 steps) 1.01 against 0.98,
-#   8B o (128 of 16) 0.93 against 0.90, 70B qkv (160 items, two CTAs an SM) 1.01 against 1.00;
-#   M = 1 / 32: 8B qkv 1.04 / 0.99 against 0.98 / 0.96, 70B qkv 1.03 / 1.02 against 0.98 (M = 1);
-#   in s53c also 70B qkv at M = 32 1.015 against 0.956. Longer items kept ten (s53c, M = 16: 70B o,
-#   64 steps, 0.958 against 0.988 with six; 8B and 70B down 2-4 % slower), as did several rounds
-#   (8B gate_up 0.918 against 0.956);
-# - 64-wide tiles of one round, six slots against eight, M = 128 (matmul_fp8_rings_m128_*_s53e.json):
-#   8B qkv (96 tiles of 128 x 64, 32 steps) 0.917 against 0.896 (per row 1.391 against 1.347), 8B o
-#   (128 of 64 x 64) 1.050 against 1.031 (1.763 against 1.742); 70B o (64 steps) kept eight (0.953
-#   against 0.974).
+# SHORT_MAX_STEPS K steps an item (tensor and row scales); the transposed product's 16- and 32-wide
+# tiles take as many where two CTAs share an SM. Longer items keep the deeper rings. x cuBLAS, the
+# dispatch against the old depth in the same run:
+# - the transposed product, six slots against ten (two CTAs an SM: eight), M = 16 per tensor
+#   (matmul_fp8_swap_rings_m16_dispatch_h200_2026-12-03_s53f.json): 8B qkv (96 items of 32 steps)
+#   1.02 against 0.98, 8B o (128 of 16) 0.93 against 0.91, 70B qkv (160, two CTAs an SM) 1.03
+#   against 1.00; at M = 1 / 32 (s53d) 8B qkv 1.04 / 0.99 against 0.98 / 0.96. Six lost where items
+#   are longer (s53c, M = 16: 70B o, 64 steps, 0.958 against 0.988; 8B and 70B down 2-4 %) or make
+#   several rounds (8B gate_up 0.918 against 0.956);
+# - 64-wide tiles, six slots against eight (matmul_fp8_short_rings_m64_m256_h200_2026-12-03_s53f.json),
+#   per tensor / per row: M = 64 8B qkv 1.04 / 1.79 against 1.03 / 1.74; M = 128 8B qkv 0.91 / 1.38
+#   against 0.90 / 1.35, 8B o 1.05 / 1.77 against 1.04 / 1.74; M = 256 8B o 1.02 / 1.35 against 1.00
+#   / 1.31. At M = 128 70B o (64 steps) eight won (0.974 against 0.953, s53e).
 SHORT_STAGES = 6
 SHORT_MAX_STEPS = 32
 
@@ -855,7 +854,7 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
 TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
 # (block scales: 3 of 128 wide, since each slot's scales, 384 bytes, would leave no room for C)
 TWO_CTA_BLOCK_STAGES = {**TWO_CTA_STAGES, 128: 3}
-# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SHORT_STAGES, s53c)
+# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SHORT_STAGES, s53f)
 SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: SHORT_STAGES, 32: SHORT_STAGES}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
