@@ -721,6 +721,12 @@ SHORT_STAGES = 6
 SHORT_MAX_STEPS = 32
 
 
+def _short_items(items: int, k_steps: int, sms: int) -> bool:
+    """Whether ``items`` work items of ``k_steps`` K steps each are short: one round of the SMs,
+    at most SHORT_MAX_STEPS steps an item (they take SHORT_STAGES ring slots)."""
+    return items <= sms and k_steps <= SHORT_MAX_STEPS
+
+
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False,
                 row_scales: bool = False, c_bytes: int = 2) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for a product on ``sms`` SMs, as measured on
@@ -813,8 +819,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if (consumers == 2 and block_n == 128 and not block_scales and k >= SIX_SLOT_MIN_K
             and (split_k > 1 or (c_bytes == 2 and m <= SIX_SLOT_MAX_M[row_scales]))):
         return block_n, 6, split_k == 1, split_k, consumers  # a sixth slot (float32 sums by plain stores)
-    if block_n == 64 and not block_scales and split_k == 1 and tiles <= sms and cdiv(k, BLOCK_K) <= SHORT_MAX_STEPS:
-        return block_n, SHORT_STAGES, True, 1, consumers  # short items in one round
+    if block_n == 64 and not block_scales and split_k == 1 and _short_items(tiles, cdiv(k, BLOCK_K), sms):
+        return block_n, SHORT_STAGES, True, 1, consumers
     return block_n, stages[block_n], True, split_k, consumers
 
 
@@ -841,12 +847,9 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
     block_n = max(16, 1 << max(0, m - 1).bit_length())
     tiles = cdiv(n, SUB_M)
     runs = max(1, _swap_runs(m, tiles, k, sms))
-    stages = RING_STAGES[1][block_n]
-    short = (tiles * runs <= sms and swap_ctas_per_sm(tiles, sms) == 1
-             and cdiv(cdiv(k, BLOCK_K), runs) <= SHORT_MAX_STEPS)
-    if short and block_n <= 32 and not block_scales:
-        stages = SHORT_STAGES
-    return block_n, stages, False, runs, 1
+    # (one round of items is one CTA an SM: two share an SM only where the tiles pass the SM count)
+    short = block_n <= 32 and not block_scales and _short_items(tiles * runs, cdiv(cdiv(k, BLOCK_K), runs), sms)
+    return block_n, SHORT_STAGES if short else RING_STAGES[1][block_n], False, runs, 1
 
 
 # Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
