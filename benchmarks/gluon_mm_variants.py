@@ -12,14 +12,19 @@ Every variant's output is checked in the same run:
   width or the way C is written. Split K sums in another order, so its variants (and 'auto')
   are only checked against the reference.
 Prints one line per (shape, variant) and writes JSON after every shape (``complete`` once all ran);
-a variant a shape cannot take (a ring that does not fit) is recorded with its error and skipped."""
+a variant a shape cannot take (a ring that does not fit) is recorded with its error and skipped.
+
+``--weights cold`` times every product (cuBLAS's too) rotating through copies of B and its scales,
+four times the L2 together, as a model's layers find their weights in DRAM; ``warm`` (the
+default) repeats one B, which stays in L2 where it fits (a decode product's weights up to 8B qkv)."""
 
 import argparse
 import re
+from functools import partial
 
 import torch
 
-from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.bench.harness import cold_copies, environment, graph_ms, rotating, save_json
 from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
@@ -132,6 +137,15 @@ def operands(a, b, scales):
     return a_q, b_q, a_k, b_k, ref, (a_q, b_q, a_k, b_k, scales)
 
 
+def weight_sets(weights, *tensors):
+    """[tensors] for warm weights; for cold ones, that many copies of them (the first the tensors
+    themselves) as ``cold_copies`` asks."""
+    if weights == "warm":
+        return [tensors]
+    copies = cold_copies(sum(t.nbytes for t in tensors))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
@@ -139,6 +153,7 @@ def main():
     p.add_argument("--only", default=None, help="these shapes only, by name (8192^3,70B down,...)")
     p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN], ...")
     p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
+    p.add_argument("--weights", default="warm", help="warm and / or cold: B repeated or rotated through copies")
     p.add_argument("--cublas-kernels", action="store_true", help="record the kernels cuBLAS runs (profiler)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -153,42 +168,51 @@ def main():
         flop = 2 * m * n * k
         for scales in args.scales.split(","):
             a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
-            cublas = cublas_fp8(*peer[:4])  # (per tensor or per row by the scales' sizes)
-            cublas_ms = graph_ms(cublas)
-            cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
-            if cublas_kernels:
-                print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
-            base = base16 = None
-            for label, opts in variants:
-                opts = resolve(opts, m, n)
-                a_k_used = a_k
-                if opts and opts.get("a_scale_cols"):  # A's block scales column-major: the same values
-                    opts = {key: v for key, v in opts.items() if key != "a_scale_cols"}
-                    a_k_used = a_k.t().contiguous().t()
-                try:
-                    out = run(opts, a_q, b_q, a_k_used, b_k, torch.float32, scales)
-                except ValueError as e:  # a variant this shape cannot take (a ring that does not fit)
-                    print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: not taken: {e}", flush=True)
-                    rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, error=str(e)))
-                    continue
-                out16 = run(opts, a_q, b_q, a_k_used, b_k, torch.bfloat16, scales)
-                base = out if base is None else base
-                base16 = out16 if base16 is None else base16
-                err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                ms = graph_ms(lambda: run(opts, a_q, b_q, a_k_used, b_k, torch.bfloat16, scales))
-                same = torch.equal(out, base) and torch.equal(out16, base16)
-                opts = opts or {}
-                rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, variant=label, **opts, ms=ms,
-                                 tflops=flop / ms * 1e-9, cublas_ms=cublas_ms, cublas_tflops=flop / cublas_ms * 1e-9,
-                                 vs_cublas=cublas_ms / ms, rel_err=err, within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
-                                 same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
-                                              and not opts.get("swap_ab") else None),
-                                 cublas_kernels=cublas_kernels))
-                r = rows[-1]
-                print(f"{name:12s} M={m:5d} {scales:6s} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
-                      f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "
-                      f"err={err:.1e}", flush=True)
-            out = out16 = base = base16 = ref = None
+            for weights in args.weights.split(","):
+                sets = weight_sets(weights, b_q, b_k)
+                # (per tensor or per row by the scales' sizes; block scales: its own per-tensor B)
+                peer_sets = sets if peer[1] is b_q else weight_sets(weights, peer[1], peer[3])
+                cublas = rotating([cublas_fp8(peer[0], pb, peer[2], pbk) for pb, pbk in peer_sets])
+                cublas_ms = graph_ms(cublas)
+                cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
+                if cublas_kernels:
+                    print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
+                tag = f"{scales:6s}" + ("" if weights == "warm" else f" {weights} x{len(sets)}")
+                base = base16 = None
+                for label, opts in variants:
+                    opts = resolve(opts, m, n)
+                    a_k_used = a_k
+                    if opts and opts.get("a_scale_cols"):  # A's block scales column-major: the same values
+                        opts = {key: v for key, v in opts.items() if key != "a_scale_cols"}
+                        a_k_used = a_k.t().contiguous().t()
+                    try:
+                        out = run(opts, a_q, b_q, a_k_used, b_k, torch.float32, scales)
+                    except ValueError as e:  # a variant this shape cannot take (a ring that does not fit)
+                        print(f"{name:12s} M={m:5d} {tag} {label:10s}: not taken: {e}", flush=True)
+                        rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, weights=weights, variant=label,
+                                         error=str(e)))
+                        continue
+                    out16 = run(opts, a_q, b_q, a_k_used, b_k, torch.bfloat16, scales)
+                    base = out if base is None else base
+                    base16 = out16 if base16 is None else base16
+                    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+                    ms = graph_ms(rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
+                                            for b_i, b_k_i in sets]))
+                    same = torch.equal(out, base) and torch.equal(out16, base16)
+                    opts = opts or {}
+                    rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, weights=weights, copies=len(sets),
+                                     variant=label, **opts, ms=ms, tflops=flop / ms * 1e-9, cublas_ms=cublas_ms,
+                                     cublas_tflops=flop / cublas_ms * 1e-9, vs_cublas=cublas_ms / ms, rel_err=err,
+                                     within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
+                                     same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
+                                                  and not opts.get("swap_ab") else None),
+                                     cublas_kernels=cublas_kernels))
+                    r = rows[-1]
+                    print(f"{name:12s} M={m:5d} {tag} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
+                          f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "
+                          f"err={err:.1e}", flush=True)
+                out = out16 = base = base16 = sets = peer_sets = cublas = None
+            ref = None
         if args.out:  # after every shape: a run cut short keeps what it measured
             save_json(args.out, dict(env=environment(), rows=rows, complete=False))
     if args.out:

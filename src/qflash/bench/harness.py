@@ -8,6 +8,7 @@ median, useful only to exercise the benchmark code itself.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import platform
 import statistics
@@ -82,6 +83,27 @@ def graph_ms(fn) -> Optional[float]:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     except Exception:  # noqa: BLE001 - a capture failure only drops this column
         return None
+
+
+# Sets of weights a "cold" timing rotates through: together at least this many times the L2, so
+# that each call finds its weights in DRAM, as a model's layers do (each layer has its own)
+COLD_L2_MULTIPLE = 4
+
+
+def cold_copies(nbytes: int, device=None) -> int:
+    """How many sets of ``nbytes`` of weights a cold timing rotates through (``COLD_L2_MULTIPLE``
+    times the device's L2 together; 1 where one set alone is that large)."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-COLD_L2_MULTIPLE * l2 // max(1, nbytes)))
+
+
+def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs ``calls`` in turn, one a call. Timed by ``graph_ms``, the graph
+    captures them in turn, so its replays time each on inputs the previous calls did not touch.
+    Repeated runs over one buffer measure the cache where the inputs fit in it (a decode
+    product's weights: 8B o's FP8 B is 16.8 MB, the H200's L2 50 MB)."""
+    it = itertools.cycle(calls)
+    return lambda: next(it)()
 
 
 def compiled_flex_attention():
