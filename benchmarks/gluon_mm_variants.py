@@ -16,10 +16,12 @@ a variant a shape cannot take (a ring that does not fit) is recorded with its er
 
 ``--weights cold`` times every product (cuBLAS's too) rotating through copies of B and its scales,
 four times the L2 together, as a model's layers find their weights in DRAM; ``warm`` (the
-default) repeats one B, which stays in L2 where it fits (a decode product's weights up to 8B qkv)."""
+default) repeats one B, which stays in L2 where it fits (a decode product's weights up to 8B qkv).
+``--rounds R`` times cuBLAS and the variants in turn R times, each ratio the median of its rounds'."""
 
 import argparse
 import re
+import statistics
 from functools import partial
 
 import torch
@@ -154,6 +156,8 @@ def main():
     p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN], ...")
     p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
     p.add_argument("--weights", default="warm", help="warm and / or cold: B repeated or rotated through copies")
+    p.add_argument("--rounds", type=int, default=1, help="timings of cuBLAS and every variant in turn")
+    p.add_argument("--rep-ms", type=int, default=100, help="ms of replays a timing")
     p.add_argument("--cublas-kernels", action="store_true", help="record the kernels cuBLAS runs (profiler)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -173,11 +177,11 @@ def main():
                 # (per tensor or per row by the scales' sizes; block scales: its own per-tensor B)
                 peer_sets = sets if peer[1] is b_q else weight_sets(weights, peer[1], peer[3])
                 cublas = rotating([cublas_fp8(peer[0], pb, peer[2], pbk) for pb, pbk in peer_sets])
-                cublas_ms = graph_ms(cublas)
                 cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
                 if cublas_kernels:
                     print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
                 tag = f"{scales:6s}" + ("" if weights == "warm" else f" {weights} x{len(sets)}")
+                timed = []  # (label, options, error, calls)
                 base = base16 = None
                 for label, opts in variants:
                     opts = resolve(opts, m, n)
@@ -196,22 +200,37 @@ def main():
                     base = out if base is None else base
                     base16 = out16 if base16 is None else base16
                     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                    ms = graph_ms(rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
-                                            for b_i, b_k_i in sets]))
                     same = torch.equal(out, base) and torch.equal(out16, base16)
-                    opts = opts or {}
+                    calls = rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
+                                      for b_i, b_k_i in sets])
+                    timed.append((label, opts or {}, err, same, calls))
+                # Rounds of cuBLAS and every variant in turn: a ratio is the median of each round's own
+                # (the clocks drift between timings of one product by several per cent, s54a)
+                times = [[] for _ in range(len(timed) + 1)]
+                for _ in range(args.rounds):
+                    for i, fn in enumerate([cublas] + [t[-1] for t in timed]):
+                        times[i].append(graph_ms(fn, rep_ms=args.rep_ms))
+                cublas_ms = statistics.median(times[0])
+                for (label, opts, err, same, _), ms_list in zip(timed, times[1:]):
+                    ms = statistics.median(ms_list)
+                    ratio = statistics.median(c / t for c, t in zip(times[0], ms_list))
                     rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, weights=weights, copies=len(sets),
                                      variant=label, **opts, ms=ms, tflops=flop / ms * 1e-9, cublas_ms=cublas_ms,
-                                     cublas_tflops=flop / cublas_ms * 1e-9, vs_cublas=cublas_ms / ms, rel_err=err,
+                                     cublas_tflops=flop / cublas_ms * 1e-9, vs_cublas=ratio, rel_err=err,
                                      within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
                                      same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
                                                   and not opts.get("swap_ab") else None),
-                                     cublas_kernels=cublas_kernels))
+                                     cublas_kernels=cublas_kernels,
+                                     **({"rounds_ms": ms_list, "rounds_cublas_ms": times[0]} if args.rounds > 1
+                                        else {})))
                     r = rows[-1]
+                    spread = ("" if args.rounds == 1 else
+                              f" rounds {min(c / t for c, t in zip(times[0], ms_list)):.2f}-"
+                              f"{max(c / t for c, t in zip(times[0], ms_list)):.2f}")
                     print(f"{name:12s} M={m:5d} {tag} {label:10s}: {r['tflops']:7.1f} TFLOP/s "
-                          f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x) same={r['same_as_128']} "
+                          f"cuBLAS {r['cublas_tflops']:7.1f} ({r['vs_cublas']:.2f}x{spread}) same={r['same_as_128']} "
                           f"err={err:.1e}", flush=True)
-                out = out16 = base = base16 = sets = peer_sets = cublas = None
+                out = out16 = base = base16 = sets = peer_sets = cublas = timed = None
             ref = None
         if args.out:  # after every shape: a run cut short keeps what it measured
             save_json(args.out, dict(env=environment(), rows=rows, complete=False))

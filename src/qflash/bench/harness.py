@@ -74,13 +74,14 @@ def time_ms(fn: Callable[[], object], *, rep_ms: int = 100, device: str = "cuda"
     return {"ms": statistics.median(samples), "ms_p20": q[0], "ms_p80": q[-1]}
 
 
-def graph_ms(fn) -> Optional[float]:
-    """Median time of ``fn`` replayed from a CUDA graph: the kernels without the Python launch
-    cost, which is as long as the kernels themselves for the smaller shapes (None if capture fails)."""
+def graph_ms(fn, rep_ms: int = 100) -> Optional[float]:
+    """Median time of ``fn`` replayed from a CUDA graph of about ``rep_ms`` of calls: the kernels
+    without the Python launch cost, which is as long as the kernels themselves for the smaller
+    shapes (None if capture fails)."""
     import triton
 
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     except Exception:  # noqa: BLE001 - a capture failure only drops this column
         return None
 
