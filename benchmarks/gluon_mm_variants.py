@@ -181,7 +181,7 @@ def main():
                 if cublas_kernels:
                     print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
                 tag = f"{scales:6s}" + ("" if weights == "warm" else f" {weights} x{len(sets)}")
-                timed = []  # (label, options, error, calls)
+                timed = []  # (label, options, relative error, same bits as the first, calls)
                 base = base16 = None
                 for label, opts in variants:
                     opts = resolve(opts, m, n)
