@@ -703,30 +703,6 @@ THREE_CONSUMER_GAIN = {False: 1.0, True: 1.02}
 THREE_CONSUMER_MIN_M = 8192
 
 
-# Ring slots where a product's items are short: one round of the SMs, one CTA an SM, at most
-# SHORT_MAX_STEPS K steps an item (tensor and row scales); the transposed product's 16- and 32-wide
-# tiles take as many where two CTAs share an SM. Longer items keep the deeper rings. x cuBLAS, the
-# dispatch against the old depth in the same run:
-# - the transposed product, six slots against ten (two CTAs an SM: eight), M = 16 per tensor
-#   (matmul_fp8_swap_rings_m16_dispatch_h200_2026-12-03_s53f.json): 8B qkv (96 items of 32 steps)
-#   1.02 against 0.98, 8B o (128 of 16) 0.93 against 0.91, 70B qkv (160, two CTAs an SM) 1.03
-#   against 1.00; at M = 1 / 32 (s53d) 8B qkv 1.04 / 0.99 against 0.98 / 0.96. Six lost where items
-#   are longer (s53c, M = 16: 70B o, 64 steps, 0.958 against 0.988; 8B and 70B down 2-4 %) or make
-#   several rounds (8B gate_up 0.918 against 0.956);
-# - 64-wide tiles, six slots against eight (matmul_fp8_short_rings_m64_m256_h200_2026-12-03_s53f.json),
-#   per tensor / per row: M = 64 8B qkv 1.04 / 1.79 against 1.03 / 1.74; M = 128 8B qkv 0.91 / 1.38
-#   against 0.90 / 1.35, 8B o 1.05 / 1.77 against 1.04 / 1.74; M = 256 8B o 1.02 / 1.35 against 1.00
-#   / 1.31. At M = 128 70B o (64 steps) eight won (0.974 against 0.953, s53e).
-SHORT_STAGES = 6
-SHORT_MAX_STEPS = 32
-
-
-def _short_items(items: int, k_steps: int, sms: int) -> bool:
-    """Whether ``items`` work items of ``k_steps`` K steps each are short: one round of the SMs,
-    at most SHORT_MAX_STEPS steps an item (they take SHORT_STAGES ring slots)."""
-    return items <= sms and k_steps <= SHORT_MAX_STEPS
-
-
 def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False,
                 row_scales: bool = False, c_bytes: int = 2) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for a product on ``sms`` SMs, as measured on
@@ -770,7 +746,6 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       rows of A and B instead of 160 (M = 128 8B o: 0.90 -> 1.02 x cuBLAS, s23c); 64-row tiles
       halve their width to fill half of the SMs whatever K (M = 64 8B down, 32 wide: 0.92 against
       0.88 with 64-wide tiles in two runs; 70B down, 64 wide: 0.98 against 0.97, s23c);
-    - SHORT_STAGES ring slots for 64-wide tiles of one round with up to SHORT_MAX_STEPS K steps;
     - split K into ``sms // tiles`` runs when the tiles still fill less than half of the SMs
       (M = 128 8B down: 64-wide tiles in two runs, 0.88 -> 0.95 x cuBLAS; 128-wide tiles in
       ..._split_k_h200_2026-11-29_s9d.json, 307 -> 378 TFLOP/s and 369 -> 576 against no
@@ -807,7 +782,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if consumers == 2 and not block_scales and tiles > sms and cdiv(m, 2 * SUB_M) * cdiv(n, 160) <= sms:
         return 160, _tail_stages(160, 2), False, 1, 2  # a second round of a few 128-wide tiles: one of 160
     if 2 * tiles < sms:  # under half the SMs: narrower tiles, or K split
-        if k < LONG_K or consumers == 1:  # a 64-row tile's extra reads of A are half as many
+        if k < LONG_K or consumers == 1 or not block_scales:  # a 64-row tile's extra reads of A are half as many
             while 2 * tiles < sms and block_n > 32:
                 block_n, tiles = block_n // 2, 2 * tiles
         elif 4 * tiles < sms:
@@ -819,8 +794,6 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if (consumers == 2 and block_n == 128 and not block_scales and k >= SIX_SLOT_MIN_K
             and (split_k > 1 or (c_bytes == 2 and m <= SIX_SLOT_MAX_M[row_scales]))):
         return block_n, 6, split_k == 1, split_k, consumers  # a sixth slot (float32 sums by plain stores)
-    if block_n == 64 and not block_scales and split_k == 1 and _short_items(tiles, cdiv(k, BLOCK_K), sms):
-        return block_n, SHORT_STAGES, True, 1, consumers
     return block_n, stages[block_n], True, split_k, consumers
 
 
@@ -841,15 +814,13 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
     """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
     decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
     width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
-    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles,
-    and with tensor or row scales SHORT_STAGES where one round of one CTA an SM runs items of
-    up to SHORT_MAX_STEPS K steps; K in ``_swap_runs`` runs (at least one)."""
+    M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles;
+    K in ``_swap_runs`` runs (at least one)."""
     block_n = max(16, 1 << max(0, m - 1).bit_length())
     tiles = cdiv(n, SUB_M)
     runs = max(1, _swap_runs(m, tiles, k, sms))
     # (one round of items is one CTA an SM: two share an SM only where the tiles pass the SM count)
-    short = block_n <= 32 and not block_scales and _short_items(tiles * runs, cdiv(cdiv(k, BLOCK_K), runs), sms)
-    return block_n, SHORT_STAGES if short else RING_STAGES[1][block_n], False, runs, 1
+    return block_n, RING_STAGES[1][block_n], False, runs, 1
 
 
 # Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
@@ -857,8 +828,8 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
 TWO_CTA_STAGES = {16: 8, 32: 8, 64: 6, 128: 4}
 # (block scales: 3 of 128 wide, since each slot's scales, 384 bytes, would leave no room for C)
 TWO_CTA_BLOCK_STAGES = {**TWO_CTA_STAGES, 128: 3}
-# (the transposed product's 16- and 32-wide tiles with tensor or row scales: SHORT_STAGES, s53f)
-SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: SHORT_STAGES, 32: SHORT_STAGES}
+# (the transposed product's 16- and 32-wide tiles with tensor or row scales: six, s53f, s54b)
+SWAP_TWO_CTA_STAGES = {**TWO_CTA_STAGES, 16: 6, 32: 6}
 # ... and registers a thread: two CTAs of 256 threads (the consumer warpgroup, the loader's warp
 # padded to four) in the SM's 64 K. Uncapped, the launch asks 256 a thread (one CTA an SM); capped,
 # the loader still gives up all but 24 and the consumers take 232 (setmaxnreg), with no spills in
