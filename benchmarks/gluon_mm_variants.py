@@ -17,7 +17,8 @@ a variant a shape cannot take (a ring that does not fit) is recorded with its er
 ``--weights cold`` times every product (cuBLAS's too) rotating through copies of B and its scales,
 four times the L2 together, as a model's layers find their weights in DRAM; ``warm`` (the
 default) repeats one B, which stays in L2 where it fits (a decode product's weights up to 8B qkv).
-``--rounds R`` times cuBLAS and the variants in turn R times, each ratio the median of its rounds'."""
+``--rounds R`` times cuBLAS and the variants in turn R times, each round starting one further along
+(the order rotates), each ratio the median of its rounds'."""
 
 import argparse
 import re
@@ -204,12 +205,14 @@ def main():
                     calls = rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
                                       for b_i, b_k_i in sets])
                     timed.append((label, opts or {}, err, same, calls))
-                # Rounds of cuBLAS and every variant in turn: a ratio is the median of each round's own
-                # (the clocks drift between timings of one product by several per cent, s54a)
-                times = [[] for _ in range(len(timed) + 1)]
-                for _ in range(args.rounds):
-                    for i, fn in enumerate([cublas] + [t[-1] for t in timed]):
-                        times[i].append(graph_ms(fn, rep_ms=args.rep_ms))
+                # Rounds of cuBLAS and every variant in turn, each round starting one further along:
+                # a ratio is the median of each round's own (the clocks drift between timings of one
+                # product by several per cent, s54a, and a place in the order can weigh as much, s54c)
+                fns = [cublas] + [t[-1] for t in timed]
+                times = [[] for _ in fns]
+                for r in range(args.rounds):
+                    for i in [(r + j) % len(fns) for j in range(len(fns))]:
+                        times[i].append(graph_ms(fns[i], rep_ms=args.rep_ms))
                 cublas_ms = statistics.median(times[0])
                 for (label, opts, err, same, _), ms_list in zip(timed, times[1:]):
                     ms = statistics.median(ms_list)

@@ -106,6 +106,18 @@ def test_swap_ab_two_ctas_an_sm_build(scales, block_n, split_k):
     assert 2 * (kernel["shared"] + 1024) <= 228 * 1024
 
 
+@pytest.mark.parametrize("scales,out_dtype", [("tensor", torch.bfloat16), ("row", torch.float32)])
+def test_long_k_64_row_tiles_build(scales, out_dtype):
+    """tile_config's 64 x 64 tiles at long K: one consumer, LONG_K_64_STAGES ring slots and a block
+    of C (float32 too) within a CTA's shared memory, no spills."""
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, scales, block_n=64, stages=gluon.LONG_K_64_STAGES,
+                        tma_store=True, consumers=1, out_dtype=out_dtype,
+                        early_scales=gluon.loads_scales_early(scales, 64, 1))
+    report = ptxas_report(kernel["ptx"])
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    assert "cp.async.bulk.tensor.2d.global.shared" in kernel["ptx"] and kernel["shared"] <= 227 * 1024
+
+
 @pytest.mark.parametrize("scales,block_n", [("tensor", 64), ("block", 64), ("row", 128), ("block", 128)])
 def test_two_ctas_an_sm_64_row_tiles_build(scales, block_n):
     """Two CTAs an SM with 64-row tiles 64 or 128 wide: capped at 128 registers a thread, no spills,
@@ -576,18 +588,21 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(512, 6144, 4096, int8=False) == (128, 5, True, 1, 2)  # K short
     assert gluon.tile_config(256, 4096, 14336, int8=False, row_scales=True) == (128, 6, False, 2, 2)
     # 128 tiles of 128 x 32 become 128 of 64 x 64 (one consumer): 0.90 -> 1.02 x cuBLAS (s23c)
-    assert gluon.tile_config(128, 4096, 4096, int8=False) == (64, 6, True, 1, 1)  # one round of 32 K steps
-    assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 6, True, 1, 2)  # 96 tiles of 64
-    assert gluon.tile_config(128, 6144, 4096, int8=False, row_scales=True) == (64, 6, True, 1, 2)
+    assert gluon.tile_config(128, 4096, 4096, int8=False) == (64, 8, True, 1, 1)  # one round of 32 K steps
+    assert gluon.tile_config(128, 6144, 4096, int8=False) == (64, 8, True, 1, 2)  # 96 tiles of 64
+    assert gluon.tile_config(128, 6144, 4096, int8=False, row_scales=True) == (64, 8, True, 1, 2)
     assert gluon.tile_config(128, 8192, 8192, int8=False) == (64, 8, True, 1, 2)  # 128 tiles of 64 K steps
-    assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, 8, True, 2, 2)  # long K: 64 tiles, 2 runs
+    # long K where 128-wide tiles fill under a quarter of the SMs: 128 of 64 x 64 on 12 slots, K whole
+    assert gluon.tile_config(128, 4096, 14336, int8=False) == (64, gluon.LONG_K_64_STAGES, True, 1, 1)
+    assert gluon.tile_config(128, 4096, 14336, int8=False, row_scales=True) == (64, 12, True, 1, 1)
+    assert gluon.tile_config(128, 4096, 14336, int8=False, block_scales=True) == (64, 8, True, 2, 2)  # 2 runs
     # long K: 64 tiles of 128, 2 runs, 6 slots (the float32 sums then by plain stores)
     assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 6, False, 2, 2)
     assert gluon.tile_config(128, 8192, 28672, int8=False, block_scales=True) == (128, 5, True, 2, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1, 2)  # pairs, FMA
     assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (64, 8, True, 1, 1)
-    assert gluon.tile_config(64, 6144, 4096, int8=False) == (64, 6, True, 1, 1)  # 96 tiles of 32 K steps
+    assert gluon.tile_config(64, 6144, 4096, int8=False) == (64, 8, True, 1, 1)  # 96 tiles of 32 K steps
     assert gluon.tile_config(64, 4096, 4096, int8=False) == (32, 10, True, 1, 1)  # 128 tiles: 0.91
     assert gluon.tile_config(64, 10240, 8192, int8=False) == (128, 6, True, 1, 1)  # 80 tiles: 0.98
     assert gluon.tile_config(64, 28672, 4096, int8=False) == (256, 3, True, 1, 1)  # 112 wide tiles: 1.01
@@ -828,13 +843,13 @@ def test_preferred_only_where_measured():
     assert not gluon.preferred(32, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
     swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672),
             (16, 4096, 4096), (32, 4096, 14336), (16, 10240, 8192), (1, 10240, 8192)]  # 96, 128, 896 tiles;
-    # 64 tiles in 2 runs from M = 16; 160 tiles in one round of two CTAs an SM
+    # 64 tiles from M = 16: K whole at 32 steps, in 2 runs at 112; 160 tiles in one round of two CTAs an SM
     tl = [(8, 4096, 4096), (16, 28672, 4096), (1, 6144, 4096), (1, 4096, 4096), (64, 6144, 4096),
           (16, 6144, 2048), (16, 2048, 4096)]  # 64 tiles at M = 8, 448 (85 %), M = 1 in one round; M, K
     # or N out of range
     assert all(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in swap)
     assert not any(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in tl)
-    assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 2, 2, 1, 1]
+    assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 1, 2, 1, 1]
     assert [gluon.swap_ctas_per_sm(tiles, 132) for tiles in (96, 132, 133, 160, 264, 265, 896)] == [1, 1, 2, 2, 2, 1, 1]
     assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
     # Block scales: also where the tiles make one or two rounds (M < 8: the tl kernel's product is
@@ -1223,17 +1238,17 @@ def test_gpu_public_block_scales_at_decode_sizes(m, n, k, monkeypatch):
 
 def test_swap_ab_takes_what_it_can():
     """The transposed product writes C with plain stores: it says so for bulk stores; its tile is
-    A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for 64-wide tiles), 6 where one round
-    of one CTA an SM runs items of up to 32 K steps, and 6 a CTA where two share an SM (16- and
-    32-wide tiles with tensor or row scales)."""
+    A's rows rounded up to 16, 32 or 64, in 10 ring slots (8 for 64-wide tiles), and 6 a CTA where
+    two share an SM (16- and 32-wide tiles with tensor or row scales); K whole in items of up to 32
+    steps."""
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
     with pytest.raises(ValueError, match="swap_ab"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", swap_ab=True, tma_store=True)
     with pytest.raises(ValueError, match="consumers must be 1, 2 or 3"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", consumers=4)
-    assert gluon.swap_config(1, 4096, 4096) == (16, 6, False, 1, 1)  # 64 items of 32 K steps
-    assert gluon.swap_config(16, 4096, 4096) == (16, 6, False, 2, 1)  # 128 items of 16 steps
-    assert gluon.swap_config(32, 6144, 4096) == (32, 6, False, 1, 1)  # 96 items of 32 steps
+    assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)  # 64 items of 32 K steps
+    assert gluon.swap_config(16, 4096, 4096) == (16, 10, False, 1, 1)  # 64 items of 32 steps, not 128 of 16
+    assert gluon.swap_config(32, 6144, 4096) == (32, 10, False, 1, 1)  # 96 items of 32 steps
     assert gluon.swap_config(16, 6144, 4096, block_scales=True)[1] == 10
     assert gluon.swap_config(16, 8192, 8192)[1] == 10  # 128 items of 64 steps
     assert gluon.swap_config(16, 28672, 4096)[1] == 10  # 448 items: rounds of the SMs
@@ -1251,12 +1266,13 @@ def test_swap_ab_takes_what_it_can():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scales", ["tensor", "row"])
 @pytest.mark.parametrize("m,n,k,swap_ab", [(128, 8192, 4096, False), (64, 6144, 4096, False), (16, 6144, 4096, True),
-                                            (16, 10240, 8192, True), (256, 10240, 4096, False)])
+                                            (16, 10240, 8192, True), (256, 10240, 4096, False),
+                                            (128, 4096, 14336, False), (16, 4096, 4096, True)])
 def test_gpu_public_fp8_matmul_takes_it(m, n, k, swap_ab, scales, monkeypatch):
     """fp8_matmul at a preferred shape is this kernel's result, bit for bit (the tl kernel's with
-    QFLASH_GLUON=0): 128-row tiles, 64-row tiles at M = 64, the transposed product at M = 16,
-    128 x 160 tiles with a tail at M = 256; both within float32 rounding of the reference, bias
-    included."""
+    QFLASH_GLUON=0): 128-row tiles, 64-row tiles at M = 64 and at M = 128 with long K, the
+    transposed product at M = 16 (K whole or not), 128 x 160 tiles with a tail at M = 256; both
+    within float32 rounding of the reference, bias included."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.float8_e4m3fn, scales, "cuda")
     bias = torch.randn(n, device="cuda")
     public = qflash.fp8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)

@@ -628,6 +628,12 @@ RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 
 # Programmatic dependent launch (common.PDL, up to common.PDL_MAX_M rows) where the grid fills this share of the SMs
 PDL_MIN_FILL = 0.7
 LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide tiles won at K = 8192, lost at 14336)
+# ... but not 64 x 64 tiles of one consumer in one round on 12 ring slots, with tensor or row scales
+# where 128-wide tiles fill under a quarter of the SMs. M = 128 8B down (128 tiles of 112 K steps),
+# x cuBLAS per tensor, cold / warm weights, against 128 x 64 tiles with K in two runs, same runs:
+# 1.01 / 1.02 against 0.94 / 0.93 (s54b), 1.06 / 1.10 against 0.97 / 0.97 (s54c; eight slots
+# 1.00 / 1.00); per row 1.67 / 1.68 against 1.59 / 1.60 on eight slots (s54c)
+LONG_K_64_STAGES = 12
 # K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
 # ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), up to 1.5 % faster than fours at
 # K = 4096 / 8192; from LONG_K fours were ahead at 6 of 8 points (by up to 2 %). Tensor and row
@@ -739,7 +745,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
       128-wide tiles with K split, x cuBLAS (matmul_fp8_narrow_tiles_h200_2026-11-30_s22b.json):
       M = 128 8B qkv 0.69 -> 0.88 (64 wide), 8B o 0.69 -> 0.89 (32 wide), 70B o 0.82 -> 0.95;
       M = 256 8B o 0.75 -> 0.96. Where K is long, the sums weigh less than the narrow tiles' extra
-      reads of A: 64-wide tiles only where 128-wide ones fill under a quarter of the SMs, else
+      reads of A: 64-wide tiles only where 128-wide ones fill under a quarter of the SMs (with
+      tensor or row scales 64 x 64 tiles, one round, K whole: ``LONG_K_64_STAGES``), else
       128-wide ones with K split (M = 128 70B down: 0.98 either way, block scales 0.98 against
       0.90; M = 256 8B down 0.98 against 0.97-0.98, block scales 0.90 against 0.80);
     - 64 x 64 tiles (one consumer) where 128 x 32 ones would run: as many tiles, each reading 128
@@ -782,11 +789,13 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     if consumers == 2 and not block_scales and tiles > sms and cdiv(m, 2 * SUB_M) * cdiv(n, 160) <= sms:
         return 160, _tail_stages(160, 2), False, 1, 2  # a second round of a few 128-wide tiles: one of 160
     if 2 * tiles < sms:  # under half the SMs: narrower tiles, or K split
-        if k < LONG_K or consumers == 1 or not block_scales:  # a 64-row tile's extra reads of A are half as many
+        if k < LONG_K or consumers == 1:  # a 64-row tile's extra reads of A are half as many
             while 2 * tiles < sms and block_n > 32:
                 block_n, tiles = block_n // 2, 2 * tiles
-        elif 4 * tiles < sms:
+        elif 4 * tiles < sms and block_scales:
             block_n, tiles = 64, 2 * tiles
+        elif 4 * tiles < sms:  # one round of 64 x 64 tiles on deep rings, K whole
+            return 64, LONG_K_64_STAGES, True, 1, 1
     if block_n == 32 and consumers == 2:  # as many 64 x 64 tiles, a fifth less to read
         block_n, consumers, stages = 64, 1, RING_STAGES[1]
         tiles = cdiv(m, SUB_M) * cdiv(n, block_n)
@@ -856,14 +865,24 @@ def swap_ctas_per_sm(tiles: int, sms: int) -> int:
     return 2 if sms < tiles <= 2 * sms else 1
 
 
+# Where the transposed product's tiles fill under half the SMs, K of up to this many steps stays
+# whole instead of going in runs on the idle SMs: with the weights in DRAM (cold, as in a model),
+# the runs' meeting through L2 costs more than the SMs gain. x cuBLAS per tensor, cold / warm
+# weights, K whole against two runs, 8B o (64 tiles of 32 K steps), same runs:
+# M = 16 0.92 / 0.83 against 0.88 / 0.90 (s54b), 0.92 / 0.83 against 0.87 / 0.88 (s54c); M = 32
+# 0.92 / 0.84 against 0.83 / 0.81 (s54c). At 8B down (112 steps) the runs still won (M = 16 cold
+# 1.10 against 1.07).
+SWAP_WHOLE_K_STEPS = 32
+
+
 def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
     """Runs of K for the transposed product of ``m`` rows on ``tiles`` 64-row tiles of B, as
     measured against the tl kernel (s23b-s23f, s24e): 1 where the tiles make one round of two
     CTAs an SM (``swap_ctas_per_sm``), fill several rounds of the SMs at least 90 %, or one round
     at least 70 % from M = 8 (with fewer rows a tile is mostly the copy engine's zero fill, and
     one round does not hide it); from M = 16, 2-4 runs of at least 8 K steps where one round is
-    under half full and that many runs fill it at least 90 %; 0 elsewhere (the tl kernel's
-    turn)."""
+    under half full and that many runs fill it at least 90 %, but K whole where it is at most
+    SWAP_WHOLE_K_STEPS steps; 0 elsewhere (the tl kernel's turn)."""
     if swap_ctas_per_sm(tiles, sms) == 2:
         return 1  # one round of two CTAs an SM
     fill = _wave_fill(tiles, sms)
@@ -875,7 +894,7 @@ def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
         return 1
     runs = min(4, sms // tiles)
     if m >= 16 and runs >= 2 and cdiv(k, BLOCK_K) >= 8 * runs and _wave_fill(tiles * runs, sms) >= 0.9:
-        return runs
+        return 1 if cdiv(k, BLOCK_K) <= SWAP_WHOLE_K_STEPS else runs
     return 0
 
 
