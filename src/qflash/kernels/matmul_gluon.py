@@ -632,7 +632,7 @@ LONG_K = 12288  # from here a split of K beats narrower tiles (s22b: 64-wide til
 # where 128-wide tiles fill under a quarter of the SMs. M = 128 8B down (128 tiles of 112 K steps),
 # x cuBLAS per tensor, cold / warm weights, against 128 x 64 tiles with K in two runs, same runs:
 # 1.01 / 1.02 against 0.94 / 0.93 (s54b), 1.06 / 1.10 against 0.97 / 0.97 (s54c; eight slots
-# 1.00 / 1.00); per row 1.67 / 1.68 against 1.59 / 1.60 on eight slots (s54c)
+# 1.00 / 1.00), 1.01 / 1.04 against 0.92 / 0.94 (s54d); per row 1.83 / 1.82 against 1.58 / 1.59 (s54d)
 LONG_K_64_STAGES = 12
 # K steps a group in tiles of 128 columns or fewer with block scales (``_k_group``): groups of eight
 # ran 1.01-1.09 x the pairs at M = 1024 and 8192 (s32b, s32c), up to 1.5 % faster than fours at
