@@ -638,8 +638,10 @@ def test_plan_consumers():
     assert plan(64, 4096, 4096, block_n=128).consumers == 1
     swapped = plan(6144, 16, 4096, swap_ab=True)  # the kernel's M x N: the user's N x M
     assert (swapped.block_n, swapped.consumers, swapped.constexprs["SWAP_AB"]) == (16, 1, True)
-    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 6 and swapped.split_k == 1  # 32 steps an item
-    swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles: K in two runs, 128 work items
+    assert swapped.grid == (96,) and swapped.constexprs["STAGES"] == 10 and swapped.split_k == 1  # 32 steps an item
+    swapped = plan(4096, 16, 4096, swap_ab=True)  # 64 tiles of 32 K steps: K whole
+    assert swapped.grid == (64,) and swapped.split_k == 1 and swapped.constexprs["STAGES"] == 10
+    swapped = plan(4096, 16, 14336, swap_ab=True)  # 64 tiles of 112 steps: K in two runs, 128 work items
     assert swapped.grid == (128,) and swapped.split_k == 2 and swapped.partial_dtype == torch.float32
     assert swapped.options == {"launch_pdl": True}  # the runs meet in the kernel: no second kernel
     swapped = plan(10240, 16, 8192, swap_ab=True)  # 160 tiles: two CTAs an SM, each with 6 slots
