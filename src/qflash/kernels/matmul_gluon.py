@@ -623,7 +623,11 @@ STAGES = 6  # ring slots of 32 KB (two 64 x 128 A halves, one 128 x 128 B tile):
 
 
 # Ring slots for tiles of each width, with C blocks beside them: two consumers' slots of 20 / 24 / 32
-# / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b)
+# / 48 KB; one consumer's of 10 / 12 / 16 / 24 / 40 KB (the depths timed at M = 64, s23b). Six slots
+# for items of one round and at most 32 K steps (session 53) won only where B stayed in L2: with
+# the weights in DRAM these depths won by about 6 % (x cuBLAS per tensor, cold / warm, against six:
+# M = 16 8B qkv 1.03 / 0.98 against 0.97 / 1.02, M = 128 8B qkv 0.90 / 0.90 against 0.85 / 0.91,
+# 8B o 0.93 / 1.02 against 0.88 / 1.03; matmul_fp8_cold_dispatch_ab_*_h200_2026-12-03_s54d.json)
 RING_STAGES = {3: {128: 4}, 2: {16: 10, 32: 10, 64: 8, 128: 5, 256: 3}, 1: {16: 10, 32: 10, 64: 8, 128: 6, 256: 3}}
 # Programmatic dependent launch (common.PDL, up to common.PDL_MAX_M rows) where the grid fills this share of the SMs
 PDL_MIN_FILL = 0.7
@@ -828,7 +832,6 @@ def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = Fal
     block_n = max(16, 1 << max(0, m - 1).bit_length())
     tiles = cdiv(n, SUB_M)
     runs = max(1, _swap_runs(m, tiles, k, sms))
-    # (one round of items is one CTA an SM: two share an SM only where the tiles pass the SM count)
     return block_n, RING_STAGES[1][block_n], False, runs, 1
 
 
