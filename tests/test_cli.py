@@ -157,6 +157,8 @@ def test_bad_command_and_flag():
 def test_bench_gpu_only_options():
     r = qflash("bench", "attention", "--memory")
     assert r.returncode == 2 and "CUDA GPU" in r.stderr
+    r = qflash("bench", "matmul", "--quick", "--weights", "cold")
+    assert r.returncode == 2 and "--weights cold" in r.stderr and "CUDA GPU" in r.stderr
 
 
 def test_ci_runs_the_readme_test_command():

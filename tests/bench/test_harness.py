@@ -36,3 +36,23 @@ def test_environment_names_the_machine():
     env = harness.environment()
     assert env["torch"] and env["triton"] and env["date"]
     assert ("power_limit_w" in env) == (env["gpu"] is not None)
+
+
+def test_rotating_calls_each_in_turn():
+    """A cold timing's callable runs its calls in turn, one a call, round and round."""
+    seen = []
+    fn = harness.rotating([lambda i=i: seen.append(i) or i for i in range(3)])
+    assert [fn() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0] == seen
+
+
+def test_cold_copies_cover_four_times_the_l2(monkeypatch):
+    """Enough copies of the weights that together they are COLD_L2_MULTIPLE times the L2 (one
+    where a single copy is that large)."""
+    class Props:
+        L2_cache_size = 50 * 2 ** 20
+
+    monkeypatch.setattr(harness.torch.cuda, "get_device_properties", lambda device=None: Props)
+    mb = 2 ** 20
+    assert harness.COLD_L2_MULTIPLE == 4
+    assert harness.cold_copies(16 * mb) == 13 and harness.cold_copies(25 * mb) == 8
+    assert harness.cold_copies(200 * mb) == 1 and harness.cold_copies(470 * mb) == 1

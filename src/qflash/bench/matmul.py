@@ -1,6 +1,7 @@
 """Scaled matmul speed: qflash INT8 / FP8 next to torch._int_mm, torch._scaled_mm and bf16.
 
     qflash bench matmul --out mm.json          # 8192^3 and LLM projection shapes (GPU)
+    qflash bench matmul --weights cold         # each call on another copy of B (weights from DRAM)
     qflash bench matmul --mlp                  # a quantized transformer MLP block vs bf16
     qflash bench matmul --quick                # tiny shapes (also on a CPU, in the interpreter)
 
@@ -18,6 +19,7 @@ import torch
 
 from qflash.bench.harness import (
     bench_parser,
+    cold_copies,
     environment,
     finish,
     graph_ms,
@@ -26,6 +28,7 @@ from qflash.bench.harness import (
     positive_ints,
     require_runnable,
     rich_table,
+    rotating,
     run_as_script,
     time_ms,
 )
@@ -160,16 +163,22 @@ def provider_names(device: str) -> List[str]:
     return list(_providers(a, a))
 
 
-def run(shapes, device: str, providers: Optional[List[str]] = None) -> List[dict]:
+def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str = "warm") -> List[dict]:
+    """Every provider at every M x N x K. ``weights="cold"`` (CUDA) times each call on another
+    copy of B (the copies' 8-bit forms four times the L2 together, ``cold_copies``), as a model's
+    layers find their weights in DRAM; "warm" repeats one B, which stays in the L2 where it fits."""
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         b = torch.randn(n, k, device=device, dtype=a.dtype)
         ref = (a.float() @ b.float().T)
-        for name, fn in _providers(a, b).items():
+        copies = cold_copies(b.nbytes // b.element_size(), a.device) if weights == "cold" else 1
+        sets = [_providers(a, b_i) for b_i in [b] + [b.clone() for _ in range(copies - 1)]]
+        for name in sets[0]:
             if not providers or name in providers:
-                rows.append(_time_row(name, fn, ref, m, n, k, device))
-        del a, b, ref
+                fn = rotating([calls[name] for calls in sets]) if copies > 1 else sets[0][name]
+                rows.append(_time_row(name, fn, ref, m, n, k, device, weights=weights, copies=copies))
+        del a, b, ref, sets
     return rows
 
 
@@ -320,11 +329,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default=None, type=_shapes, help="M,N,K[;M,N,K...] instead of the default shapes")
     parser.add_argument("--providers", default=None,
                         help="comma-separated provider names to time (they hold spaces: quote them; default: all)")
+    parser.add_argument("--weights", default="warm", choices=["warm", "cold"],
+                        help="warm: one B repeated (in the L2 where it fits); cold: each call on another copy of B "
+                             "(CUDA)")
     parser.add_argument("--kinds", default=None, type=names_from(list(TILE_KINDS)),
                         help="--tiles: comma-separated kinds (int8 row, fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
+    if args.weights == "cold" and not cuda:
+        parser.error("--weights cold times weights read from a GPU's DRAM; no CUDA GPU is visible")
     if args.providers:  # their names depend on the device: parsed once it is known (--kinds by its type)
         try:
             args.providers = names_from(provider_names(device))(args.providers)
@@ -357,7 +371,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["ceilings"] = measure_ceilings()
         else:
             shapes = [(33, 64, 256)]
-        result["rows"] = run(shapes, device, args.providers)
+        result["rows"] = run(shapes, device, args.providers, args.weights)
         result["ratios"] = ratio_rows(result["rows"])
         result["ratios_graph"] = ratio_rows(result["rows"], "ms_graph")
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "tflops_graph", "ms", "rel_err",
