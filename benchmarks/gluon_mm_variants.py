@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from qflash.bench.harness import cold_copies, environment, graph_ms, rotating, save_json
+from qflash.bench.harness import environment, graph_ms, rotating, save_json, weight_copies
 from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
@@ -140,15 +140,6 @@ def operands(a, b, scales):
     return a_q, b_q, a_k, b_k, ref, (a_q, b_q, a_k, b_k, scales)
 
 
-def weight_sets(weights, *tensors):
-    """[tensors] for warm weights; for cold ones, that many copies of them (the first the tensors
-    themselves) as ``cold_copies`` asks."""
-    if weights == "warm":
-        return [tensors]
-    copies = cold_copies(sum(t.nbytes for t in tensors))
-    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
@@ -174,9 +165,9 @@ def main():
         for scales in args.scales.split(","):
             a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
             for weights in args.weights.split(","):
-                sets = weight_sets(weights, b_q, b_k)
+                sets = weight_copies(weights == "cold", b_q, b_k)
                 # (per tensor or per row by the scales' sizes; block scales: its own per-tensor B)
-                peer_sets = sets if peer[1] is b_q else weight_sets(weights, peer[1], peer[3])
+                peer_sets = sets if peer[1] is b_q else weight_copies(weights == "cold", peer[1], peer[3])
                 cublas = rotating([cublas_fp8(peer[0], pb, peer[2], pbk) for pb, pbk in peer_sets])
                 cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
                 if cublas_kernels:

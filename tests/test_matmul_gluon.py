@@ -1251,7 +1251,9 @@ def test_swap_ab_takes_what_it_can():
     assert gluon.swap_config(1, 4096, 4096) == (16, 10, False, 1, 1)  # 64 items of 32 K steps
     assert gluon.swap_config(16, 4096, 4096) == (16, 10, False, 1, 1)  # 64 items of 32 steps, not 128 of 16
     assert gluon.swap_config(32, 6144, 4096) == (32, 10, False, 1, 1)  # 96 items of 32 steps
-    assert gluon.swap_config(16, 6144, 4096, block_scales=True)[1] == 10
+    block_plan = gluon._plan(6144, 16, 4096, False, torch.bfloat16, "block", False, None, None, None, None, None, 132,
+                             None, True)  # the kernel's M x N: the user's N x M; block scales, one CTA an SM
+    assert block_plan.constexprs["STAGES"] == 10
     assert gluon.swap_config(16, 8192, 8192)[1] == 10  # 128 items of 64 steps
     assert gluon.swap_config(16, 28672, 4096)[1] == 10  # 448 items: rounds of the SMs
     assert gluon.swap_config(16, 4096, 14336)[1:4] == (10, False, 2)  # 2 runs of 56 steps

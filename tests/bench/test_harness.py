@@ -43,6 +43,8 @@ def test_rotating_calls_each_in_turn():
     seen = []
     fn = harness.rotating([lambda i=i: seen.append(i) or i for i in range(3)])
     assert [fn() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0] == seen
+    one = lambda: 5  # noqa: E731
+    assert harness.rotating([one]) is one  # a single call is timed as it is
 
 
 def test_cold_copies_cover_four_times_the_l2(monkeypatch):
@@ -56,3 +58,20 @@ def test_cold_copies_cover_four_times_the_l2(monkeypatch):
     assert harness.COLD_L2_MULTIPLE == 4
     assert harness.cold_copies(16 * mb) == 13 and harness.cold_copies(25 * mb) == 8
     assert harness.cold_copies(200 * mb) == 1 and harness.cold_copies(470 * mb) == 1
+
+
+def test_weight_copies_are_clones_past_the_first(monkeypatch):
+    """Warm: the weights alone. Cold: the weights, then clones of them (same values, other memory),
+    as many sets as cold_copies gives for ``nbytes`` or the weights' own bytes."""
+    import torch
+
+    w, s = torch.randn(4, 8), torch.randn(4, 1)
+    assert harness.weight_copies(False, w, s) == [(w, s)]
+    asked = []
+    monkeypatch.setattr(harness, "cold_copies", lambda nbytes: asked.append(nbytes) or 3)
+    sets = harness.weight_copies(True, w, s)
+    assert len(sets) == 3 and sets[0][0] is w and sets[0][1] is s and asked == [w.nbytes + s.nbytes]
+    for w_i, s_i in sets[1:]:
+        assert torch.equal(w_i, w) and torch.equal(s_i, s) and w_i.data_ptr() != w.data_ptr()
+    harness.weight_copies(True, w, nbytes=32)
+    assert asked[-1] == 32

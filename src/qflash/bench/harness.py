@@ -91,18 +91,27 @@ def graph_ms(fn, rep_ms: int = 100) -> Optional[float]:
 COLD_L2_MULTIPLE = 4
 
 
-def cold_copies(nbytes: int, device=None) -> int:
+def cold_copies(nbytes: int) -> int:
     """How many sets of ``nbytes`` of weights a cold timing rotates through (``COLD_L2_MULTIPLE``
-    times the device's L2 together; 1 where one set alone is that large)."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    times the current device's L2 together; 1 where one set alone is that large)."""
+    l2 = torch.cuda.get_device_properties().L2_cache_size
     return max(1, -(-COLD_L2_MULTIPLE * l2 // max(1, nbytes)))
 
 
+def weight_copies(cold: bool, *weights: torch.Tensor, nbytes: Optional[int] = None) -> List[tuple]:
+    """``[weights]``, and where ``cold`` that many copies of them as ``cold_copies`` asks for
+    ``nbytes`` (by default the weights' own bytes) a set; the first set is the tensors themselves."""
+    copies = cold_copies(sum(w.nbytes for w in weights) if nbytes is None else nbytes) if cold else 1
+    return [weights] + [tuple(w.clone() for w in weights) for _ in range(copies - 1)]
+
+
 def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
-    """One callable that runs ``calls`` in turn, one a call. Timed by ``graph_ms``, the graph
-    captures them in turn, so its replays time each on inputs the previous calls did not touch.
-    Repeated runs over one buffer measure the cache where the inputs fit in it (a decode
-    product's weights: 8B o's FP8 B is 16.8 MB, the H200's L2 50 MB)."""
+    """One callable that runs ``calls`` in turn, one a call (the call itself where there is one).
+    Timed by ``graph_ms``, the graph captures them in turn, so its replays time each on inputs the
+    previous calls did not touch. Repeated runs over one buffer measure the cache where the inputs
+    fit in it (a decode product's weights: 8B o's FP8 B is 16.8 MB, the H200's L2 50 MB)."""
+    if len(calls) == 1:
+        return calls[0]
     it = itertools.cycle(calls)
     return lambda: next(it)()
 

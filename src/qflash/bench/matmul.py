@@ -19,7 +19,6 @@ import torch
 
 from qflash.bench.harness import (
     bench_parser,
-    cold_copies,
     environment,
     finish,
     graph_ms,
@@ -31,6 +30,7 @@ from qflash.bench.harness import (
     rotating,
     run_as_script,
     time_ms,
+    weight_copies,
 )
 
 # (N, K) of the Llama-3 projections by name, the eight of both models (q/k/v fused, o, gate/up
@@ -172,12 +172,12 @@ def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         b = torch.randn(n, k, device=device, dtype=a.dtype)
         ref = (a.float() @ b.float().T)
-        copies = cold_copies(b.nbytes // b.element_size(), a.device) if weights == "cold" else 1
-        sets = [_providers(a, b_i) for b_i in [b] + [b.clone() for _ in range(copies - 1)]]
+        # (the copies' 8-bit forms, 1 byte an element, four times the L2 together)
+        sets = [_providers(a, b_i) for (b_i,) in weight_copies(weights == "cold", b, nbytes=b.numel())]
         for name in sets[0]:
             if not providers or name in providers:
-                fn = rotating([calls[name] for calls in sets]) if copies > 1 else sets[0][name]
-                rows.append(_time_row(name, fn, ref, m, n, k, device, weights=weights, copies=copies))
+                fn = rotating([calls[name] for calls in sets])
+                rows.append(_time_row(name, fn, ref, m, n, k, device, weights=weights, copies=len(sets)))
         del a, b, ref, sets
     return rows
 

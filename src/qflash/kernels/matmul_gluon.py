@@ -823,16 +823,14 @@ def split_columns(config: tuple) -> bool:
     return block_n == 256 and consumers == 1
 
 
-def swap_config(m: int, n: int, k: int, sms: int = 132, block_scales: bool = False) -> tuple:
+def swap_config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """(block_n, stages, tma_store, split_k, consumers) for the transposed product C^T = B A^T of a
     decode-sized M (the user's M x N x K): A's M rows, padded to 16 / 32 / 64, are the tile's
     width; 64 rows of B a tile, one consumer; 10 ring slots of 10 / 12 KB (6 to 16 timed at
     M = 8 / 16 / 32: 10 within 0.04 of the best everywhere, s23b), 8 of 16 KB for 64-wide tiles;
     K in ``_swap_runs`` runs (at least one)."""
     block_n = max(16, 1 << max(0, m - 1).bit_length())
-    tiles = cdiv(n, SUB_M)
-    runs = max(1, _swap_runs(m, tiles, k, sms))
-    return block_n, RING_STAGES[1][block_n], False, runs, 1
+    return block_n, RING_STAGES[1][block_n], False, max(1, _swap_runs(m, cdiv(n, SUB_M), k, sms)), 1
 
 
 # Ring slots a CTA where two share an SM, by tile width: 80 / 96 / 96 / 96 KB of 16- / 32- / 64- /
@@ -1026,7 +1024,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     if split_n and (int8 or scales == "block" or swap_ab or (ctas_per_sm or 1) != 1 or (split_k or 1) != 1):
         raise ValueError("split_n takes FP8 with tensor or row scales, one CTA an SM, no swap_ab and no K split")
     if swap_ab:
-        config = swap_config(n, m, k, sms, block_scales=scales == "block")
+        config = swap_config(n, m, k, sms)
         if ctas_per_sm is None:
             ctas_per_sm = swap_ctas_per_sm(cdiv(m, SUB_M), sms)
     else:
