@@ -138,6 +138,8 @@ def test_bad_command_and_flag():
     r = qflash("bench", "matmul", "--quick", "--providers", "bf16 matmul,nope")
     assert r.returncode == 2 and "argument --providers: unknown name(s) ['nope']" in r.stderr
     assert "choose from bf16 matmul" in r.stderr
+    r = qflash("bench", "matmul", "--quick", "--rounds", "0")
+    assert r.returncode == 2 and "argument --rounds: takes a positive integer, got 0" in r.stderr
     r = qflash("bench", "matmul", "--tiles", "--kinds", "fp8 tensor,int4")
     assert r.returncode == 2 and "argument --kinds: unknown name(s) ['int4']; choose from int8 row" in r.stderr
     r = qflash("bench", "attention", "--tiles", "--backward", "--vary", "dq,dv")

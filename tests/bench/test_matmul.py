@@ -2,7 +2,8 @@
 
 import torch
 
-from qflash.bench.matmul import fp8_operands
+import qflash.bench.matmul as bench
+from qflash.bench.matmul import fp8_operands, ratio_rows
 from qflash.reference.quantize import quantize_ref
 from qflash.testing import same_bits
 
@@ -22,3 +23,45 @@ def test_fp8_operands_are_the_public_quantize_of_each_kind():
             assert same_bits(x_q, ref_q) and torch.equal(x_s.reshape(ref_s.shape), ref_s), kind
     assert ops["block"][2].shape == (5, 2) and ops["block"][3].shape == (2, 2)
     assert list(fp8_operands(a, b, ("block",))) == ["block"]
+
+
+def test_rounds_time_the_providers_in_turn_and_keep_the_median(monkeypatch):
+    """``run(rounds=3)``: each round times every provider, starting one further along; a row's
+    times are the medians of its rounds, which it keeps; a failure in any round is the row."""
+    order, times = [], {"bf16 matmul": [3.0, 1.0, 2.0], "qflash fp8 (tensor)": [4.0, 8.0, 6.0],
+                        "qflash fp8 (row x col)": [1.0, 1.0, 1.0]}
+
+    def fake_time_row(name, fn, ref, m, n, k, device, **extra):
+        order.append(name)
+        ms = times[name][sum(1 for o in order if o == name) - 1]
+        error = "WRONG RESULT" if name == "qflash fp8 (row x col)" and len(order) > 3 else None
+        return dict(provider=name, m=m, n=n, k=k, ms=ms, ms_graph=ms / 2, rel_err=0.01, tflops=None,
+                    tflops_graph=None, error=error, **extra)
+
+    monkeypatch.setattr(bench, "_time_row", fake_time_row)
+    names = list(times)
+    rows = bench.run([(16, 64, 128)], DEVICE, providers=names, rounds=3)
+    assert order == names + names[1:] + names[:1] + names[2:] + names[:2]
+    assert [row["provider"] for row in rows] == names
+    assert rows[0]["ms"] == 2.0 and rows[0]["rounds_ms"] == [3.0, 1.0, 2.0] and rows[0]["ms_graph"] == 1.0
+    assert rows[0]["tflops"] == 2 * 16 * 64 * 128 / 2e-3 / 1e12 and rows[1]["ms"] == 6.0
+    assert rows[2]["error"] == "WRONG RESULT" and "rounds_ms" not in rows[2]
+    order.clear()
+    single = bench.run([(16, 64, 128)], DEVICE, providers=names[:1])
+    assert single[0]["ms"] == 3.0 and "rounds_ms" not in single[0]
+
+
+def test_ratios_are_the_median_of_each_rounds_own():
+    """With both rows' rounds, a ratio is the median of the rounds' ratios (here 2, where the
+    medians' ratio is 1.5); a row without rounds, or a failed one, falls back or gives none."""
+    def row(provider, ms, rounds=None, error=None):
+        return dict(provider=provider, m=16, n=64, k=128, ms=ms, error=error,
+                    **({"rounds_ms": rounds} if rounds else {}))
+
+    ours, cublas, block = "qflash fp8 (tensor)", "torch._scaled_mm (tensor)", "qflash fp8 (block)"
+    rows = [row(ours, 2.0, [1.0, 2.0, 3.0]), row(cublas, 3.0, [3.0, 1.0, 6.0]), row(block, 4.0)]
+    ratios = ratio_rows(rows)[0]
+    assert ratios["fp8 tensor / _scaled_mm"] == 2.0 and ratios["fp8 block / our tensor"] == 0.5
+    assert ratios["fp8 row / _scaled_mm row"] is None
+    rows[1]["error"] = "WRONG RESULT"
+    assert ratio_rows(rows)[0]["fp8 tensor / _scaled_mm"] is None

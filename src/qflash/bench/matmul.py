@@ -2,6 +2,7 @@
 
     qflash bench matmul --out mm.json          # 8192^3 and LLM projection shapes (GPU)
     qflash bench matmul --weights cold         # each call on another copy of B (weights from DRAM)
+    qflash bench matmul --rounds 3             # the providers of a shape timed in turn three times
     qflash bench matmul --mlp                  # a quantized transformer MLP block vs bf16
     qflash bench matmul --quick                # tiny shapes (also on a CPU, in the interpreter)
 
@@ -12,6 +13,7 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 from __future__ import annotations
 
 import argparse
+import statistics
 from functools import partial
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -163,10 +165,14 @@ def provider_names(device: str) -> List[str]:
     return list(_providers(a, a))
 
 
-def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str = "warm") -> List[dict]:
+def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str = "warm",
+        rounds: int = 1) -> List[dict]:
     """Every provider at every M x N x K. ``weights="cold"`` (CUDA) times each call on another
     copy of B (the copies' 8-bit forms four times the L2 together, ``cold_copies``), as a model's
-    layers find their weights in DRAM; "warm" repeats one B, which stays in the L2 where it fits."""
+    layers find their weights in DRAM; "warm" repeats one B, which stays in the L2 where it fits.
+    ``rounds`` > 1 times the providers of a shape in turn that many times, each round starting one
+    further along, as the clock and the power draw drift over a run: a row's times are the medians
+    of its rounds, and it keeps them all (``rounds_ms``, ``rounds_ms_graph``) for ``ratio_rows``."""
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -174,12 +180,33 @@ def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str
         ref = (a.float() @ b.float().T)
         # (the copies' 8-bit forms, 1 byte an element, four times the L2 together)
         sets = [_providers(a, b_i) for (b_i,) in weight_copies(weights == "cold", b, nbytes=b.numel())]
-        for name in sets[0]:
-            if not providers or name in providers:
-                fn = rotating([calls[name] for calls in sets])
-                rows.append(_time_row(name, fn, ref, m, n, k, device, weights=weights, copies=len(sets)))
-        del a, b, ref, sets
+        names = [name for name in sets[0] if not providers or name in providers]
+        fns = {name: rotating([calls[name] for calls in sets]) for name in names}
+        timed: Dict[str, List[dict]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # (names: --providers checked them)
+                timed[name].append(_time_row(name, fns[name], ref, m, n, k, device, weights=weights,
+                                             copies=len(sets)))
+        rows += [_median_row(timed[name]) for name in names]
+        del a, b, ref, sets, fns
     return rows
+
+
+def _median_row(rounds: List[dict]) -> dict:
+    """One provider's row from its rounds: the first round's, with the median times (and all the
+    rounds' times where there were several); a failure in any round is the row."""
+    failed = [row for row in rounds if row["error"]]
+    if failed or len(rounds) == 1:
+        return (failed or rounds)[0]
+    row = dict(rounds[0])
+    for key in ("ms", "ms_graph"):
+        times = [r[key] for r in rounds]
+        row[f"rounds_{key}"] = times
+        row[key] = statistics.median(times) if None not in times else None
+    flop = 2 * row["m"] * row["n"] * row["k"]
+    row["tflops"] = flop / (row["ms"] * 1e-3) / 1e12
+    row["tflops_graph"] = flop / (row["ms_graph"] * 1e-3) / 1e12 if row["ms_graph"] else None
+    return row
 
 
 # (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma[, warp_specialize[, split_k[,
@@ -265,14 +292,19 @@ RATIOS = [
 
 
 def ratio_rows(rows: List[dict], key: str = "ms") -> List[dict]:
-    """Per shape, the time ratios of RATIOS (> 1: the numerator is faster), of times ``key``."""
-    ms = {(r["provider"], r["m"], r["n"], r["k"]): r.get(key) for r in rows if not r["error"]}  # wrong: no ratio
+    """Per shape, the time ratios of RATIOS (> 1: the numerator is faster), of times ``key``; where
+    both rows kept their rounds' times (``run``'s ``rounds``), the median of each round's ratio."""
+    ok = {(r["provider"], r["m"], r["n"], r["k"]): r for r in rows if not r["error"]}  # wrong: no ratio
     out = []
     for m, n, k in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
         row = dict(m=m, n=n, k=k)
         for name, num, den in RATIOS:
-            a, b = ms.get((num, m, n, k)), ms.get((den, m, n, k))
-            row[name] = b / a if a and b else None
+            a, b = ok.get((num, m, n, k), {}), ok.get((den, m, n, k), {})
+            ta, tb = a.get(f"rounds_{key}"), b.get(f"rounds_{key}")
+            if ta and tb and len(ta) == len(tb) and None not in ta + tb:
+                row[name] = statistics.median(y / x for x, y in zip(ta, tb))
+            else:
+                row[name] = b[key] / a[key] if a.get(key) and b.get(key) else None
         out.append(row)
     return out
 
@@ -332,11 +364,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--weights", default="warm", choices=["warm", "cold"],
                         help="warm: one B repeated (in the L2 where it fits); cold: each call on another copy of B "
                              "(CUDA)")
+    parser.add_argument("--rounds", default=1, type=int,
+                        help="time the providers of a shape in turn this many times (medians; ratios: the median "
+                             "of the rounds' own)")
     parser.add_argument("--kinds", default=None, type=names_from(list(TILE_KINDS)),
                         help="--tiles: comma-separated kinds (int8 row, fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
     cuda = require_runnable(parser)
     device = "cuda" if cuda else "cpu"
+    if args.rounds < 1:
+        parser.error(f"argument --rounds: takes a positive integer, got {args.rounds}")
     if args.weights == "cold" and not cuda:
         parser.error("--weights cold times weights read from a GPU's DRAM; no CUDA GPU is visible")
     if args.providers:  # their names depend on the device: parsed once it is known (--kinds by its type)
@@ -371,7 +408,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["ceilings"] = measure_ceilings()
         else:
             shapes = [(33, 64, 256)]
-        result["rows"] = run(shapes, device, args.providers, args.weights)
+        result["rows"] = run(shapes, device, args.providers, args.weights, args.rounds)
         result["ratios"] = ratio_rows(result["rows"])
         result["ratios_graph"] = ratio_rows(result["rows"], "ms_graph")
         console.print(rich_table(result["rows"], ["provider", "m", "n", "k", "tflops", "tflops_graph", "ms", "rel_err",
