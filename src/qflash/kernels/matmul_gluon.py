@@ -800,8 +800,6 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
             block_n, tiles = 64, 2 * tiles
         elif 4 * tiles < sms:  # one round of 64 x 64 tiles on deep rings, K whole
             return 64, LONG_K_64_STAGES, True, 1, 1
-        elif not (block_scales or row_scales):  # tensor scales: one round of 128 x 64 tiles, K whole
-            block_n, tiles = 64, 2 * tiles
     if block_n == 32 and consumers == 2:  # as many 64 x 64 tiles, a fifth less to read
         block_n, consumers, stages = 64, 1, RING_STAGES[1]
         tiles = cdiv(m, SUB_M) * cdiv(n, block_n)
