@@ -49,6 +49,7 @@ def test_rounds_time_the_providers_in_turn_and_keep_the_median(monkeypatch):
     order.clear()
     single = bench.run([(16, 64, 128)], DEVICE, providers=names[:1])
     assert single[0]["ms"] == 3.0 and "rounds_ms" not in single[0]
+    assert bench.run([(16, 64, 128)], DEVICE, providers=["no such provider"], rounds=2) == []
 
 
 def test_ratios_are_the_median_of_each_rounds_own():

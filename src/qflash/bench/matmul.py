@@ -183,8 +183,8 @@ def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str
         names = [name for name in sets[0] if not providers or name in providers]
         fns = {name: rotating([calls[name] for calls in sets]) for name in names}
         timed: Dict[str, List[dict]] = {name: [] for name in names}
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # (names: --providers checked them)
+        for r in range(rounds if names else 0):  # each round one further along
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 timed[name].append(_time_row(name, fns[name], ref, m, n, k, device, weights=weights,
                                              copies=len(sets)))
         rows += [_median_row(timed[name]) for name in names]
