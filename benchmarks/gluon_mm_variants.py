@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from qflash.bench.harness import environment, graph_ms, rotating, save_json, weight_copies
+from qflash.bench.harness import environment, graph_ms, in_turn, median_speedup, rotating, save_json, weight_copies
 from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
@@ -196,18 +196,15 @@ def main():
                     calls = rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
                                       for b_i, b_k_i in sets])
                     timed.append((label, opts or {}, err, same, calls))
-                # Rounds of cuBLAS and every variant in turn, each round starting one further along:
-                # a ratio is the median of each round's own (the clocks drift between timings of one
-                # product by several per cent, s54a, and a place in the order can weigh as much, s54c)
+                # rounds of cuBLAS and every variant in turn; a ratio is the median of each round's own
                 fns = [cublas] + [t[-1] for t in timed]
                 times = [[] for _ in fns]
-                for r in range(args.rounds):
-                    for i in [(r + j) % len(fns) for j in range(len(fns))]:
-                        times[i].append(graph_ms(fns[i], rep_ms=args.rep_ms))
+                for i in in_turn(len(fns), args.rounds):
+                    times[i].append(graph_ms(fns[i], rep_ms=args.rep_ms))
                 cublas_ms = statistics.median(times[0])
                 for (label, opts, err, same, _), ms_list in zip(timed, times[1:]):
                     ms = statistics.median(ms_list)
-                    ratio = statistics.median(c / t for c, t in zip(times[0], ms_list))
+                    ratio = median_speedup(ms_list, times[0])
                     rows.append(dict(shape=name, m=m, n=n, k=k, scales=scales, weights=weights, copies=len(sets),
                                      variant=label, **opts, ms=ms, tflops=flop / ms * 1e-9, cublas_ms=cublas_ms,
                                      cublas_tflops=flop / cublas_ms * 1e-9, vs_cublas=ratio, rel_err=err,

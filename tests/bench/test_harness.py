@@ -75,3 +75,10 @@ def test_weight_copies_are_clones_past_the_first(monkeypatch):
         assert torch.equal(w_i, w) and torch.equal(s_i, s) and w_i.data_ptr() != w.data_ptr()
     harness.weight_copies(True, w, nbytes=32)
     assert asked[-1] == 32
+
+
+def test_in_turn_rotates_and_median_speedup_takes_each_rounds_ratio():
+    assert harness.in_turn(3, 3) == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert harness.in_turn(0, 2) == [] and harness.in_turn(2, 1) == [0, 1]
+    # ratios peer / ours 3, 0.5, 2: median 2 (the medians' ratio would be 3 / 2)
+    assert harness.median_speedup([1.0, 2.0, 3.0], [3.0, 1.0, 6.0]) == 2.0

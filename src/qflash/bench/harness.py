@@ -116,6 +116,19 @@ def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return lambda: next(it)()
 
 
+def in_turn(count: int, rounds: int) -> List[int]:
+    """The order of ``rounds`` timings of ``count`` contenders in turn, each round starting one
+    further along: clocks and power draw drift between two timings of one product by several per
+    cent, and a place in the order can weigh as much (benchmarks/NOTES.md, round 54)."""
+    return [(r + j) % count for r in range(rounds) for j in range(count)]
+
+
+def median_speedup(ours: Sequence[float], peer: Sequence[float]) -> float:
+    """Of two contenders timed in the same rounds (``in_turn``), the median of each round's own
+    ratio peer / ours (> 1: ours faster), which the drift between rounds does not move."""
+    return statistics.median(p / o for o, p in zip(ours, peer))
+
+
 def compiled_flex_attention():
     """``torch.compile(flex_attention)``, compiled afresh for each shape a benchmark builds. Dynamo
     keeps a few compiled versions of one function (its cache size limit); past them it runs

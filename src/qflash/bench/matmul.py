@@ -24,7 +24,9 @@ from qflash.bench.harness import (
     environment,
     finish,
     graph_ms,
+    in_turn,
     measure_ceilings,
+    median_speedup,
     names_from,
     positive_ints,
     require_runnable,
@@ -151,8 +153,7 @@ def _time_row(name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, m: i
         wrong = err is not None and not err < MAX_REL_ERR
         graph = graph_ms(fn) if device == "cuda" else None  # without Python's launch cost
         return dict(provider=name, m=m, n=n, k=k, ms=res["ms"], rel_err=err, ms_graph=graph,
-                    tflops=2 * m * n * k / (res["ms"] * 1e-3) / 1e12,
-                    tflops_graph=2 * m * n * k / (graph * 1e-3) / 1e12 if graph else None,
+                    tflops=_tflops(m, n, k, res["ms"]), tflops_graph=_tflops(m, n, k, graph),
                     error=f"WRONG RESULT (rel_err {err:.3g})" if wrong else None, **extra)
     except Exception as exc:  # e.g. torch._int_mm refuses a shape
         return dict(provider=name, m=m, n=n, k=k, ms=None, rel_err=None, tflops=None,
@@ -183,9 +184,8 @@ def run(shapes, device: str, providers: Optional[List[str]] = None, weights: str
         names = [name for name in sets[0] if not providers or name in providers]
         fns = {name: rotating([calls[name] for calls in sets]) for name in names}
         timed: Dict[str, List[dict]] = {name: [] for name in names}
-        for r in range(rounds if names else 0):  # each round one further along
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                timed[name].append(_time_row(name, fns[name], ref, m, n, k, device, weights=weights,
+        for i in in_turn(len(names), rounds):
+            timed[names[i]].append(_time_row(names[i], fns[names[i]], ref, m, n, k, device, weights=weights,
                                              copies=len(sets)))
         rows += [_median_row(timed[name]) for name in names]
         del a, b, ref, sets, fns
@@ -203,10 +203,14 @@ def _median_row(rounds: List[dict]) -> dict:
         times = [r[key] for r in rounds]
         row[f"rounds_{key}"] = times
         row[key] = statistics.median(times) if None not in times else None
-    flop = 2 * row["m"] * row["n"] * row["k"]
-    row["tflops"] = flop / (row["ms"] * 1e-3) / 1e12
-    row["tflops_graph"] = flop / (row["ms_graph"] * 1e-3) / 1e12 if row["ms_graph"] else None
+    row["tflops"] = _tflops(row["m"], row["n"], row["k"], row["ms"])
+    row["tflops_graph"] = _tflops(row["m"], row["n"], row["k"], row["ms_graph"])
     return row
+
+
+def _tflops(m: int, n: int, k: int, ms: Optional[float]) -> Optional[float]:
+    """2 M N K a time of ``ms`` milliseconds, in TFLOP/s (TOPS for INT8); None without a time."""
+    return 2 * m * n * k / (ms * 1e-3) / 1e12 if ms else None
 
 
 # (block_m, block_n, block_k, num_warps, num_stages, group_m, use_tma[, warp_specialize[, split_k[,
@@ -302,7 +306,7 @@ def ratio_rows(rows: List[dict], key: str = "ms") -> List[dict]:
             a, b = ok.get((num, m, n, k), {}), ok.get((den, m, n, k), {})
             ta, tb = a.get(f"rounds_{key}"), b.get(f"rounds_{key}")
             if ta and tb and len(ta) == len(tb) and None not in ta + tb:
-                row[name] = statistics.median(y / x for x, y in zip(ta, tb))
+                row[name] = median_speedup(ta, tb)
             else:
                 row[name] = b[key] / a[key] if a.get(key) and b.get(key) else None
         out.append(row)
