@@ -4,6 +4,7 @@ replayed from CUDA graphs.
 
     python3 benchmarks/gluon_mm_variants.py --m 128,1024 --variants 128x5t,128x5ts4,auto --out v.json
     python3 benchmarks/gluon_mm_variants.py --scales tensor,block --variants 256x3t,128x5t --out b.json
+    python3 benchmarks/gluon_mm_variants.py --m 16 --nk "4096,1024;4096,4096" --variants public,w10s1 --out k.json
 
 Every variant's output is checked in the same run:
 - within float32 rounding of a float32 reference on the dequantized inputs;
@@ -145,6 +146,7 @@ def main():
     p.add_argument("--m", default="128,1024,8192", help="rows of A for the Llama shapes")
     p.add_argument("--no-cube", action="store_true", help="leave out 8192^3")
     p.add_argument("--only", default=None, help="these shapes only, by name (8192^3,70B down,...)")
+    p.add_argument("--nk", default=None, help="N,K[;N,K...] at each --m instead of the Llama shapes (named NxK)")
     p.add_argument("--variants", default=VARIANTS, help="block_n x stages [t] [sN] [gN], ...")
     p.add_argument("--scales", default="tensor,row", help="tensor, row and / or block")
     p.add_argument("--weights", default="warm", help="warm and / or cold: B repeated or rotated through copies")
@@ -157,7 +159,13 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     only = None if args.only is None else set(args.only.split(","))
-    for name, m, n, k in llama_shapes(map(int, args.m.split(",")), cube=not args.no_cube):
+    ms = [int(m) for m in args.m.split(",")]
+    if args.nk:
+        nks = [tuple(int(v) for v in nk.split(",")) for nk in args.nk.split(";")]
+        shapes = [(f"{n}x{k}", m, n, k) for m in ms for n, k in nks]
+    else:
+        shapes = llama_shapes(ms, cube=not args.no_cube)
+    for name, m, n, k in shapes:
         if only is not None and name not in only:
             continue
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")

@@ -66,3 +66,35 @@ def test_ratios_are_the_median_of_each_rounds_own():
     assert ratios["fp8 row / _scaled_mm row"] is None
     rows[1]["error"] = "WRONG RESULT"
     assert ratio_rows(rows)[0]["fp8 tensor / _scaled_mm"] is None
+
+
+def test_mlp_blocks_are_timed_in_turn_and_speedups_are_the_rounds_median(monkeypatch):
+    """``mlp_rows(rounds=3)``: the three blocks of an M are timed in turn, each round starting one
+    further along; a row keeps its rounds' times and their medians, a speedup is the median of the
+    rounds' own (int8's 2, where the medians' ratio is 4 / 3), and every block computes the
+    product. Cold, each block rotates through copies of itself, as many as its bytes ask for."""
+    order, times = [], {"bf16": [3.0, 1.0, 2.0], "int8": [1.5, 2.0, 0.5], "fp8": [2.0, 2.0, 2.0]}
+
+    def fake_model_time(name, fn, device):
+        order.append(name)
+        assert fn().shape == (4, 128)
+        ms = times[name][sum(1 for o in order if o == name) - 1]
+        return dict(ms=ms, ms_graph=None)
+
+    monkeypatch.setattr(bench, "_model_time", fake_model_time)
+    rows = bench.mlp_rows([4], DEVICE, d=128, hidden=256, rounds=3)
+    names = list(times)
+    assert order == names + names[1:] + names[:1] + names[2:] + names[:2]
+    by_model = {row["model"]: row for row in rows}
+    assert by_model["int8"]["rounds_ms"] == [1.5, 2.0, 0.5] and by_model["int8"]["ms"] == 1.5
+    assert by_model["int8"]["speedup_vs_bf16"] == 2.0 and by_model["fp8"]["speedup_vs_bf16"] == 1.0
+    assert by_model["bf16"]["speedup_vs_bf16"] == 1.0 and "speedup_graph" not in by_model["bf16"]
+    assert all(row["copies"] == 1 and row["weights"] == "warm" for row in rows)
+    assert by_model["int8"]["sqnr_db"] > 25 and by_model["bf16"]["sqnr_db"] > 100
+    order.clear()
+    asked = []
+    monkeypatch.setattr(bench, "cold_copies", lambda nbytes: asked.append(nbytes) or 2)
+    cold = bench.mlp_rows([4], DEVICE, d=128, hidden=256, weights="cold")
+    assert order == names and all(row["copies"] == 2 and row["weights"] == "cold" for row in cold)
+    # float32 weights of 2 x 128 x 256 values; the 8-bit ones a quarter of that, with their scales
+    assert asked[0] == 2 * 128 * 256 * 4 and all(2 * 128 * 256 <= b < 2 * 128 * 256 * 1.1 for b in asked[1:])

@@ -4,6 +4,7 @@
     qflash bench matmul --weights cold         # each call on another copy of B (weights from DRAM)
     qflash bench matmul --rounds 3             # the providers of a shape timed in turn three times
     qflash bench matmul --mlp                  # a quantized transformer MLP block vs bf16
+    qflash bench matmul --mlp --weights cold --rounds 3   # each call on another copy of the block, in turn
     qflash bench matmul --quick                # tiny shapes (also on a CPU, in the interpreter)
 
 TOPS/TFLOP/s count 2 * M * N * K. Each provider's output is compared with the bf16
@@ -13,6 +14,7 @@ product of the original operands (``rel_err``), so a fast but wrong result shows
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from functools import partial
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -21,6 +23,7 @@ import torch
 
 from qflash.bench.harness import (
     bench_parser,
+    cold_copies,
     environment,
     finish,
     graph_ms,
@@ -323,8 +326,24 @@ class _MLP(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
-    """A transformer MLP block (up, GELU, down) in bf16 vs quantized with qflash.nn, end to end."""
+def _model_time(name: str, fn: Callable[[], torch.Tensor], device: str) -> dict:
+    """One timing of a model's call: eagerly, and replayed from a CUDA graph (without Python's
+    launch costs) on a GPU."""
+    return dict(ms=time_ms(fn, device=device)["ms"], ms_graph=graph_ms(fn) if device == "cuda" else None)
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers (a quantized layer's weights are buffers)."""
+    return sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336, weights: str = "warm",
+             rounds: int = 1) -> List[dict]:
+    """A transformer MLP block (up, GELU, down) in bf16 vs quantized with qflash.nn, end to end.
+    ``weights`` and ``rounds`` as in ``run``: "cold" rotates each model through copies of itself,
+    its weights' bytes ``cold_copies`` times the L2 together; the models of an M are timed in
+    turn ``rounds`` times, a row keeps its rounds' times and their medians, and a speedup is the
+    median of the rounds' own."""
     import copy
 
     from qflash.nn import quantize_model
@@ -335,21 +354,30 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336) -> List[dict]:
     base = _MLP(d, hidden).to(device=device, dtype=dtype)
     models = {"bf16": base, "int8": quantize_model(copy.deepcopy(base), "int8"),
               "fp8": quantize_model(copy.deepcopy(base), "fp8")}
+    copies = {name: [model] + [copy.deepcopy(model) for _ in range(cold_copies(_model_bytes(model)) - 1)]
+              if weights == "cold" else [model] for name, model in models.items()}
+    names = list(models)
     rows = []
     with torch.no_grad():
         for m in ms:
             x = torch.randn(m, d, device=device, dtype=dtype)
             ref = base(x).float()
-            for name, model in models.items():
-                res = time_ms(lambda: model(x), device=device)
-                rows.append(dict(model=name, m=m, d=d, hidden=hidden, ms=res["ms"],
-                                 ms_graph=graph_ms(lambda: model(x)) if device == "cuda" else None,
-                                 sqnr_db=sqnr_db(model(x).float(), ref)))
+            fns = {name: rotating([partial(model, x) for model in copies[name]]) for name in names}
+            timed: Dict[str, List[dict]] = {name: [] for name in names}
+            for i in in_turn(len(names), rounds):
+                timed[names[i]].append(_model_time(names[i], fns[names[i]], device))
+            for name in names:
+                row = dict(model=name, m=m, d=d, hidden=hidden, weights=weights, copies=len(copies[name]),
+                           sqnr_db=sqnr_db(models[name](x).float(), ref))
+                for key in ("ms", "ms_graph"):
+                    row[f"rounds_{key}"] = [t[key] for t in timed[name]]
+                    row[key] = statistics.median(row[f"rounds_{key}"]) if None not in row[f"rounds_{key}"] else None
+                rows.append(row)
     bf16 = {r["m"]: r for r in rows if r["model"] == "bf16"}
     for r in rows:
-        r["speedup_vs_bf16"] = bf16[r["m"]]["ms"] / r["ms"]
+        r["speedup_vs_bf16"] = median_speedup(r["rounds_ms"], bf16[r["m"]]["rounds_ms"])
         if r["ms_graph"] and bf16[r["m"]]["ms_graph"]:  # without Python's launch costs (CUDA graph)
-            r["speedup_graph"] = bf16[r["m"]]["ms_graph"] / r["ms_graph"]
+            r["speedup_graph"] = median_speedup(r["rounds_ms_graph"], bf16[r["m"]]["rounds_ms_graph"])
     return rows
 
 
@@ -367,10 +395,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="comma-separated provider names to time (they hold spaces: quote them; default: all)")
     parser.add_argument("--weights", default="warm", choices=["warm", "cold"],
                         help="warm: one B repeated (in the L2 where it fits); cold: each call on another copy of B "
-                             "(CUDA)")
+                             "(--mlp: of the block) (CUDA)")
     parser.add_argument("--rounds", default=1, type=int,
-                        help="time the providers of a shape in turn this many times (medians; ratios: the median "
-                             "of the rounds' own)")
+                        help="time the providers of a shape (--mlp: the blocks of an M) in turn this many times "
+                             "(medians; ratios: the median of the rounds' own)")
     parser.add_argument("--kinds", default=None, type=names_from(list(TILE_KINDS)),
                         help="--tiles: comma-separated kinds (int8 row, fp8 tensor, fp8 row, fp8 block; default: all)")
     args = parser.parse_args(argv)
@@ -399,9 +427,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif args.mlp:
         ms = [16, 1024, 8192] if cuda and not args.quick else [16]
         dims = {} if cuda and not args.quick else {"d": 128, "hidden": 256}
-        result["mlp"] = mlp_rows(ms, device, **dims)
-        console.print(rich_table(result["mlp"], ["model", "m", "d", "hidden", "ms", "speedup_vs_bf16", "ms_graph",
-                                                  "speedup_graph", "sqnr_db"],
+        result["mlp"] = mlp_rows(ms, device, **dims, weights=args.weights, rounds=args.rounds)
+        console.print(rich_table(result["mlp"], ["model", "m", "d", "hidden", "copies", "ms", "speedup_vs_bf16",
+                                                  "ms_graph", "speedup_graph", "sqnr_db"],
                                  "transformer MLP block (up d -> hidden, GELU, down), end to end; "
                                  "sqnr_db against the bf16 block"))
     else:
