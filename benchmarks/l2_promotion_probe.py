@@ -4,18 +4,25 @@ script wraps its ``fill_tma_descriptor`` and encodes the descriptor object Trito
 ``cuTensorMapEncodeTiled`` through ctypes, with 256 bytes or none (after checking, on the first
 descriptors, that its encoding of Triton's own arguments gives Triton's bytes). FP8 products
 through the public dispatch at M = 16 / 128 / 1024 on the Llama shapes, per tensor and with block
-scales, each promotion timed twice in turn from CUDA graphs, cuBLAS in the same run; the output
-bits are compared across promotions.
+scales, cuBLAS and each promotion timed in turn ``--rounds`` times from CUDA graphs, each round
+starting one further along, a ratio the median of the rounds' own (before session 56: the best of
+two timings); the output bits are compared across promotions. ``--weights cold`` rotates every
+product through copies of B and its scales, four times the L2 together, as a model's layers find
+their weights in DRAM (s38's runs timed one B, which stays in L2 up to 8B qkv).
 
-    python3 benchmarks/l2_promotion_probe.py --out l2.json"""
+    python3 benchmarks/l2_promotion_probe.py --out l2.json
+    python3 benchmarks/l2_promotion_probe.py --m 16,128 --scales tensor --weights cold --rounds 3 --out l2c.json"""
 import argparse
 import ctypes
+import statistics
 import sys
+from functools import partial
 
 import torch
 import triton
 
-from qflash.bench.harness import environment, graph_ms, save_json
+from qflash.bench.harness import (environment, graph_ms, in_turn, median_speedup, rotating, save_json,
+                                  weight_copies)
 from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels.matmul import scaled_matmul
 
@@ -61,43 +68,71 @@ def patched(addr, swizzle, elem_size, elem_type, block, shape, strides, padding)
 utils.fill_tma_descriptor = patched
 
 
+def promoted(promo, fn):
+    """``fn`` launched with its descriptors encoded with ``promo`` (a CUDA graph keeps the encoding
+    its capture made)."""
+    def call():
+        STATE["promo"] = None if promo == "128" else promo
+        try:
+            return fn()
+        finally:
+            STATE["promo"] = None
+    return call
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="16,128,1024")
+    p.add_argument("--only", default=None, help="these shapes only, by name (8B o,70B qkv,...)")
     p.add_argument("--promos", default="128,256,none")
     p.add_argument("--scales", default="tensor,block")
+    p.add_argument("--weights", default="warm", help="warm: one B repeated; cold: B rotated through copies")
+    p.add_argument("--rounds", type=int, default=2, help="timings of cuBLAS and every promotion in turn")
+    p.add_argument("--rep-ms", type=int, default=100, help="ms of replays a timing")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     promos = args.promos.split(",")
+    only = None if args.only is None else set(args.only.split(","))
     rows = []
     for name, m, n, k in llama_shapes(map(int, args.m.split(","))):
+        if only is not None and name not in only:
+            continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ops = fp8_operands(a, b, ("tensor", "block") if "block" in args.scales and m <= 128 else ("tensor",))
-        cub = cublas_fp8(*ops["tensor"])
-        for scales, operands in ops.items():
-            row = dict(shape=name, m=m, n=n, k=k, scales=scales)
-            fn = lambda: scaled_matmul(*operands, None, torch.bfloat16, scales)
-            outs = {}
-            for rep in range(2):
-                for promo in (promos if rep == 0 else promos[::-1]):
-                    STATE["promo"] = None if promo == "128" else promo
-                    outs[promo] = fn()
-                    row.setdefault(f"p{promo}_ms", []).append(graph_ms(fn))
-                STATE["promo"] = None
-                row.setdefault("cublas_ms", []).append(graph_ms(cub))
+        kinds = tuple(s for s in args.scales.split(",") if s != "block" or m <= 128)
+        ops = fp8_operands(a, b, tuple(dict.fromkeys(("tensor",) + kinds)))
+        for scales in kinds:
+            a_q, b_q, a_s, b_s = ops[scales]
+            peer = "tensor" if scales == "block" else scales  # cuBLAS takes no block scales
+            p_a_q, p_b_q, p_a_s, p_b_s = ops[peer]
+            cold = args.weights == "cold"
+            sets = ([(bq, bs, bq, bs) for bq, bs in weight_copies(cold, b_q, b_s)] if peer == scales else
+                    weight_copies(cold, b_q, b_s, p_b_q, p_b_s, nbytes=b_q.numel()))
+            cub = rotating([cublas_fp8(p_a_q, pb, p_a_s, pbs) for _, _, pb, pbs in sets])
+            mm = rotating([partial(scaled_matmul, a_q, bq, a_s, bs, None, torch.bfloat16, scales)
+                           for bq, bs, _, _ in sets])
+            outs = {pr: promoted(pr, lambda: scaled_matmul(a_q, b_q, a_s, b_s, None, torch.bfloat16, scales))()
+                    for pr in promos}
+            fns = [cub] + [promoted(pr, mm) for pr in promos]
+            times = [[] for _ in fns]
+            for i in in_turn(len(fns), args.rounds):
+                times[i].append(graph_ms(fns[i], rep_ms=args.rep_ms))
+            row = dict(shape=name, m=m, n=n, k=k, scales=scales, cublas_scales=peer, weights=args.weights,
+                       copies=len(sets), cublas_ms=times[0], **{f"p{pr}_ms": t for pr, t in zip(promos, times[1:])})
             row["same_bits"] = all(torch.equal(outs[promos[0]], o) for o in outs.values())
-            best = {pr: min(row[f"p{pr}_ms"]) for pr in promos}
-            row.update({f"p{pr}_vs_128": best["128"] / best[pr] for pr in promos})
-            row["p128_vs_cublas"] = min(row["cublas_ms"]) / best["128"]
+            row.update({f"p{pr}_vs_128": median_speedup(row[f"p{pr}_ms"], row["p128_ms"]) for pr in promos})
+            row.update({f"p{pr}_vs_cublas": median_speedup(row[f"p{pr}_ms"], times[0]) for pr in promos})
             rows.append(row)
-            print(f"{name:10s} M={m:5d} {scales:6s} " + " ".join(
-                f"{pr}: {best[pr] * 1e3:8.2f} us ({row[f'p{pr}_vs_128']:.3f})" for pr in promos)
-                + f" | cuBLAS {min(row['cublas_ms']) * 1e3:8.2f} ({row['p128_vs_cublas']:.3f}) same {row['same_bits']}",
+            med = {pr: statistics.median(row[f"p{pr}_ms"]) for pr in promos}
+            print(f"{name:10s} M={m:5d} {scales:6s} {args.weights} x{len(sets)} " + " ".join(
+                f"{pr}: {med[pr] * 1e3:8.2f} us ({row[f'p{pr}_vs_128']:.3f}, {row[f'p{pr}_vs_cublas']:.3f}x cuBLAS)"
+                for pr in promos) + f" | cuBLAS {statistics.median(times[0]) * 1e3:8.2f} same {row['same_bits']}",
                 flush=True)
+        if args.out:  # after every shape: a run cut short keeps what it measured
+            save_json(args.out, dict(env=environment(), rows=rows, checked=STATE["checked"], complete=False))
     print("descriptors filled", STATE["calls"], "checked", STATE["checked"])
     if args.out:
-        save_json(args.out, dict(env=environment(), rows=rows, checked=STATE["checked"]))
+        save_json(args.out, dict(env=environment(), rows=rows, checked=STATE["checked"], complete=True))
 
 
 if __name__ == "__main__":
