@@ -835,14 +835,16 @@ def test_launch_refuses_what_three_consumers_do_not_take():
 
 
 def test_preferred_only_where_measured():
-    """FP8 from M = 33 with N and K from 4096, the range timed against the tl kernel on the H200;
+    """FP8 from M = 33 with N and K from 2048, the range timed against the tl kernel on the H200;
     at M <= 32 the transposed product where B's 64-row tiles fill the SMs (one round 70 % from
     M = 8, several 90 %) or, from M = 16, K in two runs fills one round, tensor and row scales."""
     assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
     assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
     assert gluon.preferred(1024, 4096, 4096, int8=False) and gluon.preferred(128, 4096, 14336, int8=False)
     assert gluon.preferred(64, 6144, 4096, int8=False) and gluon.preferred(33, 4096, 4096, int8=False)
-    assert not gluon.preferred(32, 8192, 4096, int8=False) and not gluon.preferred(1024, 2048, 4096, int8=False)
+    assert not gluon.preferred(32, 8192, 4096, int8=False) and gluon.preferred(1024, 2048, 4096, int8=False)
+    assert gluon.preferred(128, 2048, 2048, int8=False) and gluon.preferred(33, 3584, 18944, int8=False)
+    assert not gluon.preferred(128, 1024, 4096, int8=False) and not gluon.preferred(1024, 8192, 1024, int8=False)
     swap = [(16, 6144, 4096), (8, 8192, 8192), (32, 57344, 8192), (1, 57344, 8192), (16, 8192, 28672),
             (16, 4096, 4096), (32, 4096, 14336), (16, 10240, 8192), (1, 10240, 8192)]  # 96, 128, 896 tiles;
     # 64 tiles from M = 16: K whole at 32 steps, in 2 runs at 112; 160 tiles in one round of two CTAs an SM
@@ -1236,6 +1238,27 @@ def test_gpu_public_block_scales_at_decode_sizes(m, n, k, monkeypatch):
         want = qflash.fp8_matmul(a_q, b_q, a_k, b_k, out_dtype=torch.float32)
     assert torch.equal(public, want)
     assert rel_l2_err(public, ref) < 1e-5 * k ** 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m,n,k", [(128, 3072, 2048), (33, 2048, 2048), (1024, 3584, 3584), (200, 2048, 8192),
+                                   (128, 1024, 4096)])
+def test_gpu_public_fp8_matmul_at_smaller_models_shapes(m, n, k, scales, monkeypatch):
+    """From M = 33 with N and K from MIN_NK (Llama-3.2-1B / 3B, Qwen2.5-7B), fp8_matmul is this
+    kernel's result, bit for bit; under MIN_NK (N = 1024) the tl kernel's. Within float32 rounding
+    of the reference, both paths, every kind of scales."""
+    a_q, b_q, a_k, b_k, bias, ref = _fp8_case(m, n, k, scales)
+    public = qflash.fp8_matmul(a_q, b_q, a_k, b_k, bias=bias, out_dtype=torch.float32)
+    monkeypatch.setenv("QFLASH_GLUON", "0")
+    portable = qflash.fp8_matmul(a_q, b_q, a_k, b_k, bias=bias, out_dtype=torch.float32)
+    if gluon.preferred(m, n, k, int8=False):
+        assert n >= gluon.MIN_NK
+        assert torch.equal(public, gluon.launch(a_q, b_q, a_k, b_k, bias, torch.float32, scales))
+    else:
+        assert n < gluon.MIN_NK and torch.equal(public, portable)
+    for c in (public, portable):
+        assert rel_l2_err(c, ref) < 1e-5 * k ** 0.5
 
 
 def test_swap_ab_takes_what_it_can():

@@ -899,16 +899,25 @@ def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
     return 0
 
 
+# The smallest N and K the kernel takes from M = 33 (shapes of smaller models: Llama-3.2-1B / 3B,
+# Qwen2.5-7B's K = 3584), where the tl kernel ran 0.26-0.80 x cuBLAS per tensor (s56c)
+MIN_NK = 2048
+
+
 def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     """Whether ``scaled_matmul`` takes this kernel for a product it fits: FP8 (tensor, row and block
-    scales) from M = 33 with N and K from 4096, where it measured 1.22-1.71x the tl kernel with
-    tensor and row scales from M = 128 (graphs, benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json,
-    and ..._split_k_..._s9d.json at M = 128), 1.02-2.60x with block scales
-    (..._fp8_block_..._s9e.json), and with 64-row tiles at M = 64 (s23b); M = 65-127 runs M = 128's
-    tiles, with fewer rows to read. Not M <= 32 (the
-    transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl kernel in
-    session 7)."""
-    return not int8 and m > 32 and n >= 4096 and k >= 4096
+    scales) from M = 33 with N and K from MIN_NK. It measured 1.22-1.71x the tl kernel with tensor
+    and row scales from M = 128 at N and K from 4096 (graphs,
+    benchmarks/results/matmul_fp8_h200_2026-11-29_s9c.json, and ..._split_k_..._s9d.json at
+    M = 128), 1.02-2.60x with block scales (..._fp8_block_..._s9e.json), and with 64-row tiles at
+    M = 64 (s23b); M = 65-127 runs M = 128's tiles, with fewer rows to read. At N or K of 2048-3584
+    (twelve (N, K) of Llama-3.2-1B / 3B and Qwen2.5-7B, weights cold, x cuBLAS in three rounds,
+    ``matmul_fp8_small_models_m128_h200_2026-12-03_s56c.json``, ``..._m1024_...``): per tensor
+    0.69-1.09 against the tl kernel's 0.26-0.80 at M = 128, 0.83-1.11 against 0.58-0.75 at
+    M = 1024; per row 1.00-2.01 against 0.53-0.79 and 0.98-1.12 against 0.69-0.78. Not M <= 32
+    (the transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl
+    kernel in session 7)."""
+    return not int8 and m > 32 and n >= MIN_NK and k >= MIN_NK
 
 
 def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> bool:
