@@ -29,8 +29,11 @@ def _fast_path_status(cuda: bool) -> str:
         return "off (QFLASH_GLUON=0)"
     if not cuda or not is_hopper(torch.device("cuda", 0)):
         return "none here (the Gluon kernels need Hopper)"
+    from qflash.kernels.matmul_gluon import MIN_NK
+
     return ("Gluon forward: D = 64 / 128 / 256, causal or no mask, lengths multiple of 128; "
-            "Gluon FP8 matmul: tensor / row / block scales, M >= 128, N >= 4096, K >= 4096")
+            f"Gluon FP8 matmul: tensor / row / block scales, M > 32 with N, K >= {MIN_NK}, and M <= 32 "
+            "with N, K >= 4096 where its transposed product fills the SMs")
 
 
 def _transformers_status() -> str:

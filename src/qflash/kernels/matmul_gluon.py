@@ -900,7 +900,7 @@ def _swap_runs(m: int, tiles: int, k: int, sms: int) -> int:
 
 
 # The smallest N and K the kernel takes from M = 33 (shapes of smaller models: Llama-3.2-1B / 3B,
-# Qwen2.5-7B's K = 3584), where the tl kernel ran 0.26-0.80 x cuBLAS per tensor (s56c)
+# Qwen2.5-7B's K = 3584), where the tl kernel ran 0.26-0.80 x cuBLAS per tensor at M = 128 (s56c)
 MIN_NK = 2048
 
 
@@ -914,7 +914,10 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     (twelve (N, K) of Llama-3.2-1B / 3B and Qwen2.5-7B, weights cold, x cuBLAS in three rounds,
     ``matmul_fp8_small_models_m128_h200_2026-12-03_s56c.json``, ``..._m1024_...``): per tensor
     0.69-1.09 against the tl kernel's 0.26-0.80 at M = 128, 0.83-1.11 against 0.58-0.75 at
-    M = 1024; per row 1.00-2.01 against 0.53-0.79 and 0.98-1.12 against 0.69-0.78. Not M <= 32
+    M = 1024; per row 1.00-2.01 against 0.53-0.79 and 0.98-1.12 against 0.69-0.78. This dispatch
+    against the tl kernel, same runs, tensor, row and block scales
+    (``matmul_fp8_small_models_dispatch_ab_m{64,128,1024,8192}_h200_2026-12-03_s56d.json``):
+    1.20-3.65x from M = 128, 0.86-1.74x at M = 64 (the one loss: N = K = 2048 per tensor). Not M <= 32
     (the transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl
     kernel in session 7)."""
     return not int8 and m > 32 and n >= MIN_NK and k >= MIN_NK
