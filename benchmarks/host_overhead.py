@@ -4,6 +4,7 @@
     python3 benchmarks/host_overhead.py --head-dim 64 --seqlen 512 --causal --out host.json
     python3 benchmarks/host_overhead.py --op matmul --out host.json    # FP8 matmul (M = 128, N = K = 512)
     python3 benchmarks/host_overhead.py --op quantize --out host.json  # quantize (128 x 4096)
+    python3 benchmarks/host_overhead.py --op layer --out host.json     # a quantized 4096 -> 14336 layer, M = 16
 
 At 512 tokens a forward kernel runs 0.1-0.2 ms; a launch path that costs as much on the CPU
 shows up in eager timings. Prints microseconds a call for each path, then where the public
@@ -100,6 +101,50 @@ def quantize_paths() -> tuple:
     return paths, lambda: qflash.quantize(x, torch.float8_e4m3fn, "tensor")
 
 
+def layer_paths(device: str = "cuda") -> tuple:
+    """A quantized Llama-3-8B up projection (4096 -> 14336, no bias) at M = 16, where its two
+    kernels take about 19 us on the H200 (s56f): the layer's call in bfloat16, INT8 and FP8, and
+    the FP8 and INT8 layers' quantize and product launch paths, layer by layer down to the Gluon
+    kernel's own launch (each layer's checks and dispatch on top of the one below)."""
+    import copy
+
+    from qflash.kernels import matmul_gluon
+    from qflash.kernels.matmul import scaled_matmul
+    from qflash.nn import quantize_model
+    from qflash.ops.matmul import launch_scaled_matmul
+    from qflash.ops.quantize import launch_quantize
+
+    x = torch.randn(16, 4096, device=device, dtype=torch.bfloat16)
+    base = torch.nn.Sequential(torch.nn.Linear(4096, 14336, bias=False)).to(device, torch.bfloat16)
+    int8, fp8 = (quantize_model(copy.deepcopy(base), mode)[0] for mode in ("int8", "fp8"))
+    f8 = torch.float8_e4m3fn
+    x_q, x_s = launch_quantize(x, f8, "block", (1, 128), None)
+    xi_q, xi_s = launch_quantize(x, torch.int8, "row", None, None)
+    w_q, w_s, wi_q, wi_s = fp8.weight_q, fp8.weight_scale, int8.weight_q, int8.weight_scale
+    bf16 = torch.bfloat16
+
+    def layer(module):  # a call under no_grad: inference, as the quantized layers are
+        return torch.no_grad()(lambda: module(x))
+
+    paths = {
+        "bfloat16 layer": layer(base),
+        "INT8 QuantizedLinear": layer(int8),
+        "FP8 QuantizedLinear": layer(fp8),
+        "FP8 quantize (1 x 128 blocks)": lambda: launch_quantize(x, f8, "block", (1, 128), None),
+        "FP8 product (ops.launch_scaled_matmul)": lambda: launch_scaled_matmul(x_q, w_q, x_s, w_s, None, bf16,
+                                                                               "block"),
+        "FP8 product (kernels.matmul.scaled_matmul)": lambda: scaled_matmul(x_q, w_q, x_s, w_s, None, bf16,
+                                                                            "block"),
+        "FP8 product (matmul_gluon.launch)": lambda: matmul_gluon.launch(x_q, w_q, x_s, w_s, None, bf16, "block",
+                                                                         swap_ab=True),
+        "INT8 quantize (row)": lambda: launch_quantize(x, torch.int8, "row", None, None),
+        "INT8 product (ops.launch_scaled_matmul)": lambda: launch_scaled_matmul(xi_q, wi_q, xi_s, wi_s, None,
+                                                                                bf16, "row"),
+        "three torch.empty (the host's pace)": lambda: [torch.empty(16, 14336, device=device) for _ in range(3)],
+    }
+    return paths, layer(fp8)
+
+
 def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False) -> tuple:
     """One head of one sequence: the launch paths of the kernels that a (head_dim, seqlen,
     causal) call at any batch x heads takes, with little for the GPU to do."""
@@ -123,7 +168,7 @@ def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=["attention", "matmul", "quantize"], default="attention")
+    parser.add_argument("--op", choices=["attention", "matmul", "quantize", "layer"], default="attention")
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the head dim whose kernels to launch")
     parser.add_argument("--seqlen", type=int, default=128, help="attention: the length (sets the tiles)")
@@ -133,6 +178,8 @@ def main() -> None:
         paths, profiled = matmul_paths()
     elif args.op == "quantize":
         paths, profiled = quantize_paths()
+    elif args.op == "layer":
+        paths, profiled = layer_paths()
     else:
         paths, profiled = attention_paths(args.head_dim, args.seqlen, args.causal)
     result = {"env": environment(), "op": args.op, "rows": [],
