@@ -917,7 +917,7 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     M = 1024; per row 1.00-2.01 against 0.53-0.79 and 0.98-1.12 against 0.69-0.78. This dispatch
     against the tl kernel, same runs, tensor, row and block scales
     (``matmul_fp8_small_models_dispatch_ab_m{64,128,1024,8192}_h200_2026-12-03_s56d.json``):
-    1.20-3.65x from M = 128, 0.86-1.74x at M = 64 (the one loss: N = K = 2048 per tensor). Not M <= 32
+    1.20-3.62x from M = 128, 0.86-1.74x at M = 64 (the one loss: N = K = 2048 per tensor). Not M <= 32
     (the transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl
     kernel in session 7)."""
     return not int8 and m > 32 and n >= MIN_NK and k >= MIN_NK
