@@ -28,7 +28,8 @@ from functools import partial
 
 import torch
 
-from qflash.bench.harness import environment, graph_ms, in_turn, median_speedup, rotating, save_json, weight_copies
+from qflash.bench.harness import (environment, graph_ms, in_turn, median_speedup, positive_ints, rotating,
+                                  save_json, weight_copies)
 from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
@@ -161,7 +162,7 @@ def main():
     only = None if args.only is None else set(args.only.split(","))
     ms = [int(m) for m in args.m.split(",")]
     if args.nk:
-        nks = [tuple(int(v) for v in nk.split(",")) for nk in args.nk.split(";")]
+        nks = [positive_ints(2)(nk) for nk in args.nk.split(";")]
         shapes = [(f"{n}x{k}", m, n, k) for m in ms for n, k in nks]
     else:
         shapes = llama_shapes(ms, cube=not args.no_cube)

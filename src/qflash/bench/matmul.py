@@ -201,13 +201,19 @@ def _median_row(rounds: List[dict]) -> dict:
     failed = [row for row in rounds if row["error"]]
     if failed or len(rounds) == 1:
         return (failed or rounds)[0]
-    row = dict(rounds[0])
+    row = _with_medians(dict(rounds[0]), rounds)
+    row["tflops"] = _tflops(row["m"], row["n"], row["k"], row["ms"])
+    row["tflops_graph"] = _tflops(row["m"], row["n"], row["k"], row["ms_graph"])
+    return row
+
+
+def _with_medians(row: dict, rounds: List[dict]) -> dict:
+    """``row`` with every round's times (``rounds_ms``, ``rounds_ms_graph``) and their medians as
+    ``ms`` and ``ms_graph`` (None where a round has no time)."""
     for key in ("ms", "ms_graph"):
         times = [r[key] for r in rounds]
         row[f"rounds_{key}"] = times
         row[key] = statistics.median(times) if None not in times else None
-    row["tflops"] = _tflops(row["m"], row["n"], row["k"], row["ms"])
-    row["tflops_graph"] = _tflops(row["m"], row["n"], row["k"], row["ms_graph"])
     return row
 
 
@@ -367,12 +373,9 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336, weights: str =
             for i in in_turn(len(names), rounds):
                 timed[names[i]].append(_model_time(names[i], fns[names[i]], device))
             for name in names:
-                row = dict(model=name, m=m, d=d, hidden=hidden, weights=weights, copies=len(copies[name]),
-                           sqnr_db=sqnr_db(models[name](x).float(), ref))
-                for key in ("ms", "ms_graph"):
-                    row[f"rounds_{key}"] = [t[key] for t in timed[name]]
-                    row[key] = statistics.median(row[f"rounds_{key}"]) if None not in row[f"rounds_{key}"] else None
-                rows.append(row)
+                rows.append(_with_medians(dict(model=name, m=m, d=d, hidden=hidden, weights=weights,
+                                               copies=len(copies[name]),
+                                               sqnr_db=sqnr_db(models[name](x).float(), ref)), timed[name]))
     bf16 = {r["m"]: r for r in rows if r["model"] == "bf16"}
     for r in rows:
         r["speedup_vs_bf16"] = median_speedup(r["rounds_ms"], bf16[r["m"]]["rounds_ms"])
