@@ -31,10 +31,8 @@ def _weight_recipe(mode: str):
     return torch.float8_e4m3fn, "block", (128, 128)
 
 
-def _activation_recipe(mode: str):
-    if mode == "int8":
-        return torch.int8, "row", None
-    return torch.float8_e4m3fn, "block", (1, 128)
+# How each mode quantizes activations on the fly: (dtype, granularity, block_size)
+_ACTIVATION_RECIPES = {"int8": (torch.int8, "row", None), "fp8": (torch.float8_e4m3fn, "block", (1, 128))}
 
 
 class QuantizedLinear(nn.Module):
@@ -88,19 +86,21 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"expected input (..., {self.in_features}), got {getattr(x, 'shape', type(x).__name__)}")
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"input must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.device != self.weight_q.device:
-            raise ValueError(f"input is on {x.device} but the layer is on {self.weight_q.device}")
+        # The buffers read once, from the dict: each ``self.weight_q`` goes through Module.__getattr__,
+        # a microsecond or more of the host's time that an eager decode step pays in every layer.
+        buffers = self._buffers
+        weight_q = buffers["weight_q"]
+        if x.device != weight_q.device:
+            raise ValueError(f"input is on {x.device} but the layer is on {weight_q.device}")
         require_runnable("x", x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         # Straight to the launch paths: the public ops would re-validate the layer's own buffers
         # (checked when made or loaded) on every call, which costs as much as a short kernel.
-        qdtype, granularity, block = _activation_recipe(self.mode)
+        qdtype, granularity, block = _ACTIVATION_RECIPES[self.mode]
         x_q, x_scale = launch_quantize(x2, qdtype, granularity, block, None)
-        scales = "row" if self.mode == "int8" else "block"
-        y = launch_scaled_matmul(x_q, self.weight_q, x_scale, self.weight_scale, self.bias, self.out_dtype or x.dtype,
-                                 scales)
-        return y.reshape(*lead, self.out_features)
+        y = launch_scaled_matmul(x_q, weight_q, x_scale, buffers["weight_scale"], buffers["bias"],
+                                 self.out_dtype or x.dtype, "row" if self.mode == "int8" else "block")
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
         """``Module.to(dtype)``, ``.half()``, ``.bfloat16()`` and the like cast every floating-point

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import CachedLauncher, cdiv
+from qflash.kernels.common import CachedLauncher, cdiv, stream_handle
 
 # How scales are laid out (constexpr SCALES, the same in the tl and the Gluon kernels).
 SCALES_TENSOR = tl.constexpr(0)
@@ -96,7 +96,7 @@ def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
     per device and stream: launches in one stream run one after another, while two streams would
     race on shared counts. (A CUDA graph captured on a stream keeps that stream's counts; graphs
     whose capture streams shared a handle must not be replayed at the same time.)"""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = (device, stream_handle(device) if device.type == "cuda" else 0)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:
         counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
