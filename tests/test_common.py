@@ -110,6 +110,32 @@ def test_gpu_cached_launcher_keys_loose_parameters_by_type():
     assert len(launcher.compiled) == 2  # i32 seeds, one i64 seed
 
 
+@pytest.mark.gpu
+def test_gpu_cached_launcher_calls_launch_hooks_where_there_are_some():
+    """Without hooks the cached path skips Triton's launch metadata and hook calls; with one added
+    (as a profiler adds its own) every launch, cached or not, calls it with the kernel's name."""
+    from triton import knobs
+
+    launcher = CachedLauncher(_fill_kernel)
+    out = torch.zeros(64, device="cuda", dtype=torch.float64)
+    launcher[(1,)](out, 64, 3, BLOCK=64)  # compiled: the next launches take the cached path
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for seed in (4, 5):
+            launcher[(1,)](out, 64, seed, BLOCK=64)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    launcher[(1,)](out, 64, 6, BLOCK=64)
+    torch.cuda.synchronize()
+    assert seen == ["_fill_kernel", "_fill_kernel"]
+    assert torch.equal(out, 6 + torch.arange(64, device="cuda", dtype=torch.float64))
+
+
 # ----------------------------------------------------------------------------------------------
 # Tensors on a GPU other than the current one (a model spread over GPUs: transformers'
 # device_map="auto"). Triton launches on the current device and its stream; qflash's ops set the
