@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime import driver
 
 
@@ -206,11 +207,18 @@ def _arg_key(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if hasattr(arg, "block_shape"):  # a host tensor descriptor: Triton's (tl) or Gluon's, which has a layout
-        return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
-                tuple(arg.block_shape), getattr(arg, "padding", None), getattr(arg, "layout", None))
+        return _descriptor_key(arg)
     if isinstance(arg, float):
         return float
     return arg  # int, bool, None, constexpr values
+
+
+def _descriptor_key(desc):
+    """A host tensor descriptor's ``_arg_key``: its tensor's dtype and alignment, shape, strides,
+    block, padding and (Gluon's) layout."""
+    base = desc.base
+    return (base.dtype, base.data_ptr() % 16 == 0, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
+            getattr(desc, "padding", None), getattr(desc, "layout", None))
 
 
 def _int_type(value: int) -> str:
@@ -263,6 +271,8 @@ class CachedLauncher:
                 key.append(value)
             elif kind is torch.Tensor:
                 key.append((value.dtype, value.data_ptr() % 16 == 0))
+            elif kind is GluonDescriptor:  # (the Gluon kernels pass up to seven)
+                key.append(_descriptor_key(value))
             else:
                 key.append(_arg_key(value))
         for i in self.loose:  # do_not_specialize: the value's integer type, not the value
