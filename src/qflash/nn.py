@@ -86,8 +86,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"expected input (..., {self.in_features}), got {getattr(x, 'shape', type(x).__name__)}")
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"input must be float16, bfloat16 or float32, got {x.dtype}")
-        # The buffers read once, from the dict: each ``self.weight_q`` goes through Module.__getattr__,
-        # a microsecond or more of the host's time that an eager decode step pays in every layer.
+        # The buffers read once, from the dict: each ``self.weight_q`` goes through Module.__getattr__'s
+        # Python, which an eager decode step pays in every layer (the layer's host time: README).
         buffers = self._buffers
         weight_q = buffers["weight_q"]
         if x.device != weight_q.device:
