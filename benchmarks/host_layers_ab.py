@@ -22,8 +22,10 @@ import time
 
 import torch
 
+import qflash.nn
 import qflash.kernels.common as kernels_common
 import qflash.kernels.matmul as kernels_matmul
+import qflash.kernels.matmul_epilogue as kernels_epilogue
 import qflash.kernels.matmul_gluon as kernels_gluon
 import qflash.ops.common as ops_common
 import qflash.ops.matmul as ops_matmul
@@ -40,14 +42,18 @@ def _load(path: str, name: str):
     return module
 
 
-def launch_paths(src: str) -> dict:
-    """The swapped functions of the tree at ``src`` (its ``qflash`` package's files)."""
-    nn = _load(os.path.join(src, "qflash", "nn.py"), "base_nn")
-    common = _load(os.path.join(src, "qflash", "kernels", "common.py"), "base_kernels_common")
-    epilogue = _load(os.path.join(src, "qflash", "kernels", "matmul_epilogue.py"), "base_matmul_epilogue")
-    ops = _load(os.path.join(src, "qflash", "ops", "common.py"), "base_ops_common")
-    return dict(forward=nn.QuantizedLinear.forward, launch=common.CachedLauncher._launch,
-                counters=epilogue.split_k_counters, device=ops.on_device_of)
+def launch_paths(nn, kernels_common, matmul_epilogue, ops_common) -> dict:
+    """The swapped functions, from a tree's ``qflash.nn``, ``kernels.common``,
+    ``kernels.matmul_epilogue`` and ``ops.common`` modules."""
+    return dict(forward=nn.QuantizedLinear.forward, launch=kernels_common.CachedLauncher._launch,
+                counters=matmul_epilogue.split_k_counters, device=ops_common.on_device_of)
+
+
+def loaded_paths(src: str) -> dict:
+    """``launch_paths`` of the tree at ``src`` (its ``qflash`` package's files, loaded apart)."""
+    files = ("nn.py", "kernels/common.py", "kernels/matmul_epilogue.py", "ops/common.py")
+    return launch_paths(*(_load(os.path.join(src, "qflash", *f.split("/")), "base_" + f.replace("/", "_")[:-3])
+                          for f in files))
 
 
 def use(paths: dict) -> None:
@@ -74,9 +80,8 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the other tree's src directory")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    trees = {"base": launch_paths(args.base),
-             "this": dict(forward=QuantizedLinear.forward, launch=kernels_common.CachedLauncher._launch,
-                          counters=kernels_gluon.split_k_counters, device=ops_common.on_device_of)}
+    trees = {"base": loaded_paths(args.base),
+             "this": launch_paths(qflash.nn, kernels_common, kernels_epilogue, ops_common)}
     dev = torch.device("cuda")
     torch.manual_seed(0)
     torch.set_grad_enabled(False)  # inference, as the quantized layers are

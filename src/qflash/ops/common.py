@@ -49,6 +49,9 @@ def through_custom_op(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or t.is_meta
 
 
+_NO_SWITCH = contextlib.nullcontext()  # on_device_of's context where nothing switches (reentrant: one serves all)
+
+
 def on_device_of(t: torch.Tensor):
     """A context in which t's GPU is the current CUDA device, the caller's restored after. Triton
     launches on the current device and its current stream, not on the arguments' (flash-attn sets
@@ -61,5 +64,3 @@ def on_device_of(t: torch.Tensor):
         return _NO_SWITCH
     return torch.cuda.device(device)
 
-
-_NO_SWITCH = contextlib.nullcontext()  # reentrant, so one serves every call
