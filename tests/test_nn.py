@@ -1,6 +1,7 @@
 """QuantizedLinear and quantize_model: accuracy against float layers, exactness against the
 reference pipeline, state_dict round trips and clear errors."""
 
+import contextlib
 import io
 
 import pytest
@@ -215,3 +216,146 @@ def test_clear_errors():
     with pytest.raises(RuntimeError, match="inference"):
         q(torch.randn(4, 16, device=DEVICE, requires_grad=True))
     assert qflash.quantize_model is quantize_model and qflash.nn.QuantizedLinear is QuantizedLinear
+
+
+# ----------------------------------------------------------------------------------------------
+# Replayed launches (kernels/replay.py): from the second eager call of a kind on, a layer on a
+# GPU launches its first recorded call's kernels again with the new pointers. Each replayed
+# output must equal the normal path's on the same input bit for bit, poisoned beforehand.
+# ----------------------------------------------------------------------------------------------
+def _replays(layer):
+    from qflash.kernels.replay import Replay
+
+    return [r for r in layer._replays.values() if isinstance(r, Replay)]
+
+
+def _layer(mode, n, k, bias=True, out_dtype=None, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias, device="cuda")
+    return QuantizedLinear.from_linear(lin, mode, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 4096, 4096), (16, 14336, 4096), (16, 4096, 14336),
+                                   (63, 1000, 1000), (113, 6144, 4096), (128, 4096, 4096), (239, 384, 256),
+                                   (1024, 4096, 4096), (1023, 1024, 4096)])
+def test_gpu_replayed_layer_equals_its_normal_path(mode, m, n, k):
+    from qflash.testing import poisoned
+
+    layer = _layer(mode, n, k)
+    with torch.no_grad(), poisoned():
+        for call in range(4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = layer(x)
+            assert torch.equal(y, layer._product(x, layer._buffers)), f"call {call}"
+    assert len(_replays(layer)) == 1, "the layer did not replay"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode):
+    """Strided and 3-D inputs, other dtypes, no bias, out_dtype, early launch and Gluon off each
+    take a replay of their own, and every replay equals the normal path."""
+    from qflash.kernels.common import early_launch
+
+    k, n = 512, 768
+    for bias, out_dtype in ((True, None), (False, torch.float32)):
+        layer = _layer(mode, n, k, bias=bias, out_dtype=out_dtype)
+        wide = torch.randn(16, 2 * k, device="cuda", dtype=torch.float16)
+        inputs = [torch.randn(16, k, device="cuda", dtype=torch.bfloat16), wide[:, :k], wide[:, 4:k + 4],
+                  torch.randn(2, 8, k, device="cuda", dtype=torch.float32)]
+        with torch.no_grad():
+            for switch in (contextlib.nullcontext, early_launch, _gluon_off):
+                with switch():
+                    for x in inputs:
+                        for _ in range(3):
+                            y = layer(x)
+                            ref = layer._product(x.reshape(-1, k), layer._buffers)
+                            assert torch.equal(y.reshape(-1, n), ref)
+        assert len(_replays(layer)) == 3 * len(inputs)
+
+
+@contextlib.contextmanager
+def _gluon_off():
+    import os
+
+    saved = os.environ.get("QFLASH_GLUON")
+    os.environ["QFLASH_GLUON"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["QFLASH_GLUON"]
+        else:
+            os.environ["QFLASH_GLUON"] = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_gpu_replays_follow_the_weights(mode):
+    """New weights loaded in place are read by the replay; buffers moved or replaced (``.to``,
+    ``load_state_dict(assign=True)``) drop the replays or key new ones; copies record their own."""
+    import copy
+
+    layer, other = _layer(mode, 512, 256, seed=0), _layer(mode, 512, 256, seed=1)
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x)
+        assert _replays(layer)
+        layer.load_state_dict(other.state_dict())
+        assert torch.equal(layer(x), other._product(x, other._buffers))
+        twin = copy.deepcopy(layer)
+        assert not twin._replays and torch.equal(twin(x), layer(x))
+        layer.cpu()
+        assert not layer._replays
+        layer.cuda()
+        layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+        for _ in range(3):
+            assert torch.equal(layer(x), other._product(x, other._buffers))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_gpu_replays_on_other_streams_in_graphs_and_under_hooks(mode):
+    """Each stream keys replays of its own (split-K counts are a stream's); a CUDA graph captured
+    from replayed calls gives what they give; with a launch hook added (a profiler's) the layer
+    takes the normal path, so the hook sees every kernel."""
+    from triton import knobs
+
+    layer = _layer(mode, 4096, 4096)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = layer._product(x, layer._buffers)
+        for _ in range(3):
+            assert torch.equal(layer(x), ref)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outs = [layer(x) for _ in range(3)]
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.equal(y, ref) for y in outs) and len(_replays(layer)) == 2
+        capture = torch.cuda.Stream()  # warmed up on the capture's stream: the capture replays
+        capture.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture):
+            layer(x), layer(x)
+        torch.cuda.current_stream().wait_stream(capture)
+        assert len(_replays(layer)) == 3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            y = layer(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref)
+        seen = []
+
+        def hook(metadata):
+            seen.append(metadata.get()["name"])
+
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert torch.equal(layer(x), ref)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert len(seen) >= 2  # the quantize and the product, at least

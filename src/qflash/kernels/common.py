@@ -14,6 +14,8 @@ from triton import knobs
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime import driver
 
+from qflash.kernels.replay import note_launch
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids. Plain Python: ``triton.cdiv`` is a constexpr function whose
@@ -284,7 +286,9 @@ class CachedLauncher:
             self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
             if len(self.compiled) > self.maxsize:  # the oldest key goes first
                 self.compiled.popitem(last=False)
+            note_launch(compiled, grid, values)
             return compiled
+        note_launch(compiled, grid, values)  # (where a layer records its launches: replay.record)
         grid = (*grid, 1, 1)
         stream = driver.active.get_current_stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -298,6 +302,11 @@ class CachedLauncher:
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
                      leave, *values)
         return compiled
+
+
+def launches_hookless() -> bool:
+    """Whether no launch hook listens (a profiler such as proton adds its own)."""
+    return _no_hooks(knobs.runtime.launch_enter_hook) and _no_hooks(knobs.runtime.launch_exit_hook)
 
 
 def _no_hooks(hook) -> bool:
