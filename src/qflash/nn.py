@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from qflash.kernels.replay import Replays
 from qflash.ops.common import require_runnable
 from qflash.ops.quantize import INPUT_DTYPES
 from qflash.reference.quantize import scale_shape
@@ -33,14 +34,6 @@ def _weight_recipe(mode: str):
 
 # How each mode quantizes activations on the fly: (dtype, granularity, block_size)
 _ACTIVATION_RECIPES = {"int8": (torch.int8, "row", None), "fp8": (torch.float8_e4m3fn, "block", (1, 128))}
-
-
-# A layer's replays (``_replayed``) map a kind of call to its Replay, or to the number of recordings
-# refused so far (0: seen once), and "weights" to the buffers' addresses they were recorded with.
-# A call that first makes something lasting (the split-K counts of a new stream) is refused; its
-# next recording may not be.
-_MAX_REPLAYS = 16  # kinds of call a layer keeps (decode batch sizes, a few prefill lengths)
-_MAX_REFUSALS = 3  # then the kind stays on the normal path
 
 
 class QuantizedLinear(nn.Module):
@@ -66,7 +59,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(scale_shape(out_features, in_features, granularity, block),
                                                         dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
-        self._replays = {}  # kind of call -> its Replay or refusals so far (``_replayed``); never saved or copied
+        self._replays = Replays()  # eager calls' replays (forward); never saved or copied
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str = "int8",
@@ -101,7 +94,12 @@ class QuantizedLinear(nn.Module):
         require_runnable("x", x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.is_cuda and x2.numel() and not torch.compiler.is_compiling():
-            y = self._replayed(x2, buffers)
+            # Eager on a GPU: from the second call of a kind on, the first's launches replayed with
+            # the new pointers (kernels/replay.py): at decode sizes the host's Python, not the
+            # kernels, sets a layer's pace.
+            bias = buffers["bias"]
+            kept = (weight_q.data_ptr(), buffers["weight_scale"].data_ptr(), bias is not None and bias.data_ptr())
+            y = self._replays(lambda x: self._product(x, buffers), x2, kept)
         else:
             y = self._product(x2, buffers)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -118,50 +116,14 @@ class QuantizedLinear(nn.Module):
         return launch_scaled_matmul(x_q, buffers["weight_q"], x_scale, buffers["weight_scale"], buffers["bias"],
                                     self.out_dtype or x2.dtype, "row" if self.mode == "int8" else "block")
 
-    def _replayed(self, x2: torch.Tensor, buffers: dict) -> torch.Tensor:
-        """``_product`` of an eager call on a GPU, from the second call of a kind on by a replay of the
-        first's launches (``kernels.replay``): at decode sizes the host's Python, not the kernels, sets
-        a layer's pace. The key holds everything the launches depend on; a kind seen once takes the
-        normal path, so that prefills of ever new lengths are not recorded (a recording costs about a
-        second call's time)."""
-        from qflash.kernels import common
-        from qflash.kernels.replay import record
-
-        device = x2.device
-        if device.index != torch.cuda.current_device() or not common.launches_hookless():
-            return self._product(x2, buffers)  # (another GPU's launch, or a profiler's hooks to call)
-        bias = buffers["bias"]
-        weights = (buffers["weight_q"].data_ptr(), buffers["weight_scale"].data_ptr(),
-                   bias is not None and bias.data_ptr())
-        replays = self._replays
-        if replays.get("weights") != weights:  # buffers replaced or moved: the replays hold the old ones
-            replays.clear()
-            replays["weights"] = weights
-        key = (x2.shape, x2.stride(), x2.dtype, x2.data_ptr() % 16, device.index, common.stream_handle(device),
-               common.PDL, common.gluon_enabled())
-        replay = replays.get(key)
-        if type(replay) is not int:
-            if replay is not None:
-                return replay(x2)
-            if len(replays) > _MAX_REPLAYS:  # the first call of its kind; the oldest kind goes first
-                del replays[next(key for key in replays if key != "weights")]
-            replays[key] = 0
-            return self._product(x2, buffers)
-        if replay >= _MAX_REFUSALS:
-            return self._product(x2, buffers)
-        y, replays[key] = record(lambda x: self._product(x, buffers), [x2])
-        if replays[key] is None:  # refused (the call made a split-K count, say): try again next time
-            replays[key] = replay + 1
-        return y
-
     def __getstate__(self):
         """Pickles and deep copies leave the replays behind: they hold compiled kernels and the
         buffers' addresses. (Their copies record their own.)"""
-        return {**super().__getstate__(), "_replays": {}}
+        return {**super().__getstate__(), "_replays": Replays()}
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.__dict__.setdefault("_replays", {})  # a layer pickled before replays were
+        self.__dict__.setdefault("_replays", Replays())  # a layer pickled before replays were
 
     def _apply(self, fn, recurse=True):
         """``Module.to(dtype)``, ``.half()``, ``.bfloat16()`` and the like cast every floating-point

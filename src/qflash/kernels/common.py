@@ -7,14 +7,13 @@ import collections
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 import triton
 from triton import knobs
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime import driver
-
-from qflash.kernels.replay import note_launch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -226,6 +225,17 @@ def _descriptor_key(desc):
 def _int_type(value: int) -> str:
     """The integer type Triton gives a parameter it does not specialize (``do_not_specialize``)."""
     return "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+
+
+LAUNCH_LOG = threading.local()  # .launches: a list of this thread's launches while ``replay.record`` runs
+
+
+def note_launch(compiled, grid: tuple, values: list) -> None:
+    """A launch of ``CachedLauncher``'s (a compiled kernel, its grid, its arguments in the kernel's
+    order), kept where ``replay.record`` runs in this thread."""
+    launches = getattr(LAUNCH_LOG, "launches", None)
+    if launches is not None:
+        launches.append((compiled, grid, values))
 
 
 class CachedLauncher:

@@ -32,12 +32,12 @@ by the pointers of the tensors it keeps (``QuantizedLinear``: its buffers).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from qflash.kernels import common
 from qflash.testing import new_output
 
 aten = torch.ops.aten
@@ -46,17 +46,6 @@ aten = torch.ops.aten
 _FACTORIES = (aten.empty.memory_format, aten.empty_strided.default, aten.full.default)
 _ALIGN = 256  # bytes between the intermediates in a replay's one workspace (Triton specializes on 16)
 _BASE_ARGS = 13  # what Triton 3.6's C launcher takes before the kernel's own arguments (grid, stream, ...)
-
-_RECORDING = threading.local()  # .launches: the list a ``record`` in this thread fills, else None
-
-
-def note_launch(compiled, grid: tuple, values: list) -> None:
-    """``CachedLauncher``'s report of a launch (a compiled kernel, its grid, its arguments in the
-    kernel's order), kept where a ``record`` runs in this thread."""
-    launches = getattr(_RECORDING, "launches", None)
-    if launches is not None:
-        launches.append((compiled, grid, values))
-
 
 class _MadeTensors(TorchDispatchMode):
     """Logs the tensors a call makes, and the first aten op that does more than make or view one."""
@@ -98,16 +87,25 @@ def record(fn, inputs: Sequence[torch.Tensor]) -> Tuple[object, Optional["Replay
     module docstring). ``fn`` returns a tensor or a tuple of tensors; ``inputs`` are CUDA tensors
     on the current device, whose kernels launch on its current stream."""
     launches, made = [], _MadeTensors()
-    _RECORDING.launches = launches
+    common.LAUNCH_LOG.launches = launches
     try:
         with _counting_launches() as counted, made:
             result = fn(*inputs)
     finally:
-        _RECORDING.launches = None
+        common.LAUNCH_LOG.launches = None
     outputs = result if isinstance(result, tuple) else (result,)
     if made.computed is not None or len(counted) != len(launches):
         return result, None
     return result, Replay.build(inputs, outputs, made.made, launches, isinstance(result, tuple))
+
+
+def _tma_fields(desc, meta) -> tuple:
+    """``fill_tma_descriptor``'s arguments after the address, as ``make_tensordesc_arg`` passes them
+    for a host descriptor of a compiled kernel's (its swizzle, element type and box from ``meta``)."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    return (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+            list(desc.shape), list(desc.strides), 1 if desc.padding == "nan" else 0)
 
 
 def _raw_launcher(run):
@@ -122,38 +120,20 @@ def _raw_launcher(run):
     return cells["launcher"].cell_contents if "launcher" in cells else None
 
 
-class _Pointer(int):
-    """A device address where Triton's descriptor encoding asks a tensor for ``data_ptr()``."""
-
-    def data_ptr(self) -> int:
-        return int(self)
-
-
-class _Rebased:
-    """A host tensor descriptor's fields over another base address (``make_tensordesc_arg`` reads these)."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base: int, desc):
-        self.base, self.shape, self.strides, self.padding = _Pointer(base), desc.shape, desc.strides, desc.padding
-
-
 class _Launch:
     """One recorded launch: the C launcher's arguments with the constant ones in place, and the
-    slots to fill with new pointers (position, root tensor, byte offset, descriptor or None)."""
+    slots to fill anew: (position, root, byte offset from the root's pointer, and None for a
+    pointer or the rest of ``fill_tma_descriptor``'s arguments for a tensor descriptor's TMA map)."""
 
-    def __init__(self, launcher, args: list, slots: list, metas: dict):
-        self.launcher, self.args, self.slots, self.metas = launcher, args, slots, metas
+    def __init__(self, launcher, args: list, slots: list):
+        self.launcher, self.args, self.slots = launcher, args, slots
 
-    def __call__(self, stream: int, pointers: list) -> None:
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-
+    def __call__(self, stream: int, pointers: list, fill_tma_descriptor) -> None:
         args = self.args.copy()
         args[3] = stream
-        for position, root, offset, desc in self.slots:
+        for position, root, offset, tma in self.slots:
             address = pointers[root] + offset
-            args[position] = address if desc is None else make_tensordesc_arg(_Rebased(address, desc),
-                                                                               self.metas[position])[0]
+            args[position] = address if tma is None else fill_tma_descriptor(address, *tma)
         self.launcher(*args)
 
 
@@ -168,6 +148,11 @@ class Replay:
         self.kept = kept  # tensors and descriptors whose pointers the launches keep: alive while the replay is
         self.as_tuple = as_tuple
         self.device = device
+        self.fill_tma_descriptor = None
+        if launches:  # (Triton's CUDA driver: a replay of no launches, as the CPU tests make, needs none)
+            from triton.runtime import driver
+
+            self.fill_tma_descriptor = driver.active.utils.fill_tma_descriptor
 
     @classmethod
     def build(cls, inputs, outputs, made, launches, as_tuple) -> Optional["Replay"]:
@@ -216,19 +201,20 @@ class Replay:
         args = [grid[0], grid[1], grid[2], 0, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
                 None, None, compiled.packed_metadata, None, None, None]
         assert len(args) == _BASE_ARGS
-        metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or [])
-        has_metas = bool(getattr(compiled.metadata, "tensordesc_meta", None))
-        slots, desc_metas = [], {}
+        metas = getattr(compiled.metadata, "tensordesc_meta", None)
+        metas = iter(metas) if metas else None  # None: descriptors passed as pointer, shape and strides
+        slots = []
         for kind, value in zip(types, values):
             if isinstance(kind, str) and kind.startswith("tensordesc"):
-                meta = next(metas) if has_metas else None
+                meta = next(metas) if metas is not None else None
                 where = locate(value.base.data_ptr())
                 if where is not None:  # over a tensor made anew each call: encoded on each replay
-                    slots.append((len(args), *where, value))
-                    desc_metas[len(args)] = meta
+                    if meta is not None and meta["fp4_padded"]:
+                        return None
+                    slots.append((len(args), *where, None if meta is None else _tma_fields(value, meta)))
                 else:  # over a tensor that outlives the call: encoded once, and held
                     kept.append(value)
-                args.extend(make_tensordesc_arg(value, meta))
+                args.extend(make_tensordesc_arg(value, meta))  # (the TMA map, or the pointer, first)
             elif isinstance(kind, str) and kind.startswith("*") and isinstance(value, torch.Tensor):
                 where = locate(value.data_ptr())
                 if where is not None:
@@ -238,7 +224,7 @@ class Replay:
                 args.append(value.data_ptr())
             else:
                 args.append(value)
-        return _Launch(launcher, args, slots, desc_metas)
+        return _Launch(launcher, args, slots)
 
     def __call__(self, *inputs: torch.Tensor):
         from triton.runtime import driver
@@ -253,5 +239,60 @@ class Replay:
             pointers += [start + offset for offset in self.workspace[:-1]]
         stream = driver.active.get_current_stream(self.device.index) if self.launches else 0
         for launch in self.launches:
-            launch(stream, pointers)
+            launch(stream, pointers, self.fill_tma_descriptor)
         return tuple(outputs) if self.as_tuple else outputs[0]
+
+
+MAX_KINDS = 16  # kinds of call a ``Replays`` keeps (decode batch sizes, a few prefill lengths)
+MAX_REFUSALS = 3  # recordings refused before a kind stays on the normal path
+
+
+class Replays:
+    """A layer's replays, one a kind of call (``QuantizedLinear``'s eager calls on a GPU).
+
+    ``replays(fn, x, kept)`` is ``fn(x)``: the first call of a kind runs ``fn`` as it is (so that
+    prefills of ever new lengths are not recorded: a recording costs about a second call's time),
+    the second records it, and the later ones replay it. A kind is everything the launches depend
+    on: x's shape, strides, dtype and 16-byte alignment, the current stream (split-K counts are a
+    stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives the addresses of
+    the tensors the launches keep (a layer's buffers): where they change, the replays go. A
+    recording refused because the call first made something lasting (the split-K counts of a new
+    stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
+    where x's GPU is not the current one or a launch hook listens (a profiler's: it sees every
+    kernel)."""
+
+    def __init__(self):
+        self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
+        self.kept = None
+
+    def __call__(self, fn, x: torch.Tensor, kept: tuple):
+        device = x.device
+        if device.index != torch.cuda.current_device() or not common.launches_hookless():
+            return fn(x)
+        kinds = self.kinds
+        if kept != self.kept:  # the kept tensors replaced or moved: the replays hold the old ones
+            kinds.clear()
+            self.kept = kept
+        kind = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, common.stream_handle(device), common.PDL,
+                common.gluon_enabled())
+        replay = kinds.get(kind)
+        if type(replay) is not int:
+            if replay is not None:
+                return replay(x)
+            if len(kinds) >= MAX_KINDS:  # the oldest kind goes first
+                del kinds[next(iter(kinds))]
+            kinds[kind] = 0
+            return fn(x)
+        if replay >= MAX_REFUSALS:
+            return fn(x)
+        y, made = record(fn, [x])
+        kinds[kind] = replay + 1 if made is None else made
+        return y
+
+    def clear(self) -> None:
+        self.kinds.clear()
+        self.kept = None
+
+    def replays(self) -> list:
+        """The Replays made so far (what the tests check was replayed)."""
+        return [r for r in self.kinds.values() if isinstance(r, Replay)]
