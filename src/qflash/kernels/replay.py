@@ -243,6 +243,7 @@ class Replay:
         return tuple(outputs) if self.as_tuple else outputs[0]
 
 
+ENABLED = True  # False: every call takes the normal path (to tell a replay's doing from a kernel's, or to time both)
 MAX_KINDS = 16  # kinds of call a ``Replays`` keeps (decode batch sizes, a few prefill lengths)
 MAX_REFUSALS = 3  # recordings refused before a kind stays on the normal path
 
@@ -259,7 +260,7 @@ class Replays:
     recording refused because the call first made something lasting (the split-K counts of a new
     stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
     where x's GPU is not the current one or a launch hook listens (a profiler's: it sees every
-    kernel)."""
+    kernel) or ``ENABLED`` is False."""
 
     def __init__(self):
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
@@ -267,7 +268,7 @@ class Replays:
 
     def __call__(self, fn, x: torch.Tensor, kept: tuple):
         device = x.device
-        if device.index != torch.cuda.current_device() or not common.launches_hookless():
+        if not ENABLED or device.index != torch.cuda.current_device() or not common.launches_hookless():
             return fn(x)
         kinds = self.kinds
         if kept != self.kept:  # the kept tensors replaced or moved: the replays hold the old ones

@@ -1,0 +1,86 @@
+"""Eager greedy decoding with quantized linear layers, against bfloat16, with replayed launches
+(kernels/replay.py) and without, side by side in one process.
+
+    python3 benchmarks/decode_eager.py --layers 4 --tokens 64 --out decode_eager.json
+
+A ``LlamaForCausalLM`` of Llama-3-8B's widths (hidden 4096, MLP 14336, 32 heads, 8 KV heads, a
+32000-token vocabulary) with ``--layers`` decoder layers and random weights generates ``--tokens``
+new tokens after a 16-token prompt at batch 1 (transformers' ``generate``, eager, its sdpa
+attention). The INT8 and FP8 models are copies made by ``quantize_model`` (``lm_head`` kept in
+bfloat16). Each round times every model in turn; ms a token is the ``generate`` call's time over
+the new tokens. The tokens of a quantized model with replays must be those without.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import qflash.kernels.replay as replay
+from qflash.bench.harness import environment, save_json
+from qflash.nn import quantize_model
+
+
+def _generate(model, prompt, tokens: int) -> torch.Tensor:
+    return model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="tiny widths (a check of the script on any device)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    widths = (dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=512) if args.small else
+              dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                   vocab_size=32000))
+    config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=4096, **widths)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode, skip=["lm_head"])
+                               for mode in ("int8", "fp8")}}
+    runs = [("bf16", True), ("int8", True), ("int8", False), ("fp8", True), ("fp8", False)]
+    prompt = torch.randint(0, config.vocab_size, (1, 16), device=dev)
+    tokens = {}
+    with torch.no_grad():
+        for name, replays in runs:  # compile, record the replays, and keep each run's tokens
+            replay.ENABLED = replays
+            tokens[name, replays] = _generate(models[name], prompt, args.tokens)
+        times = {run: [] for run in runs}
+        for r in range(args.rounds):
+            for name, replays in runs if r % 2 == 0 else runs[::-1]:
+                replay.ENABLED = replays
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                _generate(models[name], prompt, args.tokens)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name, replays].append((time.perf_counter() - t0) / args.tokens * 1e3)
+    replay.ENABLED = True
+    rows = []
+    bf16 = statistics.median(times["bf16", True])
+    for (name, replays), ms in times.items():
+        median = statistics.median(ms)
+        same = name == "bf16" or torch.equal(tokens[name, True], tokens[name, False])
+        rows.append(dict(model=name, replays=replays, ms_per_token=ms, median_ms=median, x_bf16=bf16 / median,
+                         tokens_same_with_and_without_replays=same))
+        print(f"{name:5s} replays {'on ' if replays else 'off'}  {median:7.3f} ms a token  "
+              f"({bf16 / median:.2f} x bf16)  rounds {', '.join(f'{t:.3f}' for t in ms)}"
+              f"{'' if same else '  TOKENS DIFFER with and without replays'}", flush=True)
+    if args.out:
+        save_json(args.out, {"env": environment(), "layers": args.layers, "tokens": args.tokens,
+                             "config": widths, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
