@@ -46,3 +46,104 @@ def test_replay_makes_outputs_anew_and_packs_intermediates():
     a2, b2 = replay(x)
     assert (a2.shape, a2.dtype, b2.shape, b2.dtype) == (a.shape, a.dtype, b.shape, b.dtype)
     assert a2.data_ptr() != a.data_ptr()
+
+
+def test_replay_makes_filled_tensors_filled_again():
+    """A tensor the call made by ``full`` (the tests' poison, a path's zeroed sums) is made so again:
+    an output by ``full``, an intermediate by a fill of its part of the workspace."""
+    x = _x()
+
+    def fn(x):
+        torch.empty(5, dtype=torch.float32, device=x.device)
+        torch.full((4,), 7, dtype=torch.int32, device=x.device)
+        return torch.full((2, 3), 2.5, dtype=torch.float16, device=x.device)
+
+    _, replay = record(fn, [x])
+    assert replay.workspace == [0, 256, 512] and replay.filled == [(256, 16, torch.int32, 7)]
+    y = replay(x)
+    assert torch.equal(y, torch.full((2, 3), 2.5, dtype=torch.float16))
+
+
+class _FakeRun:
+    """A compiled kernel's launcher as ``replay`` reads it: no scratch memory, and a C launch
+    function (here one that keeps its arguments)."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+    calls = []
+
+    @staticmethod
+    def launch(*args):
+        _FakeRun.calls.append(args)
+
+
+class _FakeCompiled:
+    def __init__(self, signature: dict, metas):
+        self.run, self.function, self.packed_metadata = _FakeRun(), 77, "packed"
+        self.src = type("Src", (), {"signature": signature})()
+        self.metadata = type("Meta", (), {"tensordesc_meta": metas})()
+
+
+class _FakeDriver:
+    """Triton's active driver as ``replay`` uses it: the current stream and TMA encoding."""
+
+    class utils:
+        @staticmethod
+        def fill_tma_descriptor(address, *fields):
+            return ("tma", address, fields[3])
+
+    @staticmethod
+    def get_current_stream(index):
+        return 1234
+
+
+class _Desc:
+    def __init__(self, base, block):
+        self.base, self.shape, self.strides, self.block_shape, self.padding = base, [8, 16], [16, 1], block, "zero"
+
+
+def test_replay_fills_each_launch_with_the_new_pointers():
+    """A fake kernel launched with a view of the input, an output, an intermediate, a tensor that
+    outlives the call, descriptors over an intermediate and over that tensor, an int and a
+    constexpr: the replay passes the new input's and the new tensors' pointers at the recorded
+    offsets, encodes the descriptor over the intermediate anew and keeps the rest as recorded."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    from qflash.kernels import common
+
+    meta = dict(swizzle=0, elem_size=4, elem_type=7, block_size=[4, 16], fp4_padded=False)
+    signature = {"X": "*fp32", "Out": "*fp32", "Tmp": "*fp32", "W": "*fp32", "t_desc": "tensordesc<fp32[4, 16]>",
+                 "w_desc": "tensordesc<fp32[4, 16]>", "n": "i32", "BLOCK": "constexpr"}
+    compiled = _FakeCompiled(signature, [meta, meta])
+    weight = torch.randn(8, 16)
+    saved = driver._active
+    driver.set_active(_FakeDriver())
+    _FakeRun.calls.clear()
+    try:
+        def fn(x):
+            out = torch.empty(8, 16)
+            tmp = torch.empty(3, 8, 16)
+            common.note_launch(compiled, (5,), [x[2:], out, tmp[1], weight, _Desc(tmp[2], [4, 16]),
+                                                _Desc(weight, [4, 16]), 42, 64])
+            knobs.runtime.launch_enter_hook(None)  # as Triton's launcher calls it
+            return out
+
+        x = torch.randn(12, 16)
+        _, replay = record(fn, [x])
+        assert replay is not None and len(replay.launches) == 1
+        assert replay.kept[0] is weight  # the tensor that outlives the call, held
+        x2 = torch.randn(12, 16)
+        out2 = replay(x2)
+        args = _FakeRun.calls[-1]
+        tmp_at = args[15]  # the intermediate's pointer in the new workspace
+        assert args[:13] == (5, 1, 1, 1234, 77, False, True, None, None, "packed", None, None, None)
+        assert args[13] == x2.data_ptr() + 2 * 16 * 4 and args[14] == out2.data_ptr()
+        assert args[16] == weight.data_ptr()
+        assert args[17] == ("tma", tmp_at + 8 * 16 * 4, [4, 16])  # t_desc over tmp[2], encoded anew
+        assert args[18:22] == (8, 16, 16, 1)
+        assert args[22] == ("tma", weight.data_ptr(), [4, 16])  # w_desc, encoded once
+        assert args[27:] == (42, 64)
+        assert replay.workspace == [0, 3 * 8 * 16 * 4]
+    finally:
+        driver._active = saved

@@ -8,10 +8,11 @@ and notes each kernel it launches (through ``common.CachedLauncher``) and each t
 ``Replay`` it returns launches the same compiled kernels with the same arguments, except the
 pointers that change from call to call:
 
-    inputs         the caller's tensors                    their data pointers, plus the offset
-    outputs        tensors the call made and returned      made anew (``testing.new_output``)
-    intermediates  tensors made and dropped (the quantized one workspace made anew, each at its
-                   activation, its scales, split-K sums)   recorded offset
+    inputs         the caller's tensors                  their pointers, plus the recorded offset
+    outputs        tensors the call made and returned    made anew, as the call made them
+    intermediates  tensors the call made and dropped     one workspace made anew, each at its
+                   (the quantized activation, its        recorded offset (and filled where the
+                   scales, split-K sums)                 call made it by ``full``)
 
 Everything else is kept from the recorded call: integers, compiled kernels, grids, and the
 pointers and tensor descriptors (encoded once) of tensors that outlive the call, such as a
@@ -38,7 +39,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qflash.kernels import common
-from qflash.testing import new_output
 
 aten = torch.ops.aten
 
@@ -47,8 +47,10 @@ _FACTORIES = (aten.empty.memory_format, aten.empty_strided.default, aten.full.de
 _ALIGN = 256  # bytes between the intermediates in a replay's one workspace (Triton specializes on 16)
 _BASE_ARGS = 13  # what Triton 3.6's C launcher takes before the kernel's own arguments (grid, stream, ...)
 
+
 class _MadeTensors(TorchDispatchMode):
-    """Logs the tensors a call makes, and the first aten op that does more than make or view one."""
+    """Logs the tensors a call makes, each with its fill value (None: made empty), and the first
+    aten op that does more than make or view one."""
 
     def __init__(self):
         super().__init__()
@@ -58,7 +60,7 @@ class _MadeTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _FACTORIES:
-            self.made.append(out)
+            self.made.append((out, args[1] if func is aten.full.default else None))
         elif not func.is_view and self.computed is None:
             self.computed = func
         return out
@@ -141,9 +143,11 @@ class Replay:
     """The launches of a recorded call, launched again on new inputs (see the module docstring).
     ``replay(*inputs)`` returns new outputs as the call returned them."""
 
-    def __init__(self, outputs: list, workspace: list, launches: list, kept: list, as_tuple: bool, device):
-        self.outputs = outputs  # (shape, dtype) of each output
+    def __init__(self, outputs: list, workspace: list, filled: list, launches: list, kept: list, as_tuple: bool,
+                 device):
+        self.outputs = outputs  # (shape, dtype, fill value or None) of each output
         self.workspace = workspace  # byte offsets of the intermediates in one workspace, and its size last
+        self.filled = filled  # (offset, bytes, dtype, value) of each intermediate the call made by ``full``
         self.launches = launches
         self.kept = kept  # tensors and descriptors whose pointers the launches keep: alive while the replay is
         self.as_tuple = as_tuple
@@ -157,18 +161,21 @@ class Replay:
     @classmethod
     def build(cls, inputs, outputs, made, launches, as_tuple) -> Optional["Replay"]:
         # (The tensors the call gets back are other Python objects than those the mode saw made.)
-        made_at = {t.data_ptr() for t in made}
-        if any(t.data_ptr() not in made_at or not t.is_contiguous() or t.storage_offset()
+        fills = {t.data_ptr(): fill for t, fill in made}
+        if any(t.data_ptr() not in fills or not t.is_contiguous() or t.storage_offset()
                or t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in outputs):
             return None
         out_at = {t.data_ptr() for t in outputs}
-        intermediates = [t for t in made if t.data_ptr() not in out_at]
-        roots = [*inputs, *outputs, *intermediates]  # the order of a replay's pointers
+        intermediates = [(t, fill) for t, fill in made if t.data_ptr() not in out_at]
+        roots = [*inputs, *outputs, *(t for t, _ in intermediates)]  # the order of a replay's pointers
         spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.data_ptr()) for t in roots]
-        offsets, size = [], 0
-        for t in intermediates:
+        offsets, filled, size = [], [], 0
+        for t, fill in intermediates:
             offsets.append(size)
-            size += -(-t.untyped_storage().nbytes() // _ALIGN) * _ALIGN
+            nbytes = t.untyped_storage().nbytes()
+            if fill is not None:
+                filled.append((size, nbytes, t.dtype, fill))
+            size += -(-nbytes // _ALIGN) * _ALIGN
         kept = []
 
         def locate(address: int):
@@ -185,7 +192,8 @@ class Replay:
                 return None
             recorded.append(launch)
         device = inputs[0].device if inputs else outputs[0].device
-        return cls([(tuple(t.shape), t.dtype) for t in outputs], [*offsets, size], recorded, kept, as_tuple, device)
+        return cls([(tuple(t.shape), t.dtype, fills[t.data_ptr()]) for t in outputs], [*offsets, size], filled,
+                   recorded, kept, as_tuple, device)
 
     @staticmethod
     def _template(compiled, grid, values, locate, kept) -> Optional[_Launch]:
@@ -215,6 +223,8 @@ class Replay:
                 else:  # over a tensor that outlives the call: encoded once, and held
                     kept.append(value)
                 args.extend(make_tensordesc_arg(value, meta))  # (the TMA map, or the pointer, first)
+                if where is not None:
+                    args[slots[-1][0]] = None  # (filled on each replay: the template holds no tensor of the call's)
             elif isinstance(kind, str) and kind.startswith("*") and isinstance(value, torch.Tensor):
                 where = locate(value.data_ptr())
                 if where is not None:
@@ -230,11 +240,14 @@ class Replay:
         from triton.runtime import driver
 
         pointers = [t.data_ptr() for t in inputs]
-        outputs = [new_output(shape, dtype=dtype, device=self.device) for shape, dtype in self.outputs]
+        outputs = [torch.empty(shape, dtype=dtype, device=self.device) if fill is None else
+                   torch.full(shape, fill, dtype=dtype, device=self.device) for shape, dtype, fill in self.outputs]
         pointers += [t.data_ptr() for t in outputs]
         size = self.workspace[-1]
         if size:
             workspace = torch.empty(size, dtype=torch.uint8, device=self.device)  # freed after: stream-ordered
+            for offset, nbytes, dtype, fill in self.filled:  # (the tests' poison, or a path's zeroed sums)
+                workspace[offset:offset + nbytes].view(dtype).fill_(fill)
             start = workspace.data_ptr()
             pointers += [start + offset for offset in self.workspace[:-1]]
         stream = driver.active.get_current_stream(self.device.index) if self.launches else 0
