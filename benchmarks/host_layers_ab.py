@@ -5,7 +5,8 @@ in turn in one process (the host's pace drifts between processes by up to 2 x, s
     python3 benchmarks/host_layers_ab.py --base /tmp/base/src --out host_ab.json
 
 What is swapped (the rest of the code is this tree's): ``QuantizedLinear.forward``, the ops'
-``on_device_of``, ``CachedLauncher._launch`` and ``split_k_counters``. Times a Llama-3-8B up
+``on_device_of``, ``CachedLauncher._launch`` and ``split_k_counters``. (From session 58 this
+tree's forward replays its launches, ``kernels/replay.py``; a base tree from before does not.) Times a Llama-3-8B up
 projection (4096 -> 14336) at M = 16 in bfloat16, INT8 and FP8 (the microseconds from the first
 call to the last call's return, 200 calls, no synchronize between: the host's issue rate), with
 ``torch._scaled_mm`` as a yardstick of the host's pace, in seven alternating rounds; then the
