@@ -293,7 +293,8 @@ def _gluon_off():
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_gpu_replays_follow_the_weights(mode):
     """New weights loaded in place are read by the replay; buffers moved or replaced (``.to``,
-    ``load_state_dict(assign=True)``) drop the replays or key new ones; copies record their own."""
+    ``load_state_dict(assign=True)``) and a changed ``out_dtype`` drop the replays; copies record
+    their own."""
     import copy
 
     layer, other = _layer(mode, 512, 256, seed=0), _layer(mode, 512, 256, seed=1)
@@ -306,6 +307,9 @@ def test_gpu_replays_follow_the_weights(mode):
         assert torch.equal(layer(x), other._product(x, other._buffers))
         twin = copy.deepcopy(layer)
         assert not twin._replays.kinds and torch.equal(twin(x), layer(x))
+        layer.out_dtype = torch.float32  # a setting the launches were made with: replays go
+        assert layer(x).dtype == torch.float32 and not _replays(layer)
+        layer.out_dtype = None
         layer.cpu()
         assert not layer._replays.kinds
         layer.cuda()

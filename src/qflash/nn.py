@@ -103,7 +103,8 @@ class QuantizedLinear(nn.Module):
             # with the new pointers (kernels/replay.py): at decode sizes the host's Python, not the
             # kernels, sets a layer's pace.
             bias = buffers["bias"]
-            kept = (weight_q.data_ptr(), buffers["weight_scale"].data_ptr(), bias is not None and bias.data_ptr())
+            kept = (weight_q.data_ptr(), buffers["weight_scale"].data_ptr(), bias is not None and bias.data_ptr(),
+                    self.out_dtype, self.mode)
             y = self._replays(lambda x: self._product(x, buffers), x2, kept)
         else:
             y = self._product(x2, buffers)

@@ -268,8 +268,9 @@ class Replays:
     prefills of ever new lengths are not recorded: a recording costs about a second call's time),
     the second records it, and the later ones replay it. A kind is everything the launches depend
     on: x's shape, strides, dtype and 16-byte alignment, the current stream (split-K counts are a
-    stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives the addresses of
-    the tensors the launches keep (a layer's buffers): where they change, the replays go. A
+    stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else the
+    launches were made with: the addresses of the tensors they keep (a layer's buffers) and the
+    caller's settings (its output dtype); where it changes, the replays go. A
     recording refused because the call first made something lasting (the split-K counts of a new
     stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
     where x's GPU is not the current one or a launch hook listens (a profiler's: it sees every
@@ -284,7 +285,7 @@ class Replays:
         if not ENABLED or device.index != torch.cuda.current_device() or not common.launches_hookless():
             return fn(x)
         kinds = self.kinds
-        if kept != self.kept:  # the kept tensors replaced or moved: the replays hold the old ones
+        if kept != self.kept:  # buffers replaced or moved (the replays hold the old ones), or settings changed
             kinds.clear()
             self.kept = kept
         kind = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, common.stream_handle(device), common.PDL,
