@@ -147,3 +147,46 @@ def test_replay_fills_each_launch_with_the_new_pointers():
         assert replay.workspace == [0, 3 * 8 * 16 * 4]
     finally:
         driver._active = saved
+
+
+def test_replays_policy(monkeypatch):
+    """A kind's first call runs the function, its second records it, later ones replay (the
+    function is not called); a change of what the launches were made with (``kept``) drops every
+    replay; a refused recording is tried again up to MAX_REFUSALS times; at MAX_KINDS kinds the
+    oldest goes. (On the CPU, as if it were the current GPU with no launch hook.)"""
+    from qflash.kernels import common, replay
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(common, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(common, "launches_hookless", lambda: True)
+    calls = []
+
+    def make(x):
+        calls.append(x.shape)
+        return torch.empty(x.shape[0], 3)
+
+    def compute(x):
+        calls.append(x.shape)
+        return x + 1
+
+    replays = replay.Replays()
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        assert replays(make, x, ("w", 1)).shape == (4, 3)
+    assert len(calls) == 2 and len(replays.replays()) == 1  # run, recorded, then replayed twice
+    replays(make, x, ("w", 2))  # other kept: the replay is gone, the kind starts again
+    assert len(calls) == 3 and not replays.replays()
+    for _ in range(replay.MAX_REFUSALS + 3):
+        assert torch.equal(replays(compute, x, ("w", 2)), x + 1)
+    assert replays.kinds[next(k for k in replays.kinds if k[0] == x.shape)] == replay.MAX_REFUSALS
+    for m in range(5, 5 + replay.MAX_KINDS):  # as many new kinds as are kept
+        replays(make, torch.randn(m, 8), ("w", 2))
+    assert len(replays.kinds) == replay.MAX_KINDS and (4, 8) not in [k[0] for k in replays.kinds]
+    x5 = torch.randn(5, 8)
+    replays(make, x5, ("w", 2))  # (recorded)
+    before = len(calls)
+    replays(make, x5, ("w", 2))
+    assert len(calls) == before  # replayed
+    monkeypatch.setattr(replay, "ENABLED", False)
+    replays(make, x5, ("w", 2))  # replays off: the function runs
+    assert len(calls) == before + 1
