@@ -252,10 +252,16 @@ def test_gpu_replayed_layer_equals_its_normal_path(mode, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
-def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode):
+def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode, monkeypatch):
     """Strided and 3-D inputs, other dtypes, no bias, out_dtype, early launch and Gluon off each
     take a replay of their own, and every replay equals the normal path."""
     from qflash.kernels.common import early_launch
+
+    @contextlib.contextmanager
+    def gluon_off():
+        with monkeypatch.context() as patch:
+            patch.setenv("QFLASH_GLUON", "0")
+            yield
 
     k, n = 512, 768
     for bias, out_dtype in ((True, None), (False, torch.float32)):
@@ -264,7 +270,7 @@ def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode):
         inputs = [torch.randn(16, k, device="cuda", dtype=torch.bfloat16), wide[:, :k], wide[:, 4:k + 4],
                   torch.randn(2, 8, k, device="cuda", dtype=torch.float32)]
         with torch.no_grad():
-            for switch in (contextlib.nullcontext, early_launch, _gluon_off):
+            for switch in (contextlib.nullcontext, early_launch, gluon_off):
                 with switch():
                     for x in inputs:
                         for _ in range(3):
@@ -272,21 +278,6 @@ def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode):
                             ref = layer._product(x.reshape(-1, k), layer._buffers)
                             assert torch.equal(y.reshape(-1, n), ref)
         assert len(_replays(layer)) == 3 * len(inputs)
-
-
-@contextlib.contextmanager
-def _gluon_off():
-    import os
-
-    saved = os.environ.get("QFLASH_GLUON")
-    os.environ["QFLASH_GLUON"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["QFLASH_GLUON"]
-        else:
-            os.environ["QFLASH_GLUON"] = saved
 
 
 @pytest.mark.gpu

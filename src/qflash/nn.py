@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from qflash.kernels.replay import Replays
 from qflash.ops.common import require_runnable
-from qflash.ops.quantize import INPUT_DTYPES
+from qflash.ops.matmul import launch_scaled_matmul
+from qflash.ops.quantize import INPUT_DTYPES, launch_quantize
 from qflash.reference.quantize import scale_shape
 
 __all__ = ["QuantizedLinear", "quantize_model"]
@@ -114,9 +115,6 @@ class QuantizedLinear(nn.Module):
         """Quantize x2 (M, in) and multiply: straight to the launch paths, since the public ops
         would re-validate the layer's own buffers (checked when made or loaded) on every call,
         which costs as much as a short kernel."""
-        from qflash.ops.matmul import launch_scaled_matmul
-        from qflash.ops.quantize import launch_quantize
-
         qdtype, granularity, block = _ACTIVATION_RECIPES[self.mode]
         x_q, x_scale = launch_quantize(x2, qdtype, granularity, block, None)
         return launch_scaled_matmul(x_q, buffers["weight_q"], x_scale, buffers["weight_scale"], buffers["bias"],

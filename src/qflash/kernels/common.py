@@ -296,22 +296,25 @@ class CachedLauncher:
             self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
             if len(self.compiled) > self.maxsize:  # the oldest key goes first
                 self.compiled.popitem(last=False)
-            note_launch(compiled, grid, values)
-            return compiled
+        else:
+            self._run(compiled, (*grid, 1, 1), device, values)
         note_launch(compiled, grid, values)  # (where a layer records its launches: replay.record)
-        grid = (*grid, 1, 1)
+        return compiled
+
+    @staticmethod
+    def _run(compiled, grid: tuple, device: int, values: list) -> None:
+        """Launch a compiled kernel on the current stream; the launcher takes every parameter in
+        the kernel's order and skips the constexprs."""
         stream = driver.active.get_current_stream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _no_hooks(enter) and _no_hooks(leave):
+        if launches_hookless():
             # Nobody listens (a profiler such as proton adds hooks): no launch metadata to make and
             # no empty hook chains for the launcher to call back into Python for.
             metadata = enter = leave = None
         else:
             metadata = compiled.launch_metadata(grid, stream, *values)
-        # The launcher takes every parameter in the kernel's order and skips the constexprs.
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
                      leave, *values)
-        return compiled
 
 
 def launches_hookless() -> bool:

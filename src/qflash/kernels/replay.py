@@ -37,6 +37,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime import driver
 
 from qflash.kernels import common
 
@@ -154,8 +155,6 @@ class Replay:
         self.device = device
         self.fill_tma_descriptor = None
         if launches:  # (Triton's CUDA driver: a replay of no launches, as the CPU tests make, needs none)
-            from triton.runtime import driver
-
             self.fill_tma_descriptor = driver.active.utils.fill_tma_descriptor
 
     @classmethod
@@ -237,8 +236,6 @@ class Replay:
         return _Launch(launcher, args, slots)
 
     def __call__(self, *inputs: torch.Tensor):
-        from triton.runtime import driver
-
         pointers = [t.data_ptr() for t in inputs]
         outputs = [torch.empty(shape, dtype=dtype, device=self.device) if fill is None else
                    torch.full(shape, fill, dtype=dtype, device=self.device) for shape, dtype, fill in self.outputs]
