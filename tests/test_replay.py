@@ -61,7 +61,7 @@ def test_replay_makes_filled_tensors_filled_again():
     _, replay = record(fn, [x])
     assert replay.workspace == [0, 256, 512] and replay.filled == [(256, 16, torch.int32, 7)]
     y = replay(x)
-    assert torch.equal(y, torch.full((2, 3), 2.5, dtype=torch.float16))
+    assert torch.equal(y, torch.full((2, 3), 2.5, dtype=torch.float16, device=x.device))
 
 
 class _FakeRun:
