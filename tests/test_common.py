@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.common import CachedLauncher, _arg_key, _int_class, cdiv, next_power_of_2, tma_compatible
+from qflash.kernels.common import CachedLauncher, _arg_key, cdiv, next_power_of_2, tma_compatible
 
 from conftest import DEVICE
 
@@ -72,22 +72,6 @@ def test_arg_key_tells_apart_what_triton_specializes():
     assert _arg_key(desc) != _arg_key(TensorDescriptor.from_tensor(m, [32, 64]))
 
 
-def test_int_class_is_as_fine_as_tritons_specialization():
-    """Two integers of one ``_int_class`` get one compiled kernel from Triton (its own
-    specialization of a parameter, as the CUDA backend asks for it), so the launcher may launch
-    that kernel for either."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    values = [*range(-40, 80), 1023, 1024, 1025, 4096, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
-              -2**31 - 16, 2**63 - 16, 2**63, 2**63 + 5, 2**64 - 16]
-    classes = {}
-    for value in values:
-        triton_kind = native_specialize_impl(BaseBackend, value, False, True, True)
-        assert classes.setdefault(_int_class(value), triton_kind) == triton_kind, value
-    assert len(classes) == 7  # 1; i32, i64, u64, each divisible by 16 or not
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs the tests where there is no GPU")
 def test_cached_launcher_in_the_interpreter():
     """Without compiled kernels (Triton's interpreter) every call takes Triton's own path."""
@@ -106,29 +90,6 @@ def test_gpu_cached_launcher_launches_the_right_kernel():
     x = torch.zeros(4, device="cuda")
     with pytest.raises(TypeError, match="missing argument 'Out'"):
         launcher[(1,)](x, x, BLOCK=64)
-
-
-@pytest.mark.gpu
-def test_gpu_cached_launcher_launches_new_lengths_without_tritons_call(monkeypatch):
-    """Lengths not seen before (a decode step's) launch the kernel Triton compiled for their
-    class without Triton's call, and each launch gets its own length."""
-    launcher = CachedLauncher(_axpy_kernel)
-    triton_calls = []
-    kernel = launcher.kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            triton_calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(launcher, "kernel", Counting())
-    monkeypatch.setattr(Counting, "device_caches", kernel.device_caches, raising=False)
-    for n in (1000, 1001, 1002, 1016, 1032, 1, 1003, 48):
-        x = torch.randn(n, device="cuda", dtype=torch.float64)
-        y = torch.randn(n, device="cuda", dtype=torch.float64)
-        assert torch.equal(_axpy(launcher, x, y, 2.0), 2.0 * x + y), n
-    assert len(triton_calls) == 3  # n not divisible by 16, divisible by 16, n = 1
-    assert len(launcher.compiled) == 8 and len(launcher.by_class) == 3
 
 
 @triton.jit(do_not_specialize=["seed"])

@@ -227,12 +227,6 @@ def _int_type(value: int) -> str:
     return "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
 
 
-def _int_class(value: int):
-    """What Triton 3.6 compiles an integer parameter for (one compiled kernel for every value of a
-    class): 1 as a constant, else its integer type and whether 16 divides it."""
-    return "1" if value == 1 else (_int_type(value), value % 16 == 0)
-
-
 LAUNCH_LOG = threading.local()  # .launches: a list of this thread's launches while ``replay.record`` runs
 
 
@@ -254,21 +248,17 @@ class CachedLauncher:
     kernel's parameters by name, keys the compiled kernel that Triton's call returned by
     everything Triton specializes on (``_arg_key``: dtypes, pointer alignment, integer values,
     constexprs, options; the type alone for ``do_not_specialize`` parameters) and launches it
-    directly the next time the key comes back. A new key whose integers fall where Triton's own
-    went (``_int_class``: the same kernel for every length a decode step brings) is launched
-    directly too. Any other miss takes Triton's own path, so compiling, caching on disk and checks
-    stay Triton's; so does every call in Triton's interpreter."""
+    directly the next time the key comes back. A miss takes Triton's own path, so compiling,
+    caching on disk and checks stay Triton's; so does every call in Triton's interpreter."""
 
     def __init__(self, kernel, maxsize: int = 512):
         self.kernel = kernel
         self.maxsize = maxsize
-        self.compiled = collections.OrderedDict()  # key (integers by value) -> compiled kernel
-        self.by_class = collections.OrderedDict()  # the key with integers by ``_int_class`` -> compiled kernel
+        self.compiled = collections.OrderedDict()
         params = getattr(kernel, "params", [])  # (the interpreter's functions have none: not needed there)
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.has_default}
         self.loose = [i for i, p in enumerate(params) if p.do_not_specialize and not p.is_constexpr]
-        self.specialized = [i for i, p in enumerate(params) if not p.do_not_specialize and not p.is_constexpr]
 
     def __getitem__(self, grid: tuple):
         return functools.partial(self._launch, grid)
@@ -303,19 +293,9 @@ class CachedLauncher:
         key = tuple(key)
         compiled = self.compiled.get(key)
         if compiled is None:
-            # A new integer value (a decode step's key length) is mostly one Triton compiled already:
-            # found by its class, it skips Triton's call (about 100 us of Python) as a seen key does.
-            shared = list(key)
-            for i in self.specialized:
-                if type(shared[base + i]) is int:
-                    shared[base + i] = _int_class(shared[base + i])
-            shared = tuple(shared)
-            compiled = self.by_class.get(shared)
-            if compiled is None:
-                compiled = _remember(self.by_class, shared, self.kernel[grid](*values, **kwargs), self.maxsize)
-            else:
-                self._run(compiled, (*grid, 1, 1), device, values)
-            _remember(self.compiled, key, compiled, self.maxsize)
+            self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
+            if len(self.compiled) > self.maxsize:  # the oldest key goes first
+                self.compiled.popitem(last=False)
         else:
             self._run(compiled, (*grid, 1, 1), device, values)
         note_launch(compiled, grid, values)  # (where a layer records its launches: replay.record)
@@ -335,14 +315,6 @@ class CachedLauncher:
             enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
                      leave, *values)
-
-
-def _remember(cache: collections.OrderedDict, key: tuple, compiled, maxsize: int):
-    """``cache[key] = compiled``, the oldest key going where there are more than ``maxsize``."""
-    cache[key] = compiled
-    if len(cache) > maxsize:
-        cache.popitem(last=False)
-    return compiled
 
 
 def launches_hookless() -> bool:
