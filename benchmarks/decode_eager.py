@@ -1,14 +1,16 @@
-"""Eager greedy decoding with quantized linear layers, against bfloat16, with replayed launches
-(kernels/replay.py) and without, side by side in one process.
+"""Eager greedy decoding with quantized linear layers and qflash's attention, against bfloat16 and
+PyTorch's SDPA, with replayed launches (kernels/replay.py) and without, side by side in one process.
 
     python3 benchmarks/decode_eager.py --layers 4 --tokens 64 --out decode_eager.json
+    python3 benchmarks/decode_eager.py --attention sdpa,qf_attention --out decode_eager.json
 
 A ``LlamaForCausalLM`` of Llama-3-8B's widths (hidden 4096, MLP 14336, 32 heads, 8 KV heads, a
 32000-token vocabulary) with ``--layers`` decoder layers and random weights generates ``--tokens``
-new tokens after a 16-token prompt at batch 1 (transformers' ``generate``, eager, its sdpa
-attention). The INT8 and FP8 models are copies made by ``quantize_model`` (``lm_head`` kept in
-bfloat16). Each round times every model in turn; ms a token is the ``generate`` call's time over
-the new tokens. The tokens of a quantized model with replays must be those without.
+new tokens after a 16-token prompt at batch 1 (transformers' ``generate``, eager, with each
+attention implementation of ``--attention``: transformers' "sdpa", or qflash's "qf_attention").
+The INT8 and FP8 models are copies made by ``quantize_model`` (``lm_head`` kept in bfloat16). Each
+round times every run in turn; ms a token is the ``generate`` call's time over the new tokens. The
+tokens of a run with replays must be those without.
 """
 
 import argparse
@@ -20,6 +22,7 @@ import torch
 
 import qflash.kernels.replay as replay
 from qflash.bench.harness import environment, save_json
+from qflash.integrations.transformers import register
 from qflash.nn import quantize_model
 
 
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="tiny widths (a check of the script on any device)")
+    parser.add_argument("--attention", default="sdpa", help="attention implementations, comma-separated: "
+                        "sdpa (transformers'), qf_attention (qflash's)")
     parser.add_argument("--out")
     args = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,38 +53,51 @@ def main() -> None:
         base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode, skip=["lm_head"])
                                for mode in ("int8", "fp8")}}
-    runs = [("bf16", True), ("int8", True), ("int8", False), ("fp8", True), ("fp8", False)]
+    attentions = args.attention.split(",")
+    if "qf_attention" in attentions:
+        register()
+    # (bfloat16 with SDPA launches no qflash kernel: one run, the yardstick)
+    runs = [(name, attention, replays) for attention in attentions for name in models
+            for replays in ((True,) if (name, attention) == ("bf16", "sdpa") else (True, False))]
     prompt = torch.randint(0, config.vocab_size, (1, 16), device=dev)
     tokens = {}
     with torch.no_grad():
-        for name, replays in runs:  # compile, record the replays, and keep each run's tokens
-            replay.ENABLED = replays
-            tokens[name, replays] = _generate(models[name], prompt, args.tokens)
+        for run in runs:  # compile, record the replays, and keep each run's tokens
+            tokens[run] = _timed_generate(models, run, prompt, args.tokens)[0]
         times = {run: [] for run in runs}
         for r in range(args.rounds):
-            for name, replays in runs if r % 2 == 0 else runs[::-1]:
-                replay.ENABLED = replays
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                _generate(models[name], prompt, args.tokens)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times[name, replays].append((time.perf_counter() - t0) / args.tokens * 1e3)
+            for run in runs if r % 2 == 0 else runs[::-1]:
+                times[run].append(_timed_generate(models, run, prompt, args.tokens)[1])
     replay.ENABLED = True
     rows = []
-    bf16 = statistics.median(times["bf16", True])
-    for (name, replays), ms in times.items():
+    yardstick = runs[0]
+    base_ms = statistics.median(times[yardstick])
+    for (name, attention, replays), ms in times.items():
         median = statistics.median(ms)
-        same = name == "bf16" or torch.equal(tokens[name, True], tokens[name, False])
-        rows.append(dict(model=name, replays=replays, ms_per_token=ms, median_ms=median, x_bf16=bf16 / median,
-                         tokens_same_with_and_without_replays=same))
-        print(f"{name:5s} replays {'on ' if replays else 'off'}  {median:7.3f} ms a token  "
-              f"({bf16 / median:.2f} x bf16)  rounds {', '.join(f'{t:.3f}' for t in ms)}"
+        same = torch.equal(tokens[name, attention, replays], tokens[name, attention, True])
+        rows.append(dict(model=name, attention=attention, replays=replays, ms_per_token=ms, median_ms=median,
+                         x_first=base_ms / median, tokens_same_with_and_without_replays=same))
+        print(f"{name:5s} {attention:12s} replays {'on ' if replays else 'off'}  {median:7.3f} ms a token  "
+              f"({base_ms / median:.2f} x {yardstick[0]} {yardstick[1]})  rounds {', '.join(f'{t:.3f}' for t in ms)}"
               f"{'' if same else '  TOKENS DIFFER with and without replays'}", flush=True)
     if args.out:
         save_json(args.out, {"env": environment(), "layers": args.layers, "tokens": args.tokens,
-                             "config": widths, "rows": rows})
+                             "config": widths, "first_run": yardstick, "rows": rows})
+
+
+def _timed_generate(models: dict, run: tuple, prompt, tokens: int):
+    """(the tokens, ms a new token) of one ``generate`` of ``run`` = (model, attention, replays)."""
+    name, attention, replays = run
+    model = models[name]
+    replay.ENABLED = replays
+    model.config._attn_implementation = attention  # (read by every layer at each call)
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = _generate(model, prompt, tokens)
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    return out, (time.perf_counter() - t0) / tokens * 1e3
 
 
 if __name__ == "__main__":

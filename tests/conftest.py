@@ -36,6 +36,15 @@ def _seed():
     torch.manual_seed(1234)
 
 
+@pytest.fixture(autouse=True)
+def _no_replays_from_other_tests():
+    # The attention ops' eager forwards replay their launches by the arguments' kinds (ops/attention.py),
+    # which do not see a test's monkeypatched plans and tiles: each test records its own.
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    _EAGER_FORWARDS.clear()
+
+
 def one_graph(fn):
     """``fn`` under torch.compile as one graph (``fullgraph``: a break fails), through AOT autograd
     without code generation (the kernels run as they are), after a fresh dynamo state."""

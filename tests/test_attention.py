@@ -1613,3 +1613,121 @@ def test_every_forward_tile(d, tile, kw, monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
         check_flash(*_qkv(2, 1023, 1500, 4, 2, d, dtype=dtype), **kw)
         check_flash(*_qkv(1, 1500, 777, 2, 1, d, dtype=dtype), **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Replayed eager forwards (ops/attention.py's _EAGER_FORWARDS): from the second no-grad call of a
+# kind on a GPU, the launches of the one before run again with the new tensors' pointers.
+# ----------------------------------------------------------------------------------------------
+_REPLAY_CASES = ("decode, split keys", "Gluon prefill", "ragged, window, softcap, ALiBi", "sinks", "varlen",
+                 "sdpa with a mask", "KV cache, rotary", "paged KV cache, rotary", "packed q, k, v")
+
+
+def _replay_case(name: str):
+    """(inputs(seed), call(*inputs)) of each kind of eager forward: decoding with keys split
+    and grouped heads, a Gluon prefill, ragged lengths with window, softcap and ALiBi, sinks, varlen,
+    sdpa with a mask, KV caches (new keys, rotary, paged) written in place, and packed q / k / v."""
+    def gen(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    def dense(b, sq, sk, h, hkv, d, dtype=torch.bfloat16):
+        return lambda seed: tuple(gen(seed)(*shape, dtype=dtype) for shape in ((b, sq, h, d), (b, sk, hkv, d),
+                                                                               (b, sk, hkv, d)))
+
+    def kvcache(paged, seed):
+        r = gen(seed)
+        q, k_cache, v_cache, k, v = r(3, 2, 8, 64), r(3, 300, 2, 64), r(3, 300, 2, 64), r(3, 2, 2, 64), r(3, 2, 2, 64)
+        cos, sin = _rotary_tables(300, 32)
+        lens = torch.tensor([0, 77, 290], dtype=torch.int32, device="cuda")
+        if not paged:
+            return q, k_cache, v_cache, k, v, lens, cos, sin, None
+        k_pages, v_pages, table = paged_cache(k_cache, v_cache, 16, spare_pages=3, seed=seed)
+        return q, k_pages, v_pages, k, v, lens, cos, sin, table
+
+    def with_cache(q, k_cache, v_cache, k, v, lens, cos, sin, table):
+        return qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=lens, block_table=table, causal=True,
+                                              return_softmax_lse=True)
+
+    lens_q, lens_k = [1, 63, 0, 40], [5, 1023, 9, 113]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0)], dtype=torch.int32, device="cuda")
+                  for n in (lens_q, lens_k))
+    alibi = torch.rand(2, 4, device="cuda")
+    sinks = attention_sinks(8, device="cuda")
+    mask = torch.rand(29, 47, device="cuda") > 0.3
+    attn = lambda *t, **kw: qflash.flash_attn_func(*t, return_attn_probs=True, **kw)[:2]  # noqa: E731
+    cases = [
+        ("decode, split keys", dense(2, 1, 1023, 8, 2, 128), lambda q, k, v: attn(q, k, v, causal=True)),
+        ("Gluon prefill", dense(1, 256, 256, 4, 2, 128, torch.float16), lambda q, k, v: attn(q, k, v, causal=True)),
+        ("ragged, window, softcap, ALiBi", dense(2, 113, 239, 4, 2, 96, torch.float16),
+         lambda q, k, v: attn(q, k, v, window_size=(32, 0), softcap=30.0, alibi_slopes=alibi)),
+        ("sinks", dense(1, 1, 1023, 8, 2, 64), lambda q, k, v: attn(q, k, v, sinks=sinks)),
+        ("varlen", lambda seed: (gen(seed)(104, 4, 32), gen(seed + 99)(1150, 2, 32), gen(seed + 98)(1150, 2, 32)),
+         lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 1023, causal=True,
+                                                       return_attn_probs=True)[:2]),
+        ("sdpa with a mask", lambda seed: tuple(gen(seed)(2, 3, n, 32) for n in (29, 47, 47)),
+         lambda q, k, v: (qflash.sdpa(q, k, v, attn_mask=mask),)),
+        ("KV cache, rotary", lambda seed: kvcache(False, seed), with_cache),
+        ("paged KV cache, rotary", lambda seed: kvcache(True, seed), with_cache),
+        ("packed q, k, v", lambda seed: (gen(seed)(2, 70, 3, 4, 64, dtype=torch.float16),),
+         lambda qkv: attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])),
+    ]
+    assert [case[0] for case in cases] == list(_REPLAY_CASES)
+    return dict((case[0], case[1:]) for case in cases)[name]
+
+
+@gpu
+@pytest.mark.parametrize("name", _REPLAY_CASES)
+def test_gpu_eager_forwards_replay_bit_for_bit(name, monkeypatch):
+    """Five calls of a kind on fresh inputs without gradients (poisoned outputs), the last three
+    replayed, against the same calls with replays off: the same bits in every output and every
+    cache written in place; no replay where q, k and v share one tensor's memory."""
+    from qflash.kernels import replay
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    inputs, call = _replay_case(name)
+    results = {}
+    for replays_on in (True, False):
+        monkeypatch.setattr(replay, "ENABLED", replays_on)
+        runs = [inputs(seed) for seed in range(5)]
+        with torch.no_grad(), poisoned():
+            outs = [call(*run) for run in runs]
+        results[replays_on] = [(*outs[i], *runs[i]) for i in range(5)]  # outputs, then the (written) inputs
+        if replays_on:
+            assert len(_EAGER_FORWARDS.replays()) == (0 if name == "packed q, k, v" else 1)
+    for on, off in zip(results[True], results[False]):
+        for a, b in zip(on, off):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num())
+                                             and torch.equal(a.isnan(), b.isnan())), name
+    for out in results[True]:
+        assert_written(out[0])
+
+
+@gpu
+def test_gpu_eager_forwards_replay_per_stream_and_not_under_hooks():
+    """A replay is its stream's (another stream records its own), and a launch hook (a profiler's)
+    takes the normal path, which it then sees."""
+    from triton import knobs
+
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    q, k, v = _qkv(2, 1, 300, 8, 2, 64, dtype=torch.bfloat16)
+    want = qflash.flash_attn_func(q, k, v)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(qflash.flash_attn_func(q, k, v), want)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            outs = [qflash.flash_attn_func(q, k, v) for _ in range(3)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs) and len(_EAGER_FORWARDS.replays()) == 2
+        seen = []
+        hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert torch.equal(qflash.flash_attn_func(q, k, v), want)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert seen

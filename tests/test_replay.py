@@ -4,7 +4,7 @@ path, bit for bit)."""
 
 import torch
 
-from qflash.kernels.replay import Replay, record
+from qflash.kernels.replay import Replay, kind_of, record
 from qflash.testing import new_output
 
 from conftest import DEVICE
@@ -27,6 +27,23 @@ def test_record_refuses_outputs_that_are_not_whole_tensors_it_made():
     for fn in (lambda x: x, lambda x: x[:, :4], lambda x: new_output((8, 32), dtype=x.dtype, device=x.device)[:, :16],
                lambda x: new_output((16, 8), dtype=x.dtype, device=x.device).t()):
         assert record(fn, [x])[1] is None
+
+
+def test_record_refuses_inputs_that_share_memory():
+    """Views of one tensor (q, k and v of a packed one) as inputs: a later call's separate tensors
+    would be read at offsets from the first one's, so there is no replay; separate inputs have one."""
+    x = _x()
+    fn = lambda *inputs: new_output((2,), dtype=torch.float32, device=x.device)  # noqa: E731
+    assert record(fn, [x[:4], x[4:]])[1] is None and record(fn, [x, x])[1] is None
+    assert record(fn, [x[:4], _x()[4:]])[1] is not None
+
+
+def test_kind_of_tells_apart_what_launches_depend_on():
+    x = _x()
+    assert kind_of((x, 2.0, None)) == kind_of((_x(), 2.0, None))
+    for other in ((x.t(), 2.0, None), (x[:, 1:], 2.0, None), (x.double(), 2.0, None), (x[:4], 2.0, None),
+                  (x, 3.0, None), (x, 2.0, x)):
+        assert kind_of(other) != kind_of((x, 2.0, None))
 
 
 def test_replay_makes_outputs_anew_and_packs_intermediates():
@@ -170,23 +187,30 @@ def test_replays_policy(monkeypatch):
         return x + 1
 
     replays = replay.Replays()
+
+    def call(fn, x, kept):
+        return replays(fn, (x,), kind_of((x,)), kept)
+
     x = torch.randn(4, 8)
     for _ in range(4):
-        assert replays(make, x, ("w", 1)).shape == (4, 3)
+        assert call(make, x, ("w", 1)).shape == (4, 3)
     assert len(calls) == 2 and len(replays.replays()) == 1  # run, recorded, then replayed twice
-    replays(make, x, ("w", 2))  # other kept: the replay is gone, the kind starts again
+    call(make, x, ("w", 2))  # other kept: the replay is gone, the kind starts again
     assert len(calls) == 3 and not replays.replays()
     for _ in range(replay.MAX_REFUSALS + 3):
-        assert torch.equal(replays(compute, x, ("w", 2)), x + 1)
-    assert replays.kinds[next(k for k in replays.kinds if k[0] == x.shape)] == replay.MAX_REFUSALS
+        assert torch.equal(call(compute, x, ("w", 2)), x + 1)
+    def shape(kind):  # the input's shape in a kind
+        return kind[0][0][0]
+
+    assert replays.kinds[next(k for k in replays.kinds if shape(k) == x.shape)] == replay.MAX_REFUSALS
     for m in range(5, 5 + replay.MAX_KINDS):  # as many new kinds as are kept
-        replays(make, torch.randn(m, 8), ("w", 2))
-    assert len(replays.kinds) == replay.MAX_KINDS and (4, 8) not in [k[0] for k in replays.kinds]
+        call(make, torch.randn(m, 8), ("w", 2))
+    assert len(replays.kinds) == replay.MAX_KINDS and (4, 8) not in [shape(k) for k in replays.kinds]
     x5 = torch.randn(5, 8)
-    replays(make, x5, ("w", 2))  # (recorded)
+    call(make, x5, ("w", 2))  # (recorded)
     before = len(calls)
-    replays(make, x5, ("w", 2))
+    call(make, x5, ("w", 2))
     assert len(calls) == before  # replayed
     monkeypatch.setattr(replay, "ENABLED", False)
-    replays(make, x5, ("w", 2))  # replays off: the function runs
+    call(make, x5, ("w", 2))  # replays off: the function runs
     assert len(calls) == before + 1

@@ -168,6 +168,10 @@ class Replay:
         intermediates = [(t, fill) for t, fill in made if t.data_ptr() not in out_at]
         roots = [*inputs, *outputs, *(t for t, _ in intermediates)]  # the order of a replay's pointers
         spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.data_ptr()) for t in roots]
+        if len({start for start, _, _ in spans[:len(inputs)]}) < len(inputs):
+            # Inputs that share memory (q, k and v of one packed tensor) would all be found in the
+            # first one's, and a later call's separate tensors then read at its offsets.
+            return None
         offsets, filled, size = [], [], 0
         for t, fill in intermediates:
             offsets.append(size)
@@ -258,46 +262,54 @@ MAX_KINDS = 16  # kinds of call a ``Replays`` keeps (decode batch sizes, a few p
 MAX_REFUSALS = 3  # recordings refused before a kind stays on the normal path
 
 
-class Replays:
-    """A layer's replays, one a kind of call (``QuantizedLinear``'s eager calls on a GPU).
+def kind_of(values: Sequence) -> tuple:
+    """What launches made from ``values`` may depend on: a tensor's shape, strides, dtype and
+    16-byte alignment, anything else itself (numbers, flags, None)."""
+    return tuple((v.shape, v.stride(), v.dtype, v.data_ptr() % 16) if isinstance(v, torch.Tensor) else v
+                 for v in values)
 
-    ``replays(fn, x, kept)`` is ``fn(x)``: the first call of a kind runs ``fn`` as it is (so that
-    prefills of ever new lengths are not recorded: a recording costs about a second call's time),
-    the second records it, and the later ones replay it. A kind is everything the launches depend
-    on: x's shape, strides, dtype and 16-byte alignment, the current stream (split-K counts are a
-    stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else the
-    launches were made with: the addresses of the tensors they keep (a layer's buffers) and the
-    caller's settings (its output dtype); where it changes, the replays go. A
-    recording refused because the call first made something lasting (the split-K counts of a new
-    stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
-    where x's GPU is not the current one or a launch hook listens (a profiler's: it sees every
+
+class Replays:
+    """Replays of a function's calls, one a kind of call (``QuantizedLinear``'s eager calls on a GPU,
+    the attention ops' eager forwards without gradients).
+
+    ``replays(fn, inputs, kind, kept)`` is ``fn(*inputs)``: the first call of a kind runs ``fn`` as
+    it is (so that prefills of ever new lengths are not recorded: a recording costs about a second
+    call's time), the second records it, and the later ones replay it. A kind is everything the
+    launches depend on: the caller's ``kind`` (``kind_of`` its arguments: the inputs' shapes,
+    strides, dtypes and alignment, and its other arguments), the current stream (split-K counts
+    are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else
+    the launches were made with: the addresses of the tensors they keep (a layer's buffers) and
+    the caller's settings (its output dtype); where it changes, the replays go. A recording
+    refused because the call first made something lasting (the split-K counts of a new stream) may
+    succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn`` where the
+    inputs' GPU is not the current one or a launch hook listens (a profiler's: it sees every
     kernel) or ``ENABLED`` is False."""
 
     def __init__(self):
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
         self.kept = None
 
-    def __call__(self, fn, x: torch.Tensor, kept: tuple):
-        device = x.device
+    def __call__(self, fn, inputs: Sequence[torch.Tensor], kind: tuple, kept: tuple = ()):
+        device = inputs[0].device
         if not ENABLED or device.index != torch.cuda.current_device() or not common.launches_hookless():
-            return fn(x)
+            return fn(*inputs)
         kinds = self.kinds
         if kept != self.kept:  # buffers replaced or moved (the replays hold the old ones), or settings changed
             kinds.clear()
             self.kept = kept
-        kind = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, common.stream_handle(device), common.PDL,
-                common.gluon_enabled())
+        kind = (kind, common.stream_handle(device), common.PDL, common.gluon_enabled())
         replay = kinds.get(kind)
         if type(replay) is not int:
             if replay is not None:
-                return replay(x)
+                return replay(*inputs)
             if len(kinds) >= MAX_KINDS:  # the oldest kind goes first
                 del kinds[next(iter(kinds))]
             kinds[kind] = 0
-            return fn(x)
+            return fn(*inputs)
         if replay >= MAX_REFUSALS:
-            return fn(x)
-        y, made = record(fn, [x])
+            return fn(*inputs)
+        y, made = record(fn, inputs)
         kinds[kind] = replay + 1 if made is None else made
         return y
 

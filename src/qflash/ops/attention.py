@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from qflash.kernels.replay import Replays, kind_of
 from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor, through_custom_op
 
 __all__ = [
@@ -47,9 +48,10 @@ __all__ = [
 MAX_HEADDIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: for gradient checks
 # ----------------------------------------------------------------------------------------------
-# Launch paths. The launchers are reached two ways that share one forward, one setup_context and
+# Launch paths. The launchers are reached three ways that share one forward, one setup_context and
 # one backward function:
 #   eager:          _Attention (torch.autograd.Function) -> launchers, a few microseconds of Python;
+#   eager, no grad: the launchers, their launches replayed on a GPU (_EAGER_FORWARDS);
 #   torch.compile:  the custom ops qflash::attention_forward / _backward, with fake
 #                   implementations for shapes and autograd registered on the forward op.
 # The custom ops' dispatch costs tens of microseconds a call, as much as a short kernel runs, so
@@ -121,8 +123,9 @@ def _attention_backward_impl(
 
 
 # Where the inputs besides q, k, v with a gradient stand among the forward op's 18: the bias
-# (qflash.sdpa's attn_mask) and the attention sinks.
+# (qflash.sdpa's attn_mask) and the attention sinks; and dropout's probability.
 _BIAS = 9
+_DROPOUT_P = 14
 _SINKS = 17
 _NUM_INPUTS = 18
 
@@ -209,14 +212,25 @@ class _Attention(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
+# Eager forwards without gradients on a GPU (decoding: every layer of a step calls with the same
+# shapes) replay the launches of an earlier call of their kind, as QuantizedLinear does: a
+# forward's checks, plan and launches cost a decode step a few hundred microseconds of Python.
+_EAGER_FORWARDS = Replays()
+
+
 def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) through the custom op under torch.compile and on meta tensors (its fake
-    implementation: shapes only), through ``_Attention`` otherwise."""
+    implementation: shapes only), through ``_Attention`` where a gradient is wanted, and otherwise
+    through the launchers, replayed on a GPU (``_EAGER_FORWARDS``) but where dropout draws a new
+    mask."""
     if through_custom_op(args[0]):
         return torch.ops.qflash.attention_forward(*args)
     differentiable = (*args[:3], args[_BIAS], args[_SINKS])
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
         return _Attention.apply(*args)
+    if args[0].is_cuda and not args[_DROPOUT_P]:
+        inputs = [t for t in args if isinstance(t, torch.Tensor)]
+        return _EAGER_FORWARDS(lambda *_: _attention_forward_impl(*args), inputs, kind_of(args))
     return _attention_forward_impl(*args)
 
 
@@ -720,16 +734,25 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, positions, options, rotary=None)
     forward reads each sequence's slots of its cache row (``positions``: the per-sequence
     tensors of a ``KVCache``; a sequence whose positions do not fit gets NaN). Returns (out, lse
     (batch, heads, seqlen_q))."""
-    from qflash.kernels.attention import AttnOptions, KVCache, attention_forward, kvcache_update
-
-    start, batch_idx, leftpad, block_table = positions
-    cache = KVCache(start, 0 if k is None else k.shape[1], batch_idx, leftpad, block_table)
-
-    scale, left, right, softcap, alibi_slopes, sinks = options
     if q.is_meta:  # shapes only, as the launcher's outputs would have them
         return _empty_outputs(q, varlen=False)
+    args = (q, k_cache, v_cache, k, v, *positions, *options, *(rotary or (None, None, None)))
+    if not q.is_cuda:
+        return _kvcache_launch(*args)
+    # Replayed as the eager forwards are (_EAGER_FORWARDS): a decode loop calls with one kind a layer
+    return _EAGER_FORWARDS(lambda *_: _kvcache_launch(*args), [t for t in args if isinstance(t, torch.Tensor)],
+                           kind_of(args))
+
+
+def _kvcache_launch(q, k_cache, v_cache, k, v, start, batch_idx, leftpad, block_table, scale, left, right, softcap,
+                    alibi_slopes, sinks, cos, sin, interleaved):
+    """``_kvcache_forward``'s launches, on its arguments laid out flat."""
+    from qflash.kernels.attention import AttnOptions, KVCache, attention_forward, kvcache_update
+
+    cache = KVCache(start, 0 if k is None else k.shape[1], batch_idx, leftpad, block_table)
     with torch.no_grad(), on_device_of(q):
-        if rotary is not None or k is not None:
+        if cos is not None or k is not None:
+            rotary = None if cos is None else (cos, sin, interleaved)
             q = kvcache_update(q, k_cache, v_cache, k, v, cache, rotary, q_moves=left >= 0 or right >= 0)
         opts = AttnOptions(scale, left, right, True, softcap, alibi_slopes, kv_cache=cache, sinks=sinks)
         return attention_forward(q, k_cache, v_cache, opts)
