@@ -5,6 +5,7 @@
     python3 benchmarks/host_overhead.py --op matmul --out host.json    # FP8 matmul (M = 128, N = K = 512)
     python3 benchmarks/host_overhead.py --op quantize --out host.json  # quantize (128 x 4096)
     python3 benchmarks/host_overhead.py --op layer --out host.json     # a quantized 4096 -> 14336 layer, M = 16
+    python3 benchmarks/host_overhead.py --op decode --out host.json    # attention at decode, replays on / off
 
 At 512 tokens a forward kernel runs 0.1-0.2 ms; a launch path that costs as much on the CPU
 shows up in eager timings. Prints microseconds a call for each path, then where the public
@@ -15,6 +16,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -166,9 +168,50 @@ def attention_paths(head_dim: int = 128, seqlen: int = 128, causal: bool = False
     return paths, lambda: qflash.flash_attn_func(q, k, v, causal=causal)
 
 
+def decode_paths() -> tuple:
+    """Attention of one new token (Llama-3-8B's 32 / 8 heads, D = 128, bfloat16) against 1024 keys:
+    ``flash_attn_func``, ``flash_attn_with_kvcache`` (the new key and value written into a cache
+    of 4096 slots) and the transformers integration's attention function, each with its launches
+    replayed (ops/attention.py) and without, beside PyTorch's SDPA."""
+    import qflash.kernels.replay as replay
+    from qflash.integrations.transformers import attention_forward
+
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    module = torch.nn.Module()
+    module.is_causal = True
+
+    def replayed(fn, on: bool):
+        def call():
+            replay.ENABLED = on
+            try:
+                with torch.no_grad():
+                    return fn()
+            finally:
+                replay.ENABLED = True
+        return call
+
+    calls = {
+        "flash_attn_func": lambda: qflash.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_with_kvcache": lambda: qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                                          cache_seqlens=lens, causal=True),
+        "transformers integration": lambda: attention_forward(module, q.transpose(1, 2), k.transpose(1, 2),
+                                                              v.transpose(1, 2), None),
+    }
+    paths = {f"{name} ({'replayed' if on else 'not replayed'})": replayed(fn, on)
+             for name, fn in calls.items() for on in (True, False)}
+    paths["F.scaled_dot_product_attention"] = lambda: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    return paths, paths["flash_attn_func (replayed)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=["attention", "matmul", "quantize", "layer"], default="attention")
+    parser.add_argument("--op", choices=["attention", "matmul", "quantize", "layer", "decode"], default="attention")
+    parser.add_argument("--rounds", type=int, default=1, help="times each path in turn this many times (medians)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the head dim whose kernels to launch")
     parser.add_argument("--seqlen", type=int, default=128, help="attention: the length (sets the tiles)")
@@ -180,14 +223,21 @@ def main() -> None:
         paths, profiled = quantize_paths()
     elif args.op == "layer":
         paths, profiled = layer_paths()
+    elif args.op == "decode":
+        paths, profiled = decode_paths()
     else:
         paths, profiled = attention_paths(args.head_dim, args.seqlen, args.causal)
     result = {"env": environment(), "op": args.op, "rows": [],
               "attention": dict(head_dim=args.head_dim, seqlen=args.seqlen, causal=args.causal)}
-    for name, fn in paths.items():
-        us = per_call_us(fn)
-        result["rows"].append({"path": name, "us_per_call": us})
-        print(f"{name:45s} {us:8.1f} us/call", flush=True)
+    rounds = {name: [] for name in paths}
+    for _ in range(args.rounds):  # in turn, so that a drift of the host's pace touches every path alike
+        for name, fn in paths.items():
+            rounds[name].append(per_call_us(fn))
+    for name, us in rounds.items():
+        median = statistics.median(us)
+        result["rows"].append({"path": name, "us_per_call": median, "rounds_us": us})
+        print(f"{name:45s} {median:8.1f} us/call" + (f"  ({', '.join(f'{u:.1f}' for u in us)})" if len(us) > 1 else ""),
+              flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(200):
