@@ -277,8 +277,8 @@ class Replays:
     it is (so that prefills of ever new lengths are not recorded: a recording costs about a second
     call's time), the second records it, and the later ones replay it. A kind is everything the
     launches depend on: the caller's ``kind`` (``kind_of`` its arguments: the inputs' shapes,
-    strides, dtypes and alignment, and its other arguments), the current stream (split-K counts
-    are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else
+    strides, dtypes and alignment, and its other arguments), the GPU, the current stream (split-K
+    counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else
     the launches were made with: the addresses of the tensors they keep (a layer's buffers) and
     the caller's settings (its output dtype); where it changes, the replays go. A recording
     refused because the call first made something lasting (the split-K counts of a new stream) may
@@ -298,7 +298,8 @@ class Replays:
         if kept != self.kept:  # buffers replaced or moved (the replays hold the old ones), or settings changed
             kinds.clear()
             self.kept = kept
-        kind = (kind, common.stream_handle(device), common.PDL, common.gluon_enabled())
+        # (the device too: every GPU's default stream has handle 0, and a kernel is loaded per GPU)
+        kind = (kind, device.index, common.stream_handle(device), common.PDL, common.gluon_enabled())
         replay = kinds.get(kind)
         if type(replay) is not int:
             if replay is not None:
