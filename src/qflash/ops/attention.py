@@ -1,7 +1,8 @@
 """Public attention ops: flash-attn 2's functions and ``F.scaled_dot_product_attention``.
 
 Every entry point validates its arguments, normalizes them to one form and calls
-the Triton launcher: eagerly through a ``torch.autograd.Function``, and under
+the Triton launcher: eagerly through a ``torch.autograd.Function`` (without gradients on a GPU,
+the launches of an earlier call of the same kind replayed: ``kernels/replay.py``), and under
 ``torch.compile`` through the custom op ``qflash::attention_forward`` (with a fake
 implementation for shapes), which lets ``torch.compile(fullgraph=True)`` take these
 functions whole. CUDA graphs capture either path.
