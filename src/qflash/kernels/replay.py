@@ -24,10 +24,12 @@ layer's weights; the replay holds those tensors.
 - a Triton launch that did not go through ``CachedLauncher`` (launch hooks count them);
 - a grid that is not a tuple, a kernel that takes Triton's scratch memory, a launcher this Triton
   does not build as expected;
-- an output that is not a whole contiguous tensor the call made.
+- an output that is not a whole contiguous tensor the call made;
+- inputs that share memory (q, k and v as views of one tensor).
 A replay is only as good as its key: the caller keys it by everything the launches depend on
-(shapes, strides, dtypes, 16-byte alignment, device, stream, switches such as ``common.PDL``) and
-by the pointers of the tensors it keeps (``QuantizedLinear``: its buffers).
+(shapes, strides, dtypes, 16-byte alignment, device, stream, switches such as ``common.PDL``, the
+call's other arguments) and by the pointers of the tensors it keeps (``QuantizedLinear``: its
+buffers). ``Replays`` keeps a layer's or an op's replays by kind.
 """
 
 from __future__ import annotations
@@ -278,13 +280,13 @@ class Replays:
     call's time), the second records it, and the later ones replay it. A kind is everything the
     launches depend on: the caller's ``kind`` (``kind_of`` its arguments: the inputs' shapes,
     strides, dtypes and alignment, and its other arguments), the GPU, the current stream (split-K
-    counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else
-    the launches were made with: the addresses of the tensors they keep (a layer's buffers) and
-    the caller's settings (its output dtype); where it changes, the replays go. A recording
-    refused because the call first made something lasting (the split-K counts of a new stream) may
-    succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn`` where the
-    inputs' GPU is not the current one or a launch hook listens (a profiler's: it sees every
-    kernel) or ``ENABLED`` is False."""
+    counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives
+    what else the launches were made with: the addresses of the tensors they keep (a layer's
+    buffers) and the caller's settings (its output dtype); where it changes, the replays go. A
+    recording refused because the call first made something lasting (the split-K counts of a new
+    stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
+    where the inputs' GPU is not the current one or a launch hook listens (a profiler's: it sees
+    every kernel) or ``ENABLED`` is False."""
 
     def __init__(self):
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
