@@ -189,7 +189,7 @@ def test_replays_policy(monkeypatch):
     replays = replay.Replays()
 
     def call(fn, x, kept):
-        return replays(fn, (x,), kind_of((x,)), kept)
+        return replays(fn, (x,), kept)
 
     x = torch.randn(4, 8)
     for _ in range(4):

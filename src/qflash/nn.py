@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from qflash.kernels.replay import Replays, kind_of
+from qflash.kernels.replay import Replays
 from qflash.ops.common import require_runnable
 from qflash.ops.matmul import launch_scaled_matmul
 from qflash.ops.quantize import INPUT_DTYPES, launch_quantize
@@ -106,7 +106,7 @@ class QuantizedLinear(nn.Module):
             bias = buffers["bias"]
             kept = (weight_q.data_ptr(), buffers["weight_scale"].data_ptr(), bias is not None and bias.data_ptr(),
                     self.out_dtype, self.mode)
-            y = self._replays(lambda x: self._product(x, buffers), (x2,), kind_of((x2,)), kept)
+            y = self._replays(lambda x: self._product(x, buffers), (x2,), kept)
         else:
             y = self._product(x2, buffers)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

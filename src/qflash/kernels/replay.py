@@ -26,10 +26,10 @@ layer's weights; the replay holds those tensors.
   does not build as expected;
 - an output that is not a whole contiguous tensor the call made;
 - inputs that share memory (q, k and v as views of one tensor).
-A replay is only as good as its key: the caller keys it by everything the launches depend on
-(shapes, strides, dtypes, 16-byte alignment, device, stream, switches such as ``common.PDL``, the
-call's other arguments) and by the pointers of the tensors it keeps (``QuantizedLinear``: its
-buffers). ``Replays`` keeps a layer's or an op's replays by kind.
+A replay is only as good as its key: ``Replays``, which keeps a layer's or an op's replays, keys
+them by everything the launches depend on (the arguments' shapes, strides, dtypes and 16-byte
+alignment and their other values, device, stream, switches such as ``common.PDL``) and by what
+the caller says they keep (``QuantizedLinear``: its buffers' pointers).
 """
 
 from __future__ import annotations
@@ -87,20 +87,22 @@ def _counting_launches():
         hooks.remove(hook)
 
 
-def record(fn, inputs: Sequence[torch.Tensor]) -> Tuple[object, Optional["Replay"]]:
-    """``fn(*inputs)``, and a ``Replay`` of its launches (None where it cannot have one: see the
-    module docstring). ``fn`` returns a tensor or a tuple of tensors; ``inputs`` are CUDA tensors
-    on the current device, whose kernels launch on its current stream."""
+def record(fn, args: Sequence) -> Tuple[object, Optional["Replay"]]:
+    """``fn(*args)``, and a ``Replay`` of its launches (None where it cannot have one: see the
+    module docstring), which takes the tensors among ``args`` anew, in their order. ``fn`` returns a
+    tensor or a tuple of tensors; the tensors among ``args`` are CUDA tensors on the current device,
+    whose kernels launch on its current stream."""
     launches, made = [], _MadeTensors()
     common.LAUNCH_LOG.launches = launches
     try:
         with _counting_launches() as counted, made:
-            result = fn(*inputs)
+            result = fn(*args)
     finally:
         common.LAUNCH_LOG.launches = None
     outputs = result if isinstance(result, tuple) else (result,)
     if made.computed is not None or len(counted) != len(launches):
         return result, None
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
     return result, Replay.build(inputs, outputs, made.made, launches, isinstance(result, tuple))
 
 
@@ -275,11 +277,11 @@ class Replays:
     """Replays of a function's calls, one a kind of call (``QuantizedLinear``'s eager calls on a GPU,
     the attention ops' eager forwards without gradients).
 
-    ``replays(fn, inputs, kind, kept)`` is ``fn(*inputs)``: the first call of a kind runs ``fn`` as
-    it is (so that prefills of ever new lengths are not recorded: a recording costs about a second
-    call's time), the second records it, and the later ones replay it. A kind is everything the
-    launches depend on: the caller's ``kind`` (``kind_of`` its arguments: the inputs' shapes,
-    strides, dtypes and alignment, and its other arguments), the GPU, the current stream (split-K
+    ``replays(fn, args, kept)`` is ``fn(*args)``: the first call of a kind runs ``fn`` as it is (so
+    that prefills of ever new lengths are not recorded: a recording costs about a second call's
+    time), the second records it, and the later ones replay it with the tensors among ``args``. A
+    kind is everything the launches depend on: ``kind_of(args)`` (the tensors' shapes, strides,
+    dtypes and alignment, every other argument's value), the GPU, the current stream (split-K
     counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives
     what else the launches were made with: the addresses of the tensors they keep (a layer's
     buffers) and the caller's settings (its output dtype); where it changes, the replays go. A
@@ -292,16 +294,17 @@ class Replays:
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
         self.kept = None
 
-    def __call__(self, fn, inputs: Sequence[torch.Tensor], kind: tuple, kept: tuple = ()):
+    def __call__(self, fn, args: Sequence, kept: tuple = ()):
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
         device = inputs[0].device
         if not ENABLED or device.index != torch.cuda.current_device() or not common.launches_hookless():
-            return fn(*inputs)
+            return fn(*args)
         kinds = self.kinds
         if kept != self.kept:  # buffers replaced or moved (the replays hold the old ones), or settings changed
             kinds.clear()
             self.kept = kept
         # (the device too: every GPU's default stream has handle 0, and a kernel is loaded per GPU)
-        kind = (kind, device.index, common.stream_handle(device), common.PDL, common.gluon_enabled())
+        kind = (kind_of(args), device.index, common.stream_handle(device), common.PDL, common.gluon_enabled())
         replay = kinds.get(kind)
         if type(replay) is not int:
             if replay is not None:
@@ -309,10 +312,10 @@ class Replays:
             if len(kinds) >= MAX_KINDS:  # the oldest kind goes first
                 del kinds[next(iter(kinds))]
             kinds[kind] = 0
-            return fn(*inputs)
+            return fn(*args)
         if replay >= MAX_REFUSALS:
-            return fn(*inputs)
-        y, made = record(fn, inputs)
+            return fn(*args)
+        y, made = record(fn, args)
         kinds[kind] = replay + 1 if made is None else made
         return y
 

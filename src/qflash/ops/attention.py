@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from qflash.kernels.replay import Replays, kind_of
+from qflash.kernels.replay import Replays
 from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor, through_custom_op
 
 __all__ = [
@@ -230,8 +230,7 @@ def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in differentiable):
         return _Attention.apply(*args)
     if args[0].is_cuda and not args[_DROPOUT_P]:
-        inputs = [t for t in args if isinstance(t, torch.Tensor)]
-        return _EAGER_FORWARDS(lambda *_: _attention_forward_impl(*args), inputs, kind_of(args))
+        return _EAGER_FORWARDS(_attention_forward_impl, args)
     return _attention_forward_impl(*args)
 
 
@@ -741,8 +740,7 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, positions, options, rotary=None)
     if not q.is_cuda:
         return _kvcache_launch(*args)
     # Replayed as the eager forwards are (_EAGER_FORWARDS): a decode loop calls with one kind a layer
-    return _EAGER_FORWARDS(lambda *_: _kvcache_launch(*args), [t for t in args if isinstance(t, torch.Tensor)],
-                           kind_of(args))
+    return _EAGER_FORWARDS(_kvcache_launch, args)
 
 
 def _kvcache_launch(q, k_cache, v_cache, k, v, start, batch_idx, leftpad, block_table, scale, left, right, softcap,
