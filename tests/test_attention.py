@@ -1620,13 +1620,15 @@ def test_every_forward_tile(d, tile, kw, monkeypatch):
 # kind on a GPU, the launches of the one before run again with the new tensors' pointers.
 # ----------------------------------------------------------------------------------------------
 _REPLAY_CASES = ("decode, split keys", "Gluon prefill", "ragged, window, softcap, ALiBi", "sinks", "varlen",
-                 "sdpa with a mask", "KV cache, rotary", "paged KV cache, rotary", "packed q, k, v")
+                 "varlen, one cu_seqlens", "sdpa with a mask", "KV cache, rotary", "paged KV cache, rotary",
+                 "packed q, k, v")
 
 
 def _replay_case(name: str):
     """(inputs(seed), call(*inputs)) of each kind of eager forward: decoding with keys split
-    and grouped heads, a Gluon prefill, ragged lengths with window, softcap and ALiBi, sinks, varlen,
-    sdpa with a mask, KV caches (new keys, rotary, paged) written in place, and packed q / k / v."""
+    and grouped heads, a Gluon prefill, ragged lengths with window, softcap and ALiBi, sinks, varlen
+    (self-attention: one cu_seqlens for q and k), sdpa with a mask, KV caches (new keys, rotary,
+    paged) written in place, and packed q / k / v."""
     def gen(seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
         return lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, device="cuda", generator=g).to(dtype)
@@ -1667,6 +1669,9 @@ def _replay_case(name: str):
         ("varlen", lambda seed: (gen(seed)(104, 4, 32), gen(seed + 99)(1150, 2, 32), gen(seed + 98)(1150, 2, 32)),
          lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 1023, causal=True,
                                                        return_attn_probs=True)[:2]),
+        ("varlen, one cu_seqlens", lambda seed: tuple(gen(seed + i)(1150, h, 32) for i, h in enumerate((4, 2, 2))),
+         lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_k, cu_k, 1023, 1023, causal=True,
+                                                       return_attn_probs=True)[:2]),
         ("sdpa with a mask", lambda seed: tuple(gen(seed)(2, 3, n, 32) for n in (29, 47, 47)),
          lambda q, k, v: (qflash.sdpa(q, k, v, attn_mask=mask),)),
         ("KV cache, rotary", lambda seed: kvcache(False, seed), with_cache),
@@ -1683,9 +1688,9 @@ def _replay_case(name: str):
 def test_gpu_eager_forwards_replay_bit_for_bit(name, monkeypatch):
     """Five calls of a kind on fresh inputs without gradients (poisoned outputs), the last three
     replayed, against the same calls with replays off: the same bits in every output and every
-    cache written in place. No replay where q, k and v share one tensor's memory, nor where the tl
-    kernel's tiles make their tensor descriptors in the kernel (head dims over 64 beyond decoding:
-    Triton's scratch memory, which ``record`` refuses)."""
+    cache written in place. No replay where the tl kernel's tiles make their tensor descriptors in
+    the kernel (head dims over 64 beyond decoding: Triton's scratch memory, which ``record``
+    refuses)."""
     from qflash.kernels import replay
     from qflash.ops.attention import _EAGER_FORWARDS
 
@@ -1698,7 +1703,7 @@ def test_gpu_eager_forwards_replay_bit_for_bit(name, monkeypatch):
             outs = [call(*run) for run in runs]
         results[replays_on] = [(*outs[i], *runs[i]) for i in range(5)]  # outputs, then the (written) inputs
         if replays_on:
-            refused = name in ("packed q, k, v", "ragged, window, softcap, ALiBi")
+            refused = name == "ragged, window, softcap, ALiBi"
             assert len(_EAGER_FORWARDS.replays()) == (0 if refused else 1)
     for call_index, (on, off) in enumerate(zip(results[True], results[False])):
         for item, (a, b) in enumerate(zip(on, off)):  # the outputs, then the inputs
@@ -1707,6 +1712,28 @@ def test_gpu_eager_forwards_replay_bit_for_bit(name, monkeypatch):
                                              and torch.equal(a.isnan(), b.isnan())), (name, call_index, item)
     for out in results[True]:
         assert_written(out[0])
+
+
+@gpu
+def test_gpu_eager_forwards_replay_only_memory_shared_alike(monkeypatch):
+    """A replay of packed q, k, v (read at their distances from q) is not taken by q, k, v of
+    the same shapes and strides from three packed tensors: their kind is another, which the
+    normal path runs and a replay of its own then takes; the same bits as with replays off."""
+    from qflash.kernels import replay
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    packs = [torch.randn(2, 70, 3, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3)]
+    apart = (packs[0][:, :, 0], packs[1][:, :, 1], packs[2][:, :, 2])
+    monkeypatch.setattr(replay, "ENABLED", False)
+    wants = [qflash.flash_attn_func(*qkv.unbind(2)) for qkv in (*packs, torch.stack(apart, 2))]
+    monkeypatch.setattr(replay, "ENABLED", True)
+    with torch.no_grad():
+        for qkv, want in zip(packs, wants):  # run, recorded, replayed
+            assert torch.equal(qflash.flash_attn_func(*qkv.unbind(2)), want)
+        assert len(_EAGER_FORWARDS.replays()) == 1
+        for _ in range(3):
+            assert torch.equal(qflash.flash_attn_func(*apart), wants[-1])
+        assert len(_EAGER_FORWARDS.replays()) == 2
 
 
 @gpu

@@ -2,6 +2,7 @@
 Replays of real launches run on the GPU (tests/test_nn.py: a layer's replays against its normal
 path, bit for bit)."""
 
+import pytest
 import torch
 
 from qflash.kernels.replay import Replay, kind_of, record
@@ -29,21 +30,22 @@ def test_record_refuses_outputs_that_are_not_whole_tensors_it_made():
         assert record(fn, [x])[1] is None
 
 
-def test_record_refuses_inputs_that_share_memory():
-    """Views of one tensor (q, k and v of a packed one) as inputs: a later call's separate tensors
-    would be read at offsets from the first one's, so there is no replay; separate inputs have one."""
-    x = _x()
-    fn = lambda *inputs: new_output((2,), dtype=torch.float32, device=x.device)  # noqa: E731
-    assert record(fn, [x[:4], x[4:]])[1] is None and record(fn, [x, x])[1] is None
-    assert record(fn, [x[:4], _x()[4:]])[1] is not None
-
-
 def test_kind_of_tells_apart_what_launches_depend_on():
     x = _x()
     assert kind_of((x, 2.0, None)) == kind_of((_x(), 2.0, None))
     for other in ((x.t(), 2.0, None), (x[:, 1:], 2.0, None), (x.double(), 2.0, None), (x[:4], 2.0, None),
                   (x, 3.0, None), (x, 2.0, x)):
         assert kind_of(other) != kind_of((x, 2.0, None))
+
+
+def test_kind_of_tells_apart_inputs_that_share_memory():
+    """Views of one tensor (q, k and v of a packed one, one cu_seqlens passed twice) are a kind of
+    their own, by where each lies from the first in its memory: a replay reads them there."""
+    x, y = _x(), _x()
+    assert kind_of((x[:4], x[4:])) == kind_of((y[:4], y[4:])) != kind_of((x[:4], y[4:]))
+    assert kind_of((x[:4], x[4:])) != kind_of((x[:4], x[2:6]))
+    assert kind_of((x, 1, x)) == kind_of((y, 1, y)) != kind_of((x, 1, y))
+    assert kind_of((x[:, 0], x[:, 1])) == kind_of((y[:, 0], y[:, 1]))
 
 
 def test_replay_makes_outputs_anew_and_packs_intermediates():
@@ -119,51 +121,85 @@ class _Desc:
         self.base, self.shape, self.strides, self.block_shape, self.padding = base, [8, 16], [16, 1], block, "zero"
 
 
-def test_replay_fills_each_launch_with_the_new_pointers():
+@pytest.fixture
+def fake_driver():
+    """Triton's active driver replaced by ``_FakeDriver`` for the test, and no launches noted."""
+    from triton.runtime import driver
+
+    saved = driver._active
+    driver.set_active(_FakeDriver())
+    _FakeRun.calls.clear()
+    yield
+    driver._active = saved
+
+
+def _fake_launch(compiled, grid, args) -> None:
+    """A launch as ``CachedLauncher`` notes it and Triton's launcher announces it."""
+    from triton import knobs
+
+    from qflash.kernels import common
+
+    common.note_launch(compiled, grid, args)
+    knobs.runtime.launch_enter_hook(None)
+
+
+def test_replay_fills_each_launch_with_the_new_pointers(fake_driver):
     """A fake kernel launched with a view of the input, an output, an intermediate, a tensor that
     outlives the call, descriptors over an intermediate and over that tensor, an int and a
     constexpr: the replay passes the new input's and the new tensors' pointers at the recorded
     offsets, encodes the descriptor over the intermediate anew and keeps the rest as recorded."""
-    from triton import knobs
-    from triton.runtime import driver
-
-    from qflash.kernels import common
-
     meta = dict(swizzle=0, elem_size=4, elem_type=7, block_size=[4, 16], fp4_padded=False)
     signature = {"X": "*fp32", "Out": "*fp32", "Tmp": "*fp32", "W": "*fp32", "t_desc": "tensordesc<fp32[4, 16]>",
                  "w_desc": "tensordesc<fp32[4, 16]>", "n": "i32", "BLOCK": "constexpr"}
     compiled = _FakeCompiled(signature, [meta, meta])
     weight = torch.randn(8, 16)
-    saved = driver._active
-    driver.set_active(_FakeDriver())
-    _FakeRun.calls.clear()
-    try:
-        def fn(x):
-            out = torch.empty(8, 16)
-            tmp = torch.empty(3, 8, 16)
-            common.note_launch(compiled, (5,), [x[2:], out, tmp[1], weight, _Desc(tmp[2], [4, 16]),
-                                                _Desc(weight, [4, 16]), 42, 64])
-            knobs.runtime.launch_enter_hook(None)  # as Triton's launcher calls it
-            return out
 
-        x = torch.randn(12, 16)
-        _, replay = record(fn, [x])
-        assert replay is not None and len(replay.launches) == 1
-        assert replay.kept[0] is weight  # the tensor that outlives the call, held
-        x2 = torch.randn(12, 16)
-        out2 = replay(x2)
-        args = _FakeRun.calls[-1]
-        tmp_at = args[15]  # the intermediate's pointer in the new workspace
-        assert args[:13] == (5, 1, 1, 1234, 77, False, True, None, None, "packed", None, None, None)
-        assert args[13] == x2.data_ptr() + 2 * 16 * 4 and args[14] == out2.data_ptr()
-        assert args[16] == weight.data_ptr()
-        assert args[17] == ("tma", tmp_at + 8 * 16 * 4, [4, 16])  # t_desc over tmp[2], encoded anew
-        assert args[18:22] == (8, 16, 16, 1)
-        assert args[22] == ("tma", weight.data_ptr(), [4, 16])  # w_desc, encoded once
-        assert args[27:] == (42, 64)
-        assert replay.workspace == [0, 3 * 8 * 16 * 4]
-    finally:
-        driver._active = saved
+    def fn(x):
+        out = torch.empty(8, 16)
+        tmp = torch.empty(3, 8, 16)
+        _fake_launch(compiled, (5,), [x[2:], out, tmp[1], weight, _Desc(tmp[2], [4, 16]), _Desc(weight, [4, 16]),
+                                      42, 64])
+        return out
+
+    x = torch.randn(12, 16)
+    _, replay = record(fn, [x])
+    assert replay is not None and len(replay.launches) == 1
+    assert replay.kept[0] is weight  # the tensor that outlives the call, held
+    x2 = torch.randn(12, 16)
+    out2 = replay(x2)
+    args = _FakeRun.calls[-1]
+    tmp_at = args[15]  # the intermediate's pointer in the new workspace
+    assert args[:13] == (5, 1, 1, 1234, 77, False, True, None, None, "packed", None, None, None)
+    assert args[13] == x2.data_ptr() + 2 * 16 * 4 and args[14] == out2.data_ptr()
+    assert args[16] == weight.data_ptr()
+    assert args[17] == ("tma", tmp_at + 8 * 16 * 4, [4, 16])  # t_desc over tmp[2], encoded anew
+    assert args[18:22] == (8, 16, 16, 1)
+    assert args[22] == ("tma", weight.data_ptr(), [4, 16])  # w_desc, encoded once
+    assert args[27:] == (42, 64)
+    assert replay.workspace == [0, 3 * 8 * 16 * 4]
+
+
+def test_replay_reads_inputs_that_share_memory_from_the_first(fake_driver):
+    """q, k and v as views of one packed tensor, and one tensor passed twice: a replay on new
+    inputs that share memory the same way (their kind: ``kind_of``) reads each at its distance from
+    the first input."""
+    compiled = _FakeCompiled({"Q": "*fp32", "K": "*fp32", "V": "*fp32", "Cu": "*i32", "CuK": "*i32",
+                              "Out": "*fp32"}, None)
+
+    def fn(q, k, v, cu_q, cu_k):
+        out = torch.empty(4, 8)
+        _fake_launch(compiled, (1,), [q, k, v, cu_q, cu_k, out])
+        return out
+
+    def inputs():
+        qkv, cu = torch.randn(4, 3, 8), torch.arange(3, dtype=torch.int32)
+        return (*qkv.unbind(1), cu, cu)
+
+    _, replay = record(fn, inputs())
+    new = inputs()
+    out = replay(*new)
+    assert _FakeRun.calls[-1][13:] == (*(t.data_ptr() for t in new), out.data_ptr())
+    assert new[1].data_ptr() == new[0].data_ptr() + 8 * 4
 
 
 def test_replays_policy(monkeypatch):

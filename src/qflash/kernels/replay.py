@@ -24,12 +24,14 @@ layer's weights; the replay holds those tensors.
 - a Triton launch that did not go through ``CachedLauncher`` (launch hooks count them);
 - a grid that is not a tuple, a kernel that takes Triton's scratch memory, a launcher this Triton
   does not build as expected;
-- an output that is not a whole contiguous tensor the call made;
-- inputs that share memory (q, k and v as views of one tensor).
+- an output that is not a whole contiguous tensor the call made.
+Inputs that share memory (q, k and v as views of one packed tensor, one ``cu_seqlens`` passed for
+both q and k) are found in the first one's: a replay reads them at their recorded distances from
+it, so it is only for calls whose inputs share memory in the same way.
 A replay is only as good as its key: ``Replays``, which keeps a layer's or an op's replays, keys
-them by everything the launches depend on (the arguments' shapes, strides, dtypes and 16-byte
-alignment and their other values, device, stream, switches such as ``common.PDL``) and by what
-the caller says they keep (``QuantizedLinear``: its buffers' pointers).
+them by everything the launches depend on (the arguments' shapes, strides, dtypes, 16-byte
+alignment and shared memory, their other values, device, stream, switches such as ``common.PDL``)
+and by what the caller says they keep (``QuantizedLinear``: its buffers' pointers).
 """
 
 from __future__ import annotations
@@ -171,11 +173,8 @@ class Replay:
         out_at = {t.data_ptr() for t in outputs}
         intermediates = [(t, fill) for t, fill in made if t.data_ptr() not in out_at]
         roots = [*inputs, *outputs, *(t for t, _ in intermediates)]  # the order of a replay's pointers
+        # (Inputs that share memory are found in the first one's: kind_of keeps their distances.)
         spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.data_ptr()) for t in roots]
-        if len({start for start, _, _ in spans[:len(inputs)]}) < len(inputs):
-            # Inputs that share memory (q, k and v of one packed tensor) would all be found in the
-            # first one's, and a later call's separate tensors then read at its offsets.
-            return None
         offsets, filled, size = [], [], 0
         for t, fill in intermediates:
             offsets.append(size)
@@ -267,10 +266,20 @@ MAX_REFUSALS = 3  # recordings refused before a kind stays on the normal path
 
 
 def kind_of(values: Sequence) -> tuple:
-    """What launches made from ``values`` may depend on: a tensor's shape, strides, dtype and
-    16-byte alignment, anything else itself (numbers, flags, None)."""
-    return tuple((v.shape, v.stride(), v.dtype, v.data_ptr() % 16) if isinstance(v, torch.Tensor) else v
-                 for v in values)
+    """What launches made from ``values`` may depend on: a tensor's shape, strides, dtype, 16-byte
+    alignment and the memory it shares (None, or the position of the first tensor in its storage
+    and the distance in bytes from it: a replay reads it there), anything else itself (numbers,
+    flags, None)."""
+    kinds, firsts = [], {}  # firsts: a storage's address -> (position, address) of its first tensor
+    for position, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            address = v.data_ptr()
+            first, at = firsts.setdefault(v.untyped_storage().data_ptr(), (position, address))
+            kinds.append((v.shape, v.stride(), v.dtype, address % 16, None if first == position else
+                          (first, address - at)))
+        else:
+            kinds.append(v)
+    return tuple(kinds)
 
 
 class Replays:
@@ -281,7 +290,7 @@ class Replays:
     that prefills of ever new lengths are not recorded: a recording costs about a second call's
     time), the second records it, and the later ones replay it with the tensors among ``args``. A
     kind is everything the launches depend on: ``kind_of(args)`` (the tensors' shapes, strides,
-    dtypes and alignment, every other argument's value), the GPU, the current stream (split-K
+    dtypes, alignment and shared memory, every other argument's value), the GPU, the current stream (split-K
     counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives
     what else the launches were made with: the addresses of the tensors they keep (a layer's
     buffers) and the caller's settings (its output dtype); where it changes, the replays go. A
