@@ -3,14 +3,17 @@ PyTorch's SDPA, with replayed launches (kernels/replay.py) and without, side by 
 
     python3 benchmarks/decode_eager.py --layers 4 --tokens 64 --out decode_eager.json
     python3 benchmarks/decode_eager.py --attention sdpa,qf_attention --out decode_eager.json
+    python3 benchmarks/decode_eager.py --models bf16 --attention sdpa,qf_attention --rounds 9 --out d.json
 
 A ``LlamaForCausalLM`` of Llama-3-8B's widths (hidden 4096, MLP 14336, 32 heads, 8 KV heads, a
 32000-token vocabulary) with ``--layers`` decoder layers and random weights generates ``--tokens``
 new tokens after a 16-token prompt at batch 1 (transformers' ``generate``, eager, with each
 attention implementation of ``--attention``: transformers' "sdpa", or qflash's "qf_attention").
-The INT8 and FP8 models are copies made by ``quantize_model`` (``lm_head`` kept in bfloat16). Each
-round times every run in turn; ms a token is the ``generate`` call's time over the new tokens. The
-tokens of a run with replays must be those without.
+The INT8 and FP8 models (``--models``) are copies made by ``quantize_model`` (``lm_head`` kept in
+bfloat16). Each round times every run in turn, the order reversed every other round; ms a token is
+the ``generate`` call's time over the new tokens. Besides the medians, each run's ratio to the
+first run within each round (the host's pace drifts between rounds more than within one), and
+their median. The tokens of a run with replays must be those without.
 """
 
 import argparse
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="tiny widths (a check of the script on any device)")
+    parser.add_argument("--models", default="bf16,int8,fp8", help="comma-separated: bf16, int8, fp8")
     parser.add_argument("--attention", default="sdpa", help="attention implementations, comma-separated: "
                         "sdpa (transformers'), qf_attention (qflash's)")
     parser.add_argument("--out")
@@ -51,13 +55,14 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(dev):
         base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    names = args.models.split(",")
     models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode, skip=["lm_head"])
-                               for mode in ("int8", "fp8")}}
+                               for mode in ("int8", "fp8") if mode in names}}
     attentions = args.attention.split(",")
     if "qf_attention" in attentions:
         register()
     # (bfloat16 with SDPA launches no qflash kernel: one run, the yardstick)
-    runs = [(name, attention, replays) for attention in attentions for name in models
+    runs = [(name, attention, replays) for attention in attentions for name in models if name in names
             for replays in ((True,) if (name, attention) == ("bf16", "sdpa") else (True, False))]
     prompt = torch.randint(0, config.vocab_size, (1, 16), device=dev)
     tokens = {}
@@ -75,10 +80,14 @@ def main() -> None:
     for (name, attention, replays), ms in times.items():
         median = statistics.median(ms)
         same = torch.equal(tokens[name, attention, replays], tokens[name, attention, True])
+        in_rounds = [first / t for first, t in zip(times[yardstick], ms)]  # x the first run, round by round
         rows.append(dict(model=name, attention=attention, replays=replays, ms_per_token=ms, median_ms=median,
-                         x_first=base_ms / median, tokens_same_with_and_without_replays=same))
+                         x_first=base_ms / median, x_first_in_rounds=in_rounds,
+                         x_first_in_rounds_median=statistics.median(in_rounds),
+                         tokens_same_with_and_without_replays=same))
         print(f"{name:5s} {attention:12s} replays {'on ' if replays else 'off'}  {median:7.3f} ms a token  "
-              f"({base_ms / median:.2f} x {yardstick[0]} {yardstick[1]})  rounds {', '.join(f'{t:.3f}' for t in ms)}"
+              f"({base_ms / median:.2f} x {yardstick[0]} {yardstick[1]}; in rounds, median "
+              f"{statistics.median(in_rounds):.3f})  rounds {', '.join(f'{t:.3f}' for t in ms)}"
               f"{'' if same else '  TOKENS DIFFER with and without replays'}", flush=True)
     if args.out:
         save_json(args.out, {"env": environment(), "layers": args.layers, "tokens": args.tokens,

@@ -172,9 +172,12 @@ def decode_paths() -> tuple:
     """Attention of one new token (Llama-3-8B's 32 / 8 heads, D = 128, bfloat16) against 1024 keys:
     ``flash_attn_func``, ``flash_attn_with_kvcache`` (the new key and value written into a cache
     of 4096 slots) and the transformers integration's attention function, each with its launches
-    replayed (ops/attention.py) and without, beside PyTorch's SDPA."""
+    replayed (ops/attention.py) and without, beside PyTorch's SDPA; and a kind's first two calls,
+    the normal path and a recording (what a decode step's new key length costs its first two
+    layers), a pair a call."""
     import qflash.kernels.replay as replay
     from qflash.integrations.transformers import attention_forward
+    from qflash.ops.attention import _EAGER_FORWARDS
 
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -194,6 +197,14 @@ def decode_paths() -> tuple:
                 replay.ENABLED = True
         return call
 
+    def new_kind(fn):
+        def call():
+            _EAGER_FORWARDS.clear()
+            with torch.no_grad():
+                fn()  # the normal path
+                return fn()  # recorded
+        return call
+
     calls = {
         "flash_attn_func": lambda: qflash.flash_attn_func(q, k, v, causal=True),
         "flash_attn_with_kvcache": lambda: qflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
@@ -203,6 +214,7 @@ def decode_paths() -> tuple:
     }
     paths = {f"{name} ({'replayed' if on else 'not replayed'})": replayed(fn, on)
              for name, fn in calls.items() for on in (True, False)}
+    paths.update({f"{name} (a new kind: normal path + recording)": new_kind(fn) for name, fn in calls.items()})
     paths["F.scaled_dot_product_attention"] = lambda: F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
     return paths, paths["flash_attn_func (replayed)"]

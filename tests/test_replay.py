@@ -179,6 +179,37 @@ def test_replay_fills_each_launch_with_the_new_pointers(fake_driver):
     assert replay.workspace == [0, 3 * 8 * 16 * 4]
 
 
+def test_replay_gives_a_launch_its_scratch_memory_in_the_workspace(fake_driver):
+    """A kernel that takes Triton's scratch memory (tensor descriptors made in the kernel): the
+    memory Triton took for it, an intermediate of the call's, has its place in a replay's workspace,
+    passed where Triton's launcher passes it. No replay where that memory was not noted, nor for
+    a kernel that takes profiling memory."""
+    from qflash.kernels import common
+
+    def compiled(**run):
+        kernel = _FakeCompiled({"X": "*fp32", "Tmp": "*fp32", "Out": "*fp32"}, None)
+        vars(kernel.run).update(global_scratch_align=128, **run)
+        return kernel
+
+    def fn(x, kernel, noted=True):
+        out, tmp = torch.empty(4, 8), torch.empty(16)
+        scratch = torch.empty(2 * 96, dtype=torch.int8)  # what Triton takes: grid x the kernel's size
+        if noted:
+            common.note_scratch(scratch.data_ptr())
+        _fake_launch(kernel, (2,), [x, tmp, out])
+        return out
+
+    x = torch.randn(4, 8)
+    _, replay = record(fn, [x, compiled(global_scratch_size=96)])
+    assert replay is not None and replay.workspace == [0, 256, 512]
+    assert replay.launches[0].args[7] is None  # (filled on each replay)
+    replay(torch.randn(4, 8))
+    args = _FakeRun.calls[-1]
+    assert args[7] == args[14] + 256  # the scratch memory, after the intermediate passed as Tmp
+    assert record(fn, [x, compiled(global_scratch_size=96), False])[1] is None
+    assert record(fn, [x, compiled(profile_scratch_size=64)])[1] is None
+
+
 def test_replay_reads_inputs_that_share_memory_from_the_first(fake_driver):
     """q, k and v as views of one packed tensor, and one tensor passed twice: a replay on new
     inputs that share memory the same way (their kind: ``kind_of``) reads each at its distance from

@@ -190,7 +190,9 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 
 def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    scratch = torch.empty(size, dtype=torch.int8, device="cuda")
+    note_scratch(scratch.data_ptr())
+    return scratch
 
 
 def ensure_descriptor_allocator(device: torch.device) -> None:
@@ -227,7 +229,9 @@ def _int_type(value: int) -> str:
     return "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
 
 
-LAUNCH_LOG = threading.local()  # .launches: a list of this thread's launches while ``replay.record`` runs
+# While ``replay.record`` runs: .launches, a list of this thread's launches, and .scratch, the
+# addresses of the scratch memory (``_scratch``) Triton took for those of them that use it.
+LAUNCH_LOG = threading.local()
 
 
 def note_launch(compiled, grid: tuple, values: list) -> None:
@@ -236,6 +240,14 @@ def note_launch(compiled, grid: tuple, values: list) -> None:
     launches = getattr(LAUNCH_LOG, "launches", None)
     if launches is not None:
         launches.append((compiled, grid, values))
+
+
+def note_scratch(address: int) -> None:
+    """The address of scratch memory Triton took for a launch (``_scratch``), kept where
+    ``replay.record`` runs in this thread: the replay finds it among the call's intermediates."""
+    addresses = getattr(LAUNCH_LOG, "scratch", None)
+    if addresses is not None:
+        addresses.append(address)
 
 
 class CachedLauncher:

@@ -12,7 +12,9 @@ pointers that change from call to call:
     outputs        tensors the call made and returned    made anew, as the call made them
     intermediates  tensors the call made and dropped     one workspace made anew, each at its
                    (the quantized activation, its        recorded offset (and filled where the
-                   scales, split-K sums)                 call made it by ``full``)
+                   scales, split-K sums, Triton's        call made it by ``full``)
+                   scratch memory for descriptors
+                   made in a kernel)
 
 Everything else is kept from the recorded call: integers, compiled kernels, grids, and the
 pointers and tensor descriptors (encoded once) of tensors that outlive the call, such as a
@@ -22,8 +24,8 @@ layer's weights; the replay holds those tensors.
 - an aten op that computes (a copy, a cast, a fill of an existing tensor) instead of making a
   tensor (``empty``, ``empty_strided``, ``full``) or a view of one: a replay runs kernels only;
 - a Triton launch that did not go through ``CachedLauncher`` (launch hooks count them);
-- a grid that is not a tuple, a kernel that takes Triton's scratch memory, a launcher this Triton
-  does not build as expected;
+- a grid that is not a tuple, a kernel that takes Triton's profiling memory, a launcher this
+  Triton does not build as expected;
 - an output that is not a whole contiguous tensor the call made.
 Inputs that share memory (q, k and v as views of one packed tensor, one ``cu_seqlens`` passed for
 both q and k) are found in the first one's: a replay reads them at their recorded distances from
@@ -51,6 +53,7 @@ aten = torch.ops.aten
 _FACTORIES = (aten.empty.memory_format, aten.empty_strided.default, aten.full.default)
 _ALIGN = 256  # bytes between the intermediates in a replay's one workspace (Triton specializes on 16)
 _BASE_ARGS = 13  # what Triton 3.6's C launcher takes before the kernel's own arguments (grid, stream, ...)
+_GLOBAL_SCRATCH = 7  # where among them the scratch memory's address goes
 
 
 class _MadeTensors(TorchDispatchMode):
@@ -94,18 +97,18 @@ def record(fn, args: Sequence) -> Tuple[object, Optional["Replay"]]:
     module docstring), which takes the tensors among ``args`` anew, in their order. ``fn`` returns a
     tensor or a tuple of tensors; the tensors among ``args`` are CUDA tensors on the current device,
     whose kernels launch on its current stream."""
-    launches, made = [], _MadeTensors()
-    common.LAUNCH_LOG.launches = launches
+    launches, scratch, made = [], [], _MadeTensors()
+    common.LAUNCH_LOG.launches, common.LAUNCH_LOG.scratch = launches, scratch
     try:
         with _counting_launches() as counted, made:
             result = fn(*args)
     finally:
-        common.LAUNCH_LOG.launches = None
+        common.LAUNCH_LOG.launches = common.LAUNCH_LOG.scratch = None
     outputs = result if isinstance(result, tuple) else (result,)
     if made.computed is not None or len(counted) != len(launches):
         return result, None
     inputs = [a for a in args if isinstance(a, torch.Tensor)]
-    return result, Replay.build(inputs, outputs, made.made, launches, isinstance(result, tuple))
+    return result, Replay.build(inputs, outputs, made.made, launches, scratch, isinstance(result, tuple))
 
 
 def _tma_fields(desc, meta) -> tuple:
@@ -164,7 +167,10 @@ class Replay:
             self.fill_tma_descriptor = driver.active.utils.fill_tma_descriptor
 
     @classmethod
-    def build(cls, inputs, outputs, made, launches, as_tuple) -> Optional["Replay"]:
+    def build(cls, inputs, outputs, made, launches, scratch, as_tuple) -> Optional["Replay"]:
+        """The replay of ``launches`` (``record``'s), or None; ``scratch``: the addresses of the
+        scratch memory Triton took for those launches that take it, in their order (intermediates
+        of the call's, as ``common._scratch`` makes them)."""
         # (The tensors the call gets back are other Python objects than those the mode saw made.)
         fills = {t.data_ptr(): fill for t, fill in made}
         if any(t.data_ptr() not in fills or not t.is_contiguous() or t.storage_offset()
@@ -191,9 +197,9 @@ class Replay:
                     return root, address - base
             return None
 
-        recorded = []
+        recorded, scratch = [], iter(scratch)
         for compiled, grid, values in launches:
-            launch = cls._template(compiled, grid, values, locate, kept)
+            launch = cls._template(compiled, grid, values, locate, kept, scratch)
             if launch is None:
                 return None
             recorded.append(launch)
@@ -202,22 +208,27 @@ class Replay:
                    recorded, kept, as_tuple, device)
 
     @staticmethod
-    def _template(compiled, grid, values, locate, kept) -> Optional[_Launch]:
+    def _template(compiled, grid, values, locate, kept, scratch) -> Optional[_Launch]:
         from triton.backends.nvidia.driver import make_tensordesc_arg
 
         run = compiled.run
         launcher = _raw_launcher(run)
         types = list(compiled.src.signature.values())
         if (launcher is None or not isinstance(grid, tuple) or len(types) != len(values)
-                or run.global_scratch_size or run.profile_scratch_size):
+                or run.profile_scratch_size):
             return None
         grid = (*grid, 1, 1)
         args = [grid[0], grid[1], grid[2], 0, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
                 None, None, compiled.packed_metadata, None, None, None]
         assert len(args) == _BASE_ARGS
+        slots = []
+        if run.global_scratch_size:  # (in-kernel tensor descriptors): its memory is an intermediate's
+            where = locate(next(scratch, -1))
+            if where is None or run.global_scratch_align > _ALIGN:
+                return None
+            slots.append((_GLOBAL_SCRATCH, *where, None))
         metas = getattr(compiled.metadata, "tensordesc_meta", None)
         metas = iter(metas) if metas else None  # None: descriptors passed as pointer, shape and strides
-        slots = []
         for kind, value in zip(types, values):
             if isinstance(kind, str) and kind.startswith("tensordesc"):
                 meta = next(metas) if metas is not None else None
