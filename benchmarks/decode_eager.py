@@ -55,14 +55,13 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(dev):
         base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    names = args.models.split(",")
-    models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode, skip=["lm_head"])
-                               for mode in ("int8", "fp8") if mode in names}}
+    models = {name: base if name == "bf16" else quantize_model(copy.deepcopy(base), name, skip=["lm_head"])
+              for name in args.models.split(",")}
     attentions = args.attention.split(",")
     if "qf_attention" in attentions:
         register()
     # (bfloat16 with SDPA launches no qflash kernel: one run, the yardstick)
-    runs = [(name, attention, replays) for attention in attentions for name in models if name in names
+    runs = [(name, attention, replays) for attention in attentions for name in models
             for replays in ((True,) if (name, attention) == ("bf16", "sdpa") else (True, False))]
     prompt = torch.randint(0, config.vocab_size, (1, 16), device=dev)
     tokens = {}
