@@ -174,7 +174,7 @@ def decode_paths() -> tuple:
     of 4096 slots) and the transformers integration's attention function, each with its launches
     replayed (ops/attention.py) and without, beside PyTorch's SDPA; and a kind's first two calls,
     the normal path and a recording (what a decode step's new key length costs its first two
-    layers), a pair a call."""
+    layers), a pair a call; and decode steps (``decode_step_paths``)."""
     import qflash.kernels.replay as replay
     from qflash.integrations.transformers import attention_forward
     from qflash.ops.attention import _EAGER_FORWARDS
@@ -217,7 +217,40 @@ def decode_paths() -> tuple:
     paths.update({f"{name} (a new kind: normal path + recording)": new_kind(fn) for name, fn in calls.items()})
     paths["F.scaled_dot_product_attention"] = lambda: F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    paths.update(decode_step_paths(q, module))
     return paths, paths["flash_attn_func (replayed)"]
+
+
+def decode_step_paths(q: torch.Tensor, module, layers: int = 8) -> dict:
+    """A decode step of ``layers`` layers through the transformers integration's attention
+    function, each step one key more than the last (1024 to 3071 keys, then again: transformers'
+    growing cache), a step a call: without replays, with replays whose kinds record on their second
+    call, and with the attention ops' policy (a new kind records at once after a replay)."""
+    import qflash.kernels.replay as replay
+    from qflash.integrations.transformers import attention_forward
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    k_all, v_all = (torch.randn(1, 8, 3072, 128, device="cuda", dtype=q.dtype) for _ in range(2))
+    query = q.transpose(1, 2)
+    step = [0]
+
+    def decode_step(on: bool, at_once: bool):
+        def call():
+            keys = 1024 + step[0] % 2048
+            step[0] += 1
+            replay.ENABLED, _EAGER_FORWARDS.record_after_replay = on, at_once
+            try:
+                with torch.no_grad():
+                    for _ in range(layers):
+                        attention_forward(module, query, k_all[:, :, :keys], v_all[:, :, :keys], None)
+            finally:
+                replay.ENABLED, _EAGER_FORWARDS.record_after_replay = True, True
+        return call
+
+    name = f"decode step, {layers} layers, a new key length a step"
+    return {f"{name} (not replayed)": decode_step(False, False),
+            f"{name} (replayed, recorded on a kind's second call)": decode_step(True, False),
+            f"{name} (replayed, recorded at once after a replay)": decode_step(True, True)}
 
 
 def main() -> None:

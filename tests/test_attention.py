@@ -1715,8 +1715,8 @@ def test_gpu_eager_forwards_replay_bit_for_bit(name, monkeypatch):
 @gpu
 def test_gpu_eager_forwards_replay_only_memory_shared_alike(monkeypatch):
     """A replay of packed q, k, v (read at their distances from q) is not taken by q, k, v of
-    the same shapes and strides from three packed tensors: their kind is another, which the
-    normal path runs and a replay of its own then takes; the same bits as with replays off."""
+    the same shapes and strides from three packed tensors: their kind is another, with a replay
+    of its own; the same bits as with replays off."""
     from qflash.kernels import replay
     from qflash.ops.attention import _EAGER_FORWARDS
 
@@ -1732,6 +1732,30 @@ def test_gpu_eager_forwards_replay_only_memory_shared_alike(monkeypatch):
         for _ in range(3):
             assert torch.equal(qflash.flash_attn_func(*apart), wants[-1])
         assert len(_EAGER_FORWARDS.replays()) == 2
+
+
+@gpu
+def test_gpu_eager_forwards_replay_a_decode_loop_recording_once_a_step(monkeypatch):
+    """Decode steps of three layers with a cache that grows by one key a step (transformers'
+    dynamic cache: a new kind each step): the first step runs, records and
+    replays; every later step records in its first layer and replays in the others. The same bits
+    as with replays off."""
+    from qflash.kernels import replay
+    from qflash.ops.attention import _EAGER_FORWARDS
+
+    recorded = []
+    record = replay.record
+    monkeypatch.setattr(replay, "record", lambda fn, args: recorded.append(args[1].shape[1]) or record(fn, args))
+    q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(1, 1030, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    outs = {}
+    for replays_on in (True, False):
+        monkeypatch.setattr(replay, "ENABLED", replays_on)
+        with torch.no_grad():
+            outs[replays_on] = [qflash.flash_attn_func(q, keys[:, :n], values[:, :n], causal=True)
+                                for n in range(1024, 1029) for _ in range(3)]
+    assert recorded == [1024, 1025, 1026, 1027, 1028] and len(_EAGER_FORWARDS.replays()) == 5
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
 
 
 @gpu

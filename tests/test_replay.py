@@ -233,16 +233,23 @@ def test_replay_reads_inputs_that_share_memory_from_the_first(fake_driver):
     assert new[1].data_ptr() == new[0].data_ptr() + 8 * 4
 
 
-def test_replays_policy(monkeypatch):
-    """A kind's first call runs the function, its second records it, later ones replay (the
-    function is not called); a change of what the launches were made with (``kept``) drops every
-    replay; a refused recording is tried again up to MAX_REFUSALS times; at MAX_KINDS kinds the
-    oldest goes. (On the CPU, as if it were the current GPU with no launch hook.)"""
-    from qflash.kernels import common, replay
+@pytest.fixture
+def as_if_on_gpu(monkeypatch):
+    """``Replays`` on the CPU as if the inputs' device were the current GPU with no launch hook."""
+    from qflash.kernels import common
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     monkeypatch.setattr(common, "stream_handle", lambda device: 0)
     monkeypatch.setattr(common, "launches_hookless", lambda: True)
+
+
+def test_replays_policy(monkeypatch, as_if_on_gpu):
+    """A kind's first call runs the function, its second records it, later ones replay (the
+    function is not called); a change of what the launches were made with (``kept``) drops every
+    replay; a refused recording is tried again up to MAX_REFUSALS times; at MAX_KINDS kinds the
+    oldest goes."""
+    from qflash.kernels import replay
+
     calls = []
 
     def make(x):
@@ -281,3 +288,33 @@ def test_replays_policy(monkeypatch):
     monkeypatch.setattr(replay, "ENABLED", False)
     call(make, x5, ("w", 2))  # replays off: the function runs
     assert len(calls) == before + 1
+
+
+def test_replays_record_a_new_kind_at_once_after_a_replay(as_if_on_gpu):
+    """With ``record_after_replay`` (the attention ops'), a new kind's first call records where the
+    call before it replayed: in a decode loop whose steps bring every layer a new key length, a
+    step's first layer records and the others replay. After a normal call or a recording a new
+    kind takes the normal path, so a run of kinds seen once does not record each of them."""
+    from qflash.kernels import replay
+
+    made = []  # the key lengths of the calls that ran the function (normal or recorded)
+
+    def attend(k):
+        made.append(k.shape[0])
+        return torch.empty(1, 8)
+
+    replays = replay.Replays(record_after_replay=True)
+    step = lambda keys: [replays(attend, (torch.randn(keys, 8),)) for _ in range(4)]  # four layers
+    step(16)
+    assert made == [16, 16] and len(replays.replays()) == 1  # normal, recorded, two replays
+    for keys in (17, 18, 19):
+        step(keys)
+        assert made[-1] == keys and made.count(keys) == 1  # recorded at once, three replays
+    assert len(replays.replays()) == 4
+    for keys in (30, 31, 32, 33):  # kinds seen once: after the replay, one records; then normal calls
+        replays(attend, (torch.randn(keys, 8),))
+    assert len(replays.replays()) == 5 and made[-4:] == [30, 31, 32, 33]
+    plain = replay.Replays()  # (the default: only a kind's second call records)
+    for keys in (16, 16, 16, 17, 17):
+        plain(attend, (torch.randn(keys, 8),))
+    assert len(plain.replays()) == 2 and made[-4:] == [16, 16, 17, 17]  # each kind: normal, then recorded

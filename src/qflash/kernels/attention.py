@@ -1089,7 +1089,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
     if num_splits > 1:  # the kernel writes float32 shares, which the combine kernel weighs together
         out_part = new_output((num_splits, *q.shape), dtype=lse.dtype, device=q.device)
         lse_part = new_output((num_splits, *lse_shape), dtype=lse.dtype, device=q.device)
-        out_dst, lse_dst = out_part[0], lse_part[0]  # share 0; share s lies s split strides on
+        # Share 0 starts where the parts do, laid out as out and lse are (all contiguous); share s
+        # lies s split strides on. (The parts themselves, not share 0's views: a view is one aten op
+        # more for a replay's recording to follow.)
+        out_dst, lse_dst = out_part, lse_part
         split_strides = (out_part.stride(0), lse_part.stride(0))
     else:
         out_dst, lse_dst, split_strides = out, lse, (0, 0)
@@ -1108,7 +1111,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         q, k, v, out_dst, lse_dst, *pointers, *cache_pointers,
         # (a cache's K / V keep their (rows or pages, slots, heads) strides, also under packed queries)
         *_bshd_strides(q, varlen), *_bshd_strides(k, packed_kv), *_bshd_strides(v, packed_kv),
-        *_bshd_strides(out_dst, varlen), *_lse_strides(lse_dst, varlen), *bias_strides, *slope_strides,
+        *_bshd_strides(out, varlen), *_lse_strides(lse, varlen), *bias_strides, *slope_strides,
         *split_strides,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,

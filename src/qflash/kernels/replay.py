@@ -39,6 +39,7 @@ and by what the caller says they keep (``QuantizedLinear``: its buffers' pointer
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -132,6 +133,35 @@ def _raw_launcher(run):
     return cells["launcher"].cell_contents if "launcher" in cells else None
 
 
+class _Params:
+    """What a replay needs of a compiled kernel, found once a kernel (``_params_of``): its C
+    launcher (None where not built as expected), its parameter count, and its pointer and tensor
+    descriptor parameters: (position, whether a descriptor, the descriptor's TMA metadata or None)."""
+
+    def __init__(self, compiled):
+        self.launcher = _raw_launcher(compiled.run)
+        types = list(compiled.src.signature.values())
+        self.count = len(types)
+        metas = getattr(compiled.metadata, "tensordesc_meta", None)
+        metas = iter(metas) if metas else None  # None: descriptors passed as pointer, shape and strides
+        self.special = []
+        for position, kind in enumerate(types):
+            if isinstance(kind, str) and kind.startswith("tensordesc"):
+                self.special.append((position, True, next(metas) if metas is not None else None))
+            elif isinstance(kind, str) and kind.startswith("*"):
+                self.special.append((position, False, None))
+
+
+_PARAMS = weakref.WeakKeyDictionary()  # compiled kernel -> its _Params (a recording's loop over 70 parameters)
+
+
+def _params_of(compiled) -> _Params:
+    params = _PARAMS.get(compiled)
+    if params is None:
+        params = _PARAMS[compiled] = _Params(compiled)
+    return params
+
+
 class _Launch:
     """One recorded launch: the C launcher's arguments with the constant ones in place, and the
     slots to fill anew: (position, root, byte offset from the root's pointer, and None for a
@@ -180,7 +210,10 @@ class Replay:
         intermediates = [(t, fill) for t, fill in made if t.data_ptr() not in out_at]
         roots = [*inputs, *outputs, *(t for t, _ in intermediates)]  # the order of a replay's pointers
         # (Inputs that share memory are found in the first one's: kind_of keeps their distances.)
-        spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.data_ptr()) for t in roots]
+        spans = []  # (start, end, the tensor's own address) of each root's storage
+        for t in roots:
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1), t.data_ptr()))
         offsets, filled, size = [], [], 0
         for t, fill in intermediates:
             offsets.append(size)
@@ -192,8 +225,8 @@ class Replay:
 
         def locate(address: int):
             """(root, offset) of an address in a root's storage, or None."""
-            for root, (start, nbytes, base) in enumerate(spans):
-                if start <= address < start + max(nbytes, 1):
+            for root, (start, end, base) in enumerate(spans):
+                if start <= address < end:
                     return root, address - base
             return None
 
@@ -211,10 +244,9 @@ class Replay:
     def _template(compiled, grid, values, locate, kept, scratch) -> Optional[_Launch]:
         from triton.backends.nvidia.driver import make_tensordesc_arg
 
+        params = _params_of(compiled)
         run = compiled.run
-        launcher = _raw_launcher(run)
-        types = list(compiled.src.signature.values())
-        if (launcher is None or not isinstance(grid, tuple) or len(types) != len(values)
+        if (params.launcher is None or not isinstance(grid, tuple) or params.count != len(values)
                 or run.profile_scratch_size):
             return None
         grid = (*grid, 1, 1)
@@ -227,11 +259,12 @@ class Replay:
             if where is None or run.global_scratch_align > _ALIGN:
                 return None
             slots.append((_GLOBAL_SCRATCH, *where, None))
-        metas = getattr(compiled.metadata, "tensordesc_meta", None)
-        metas = iter(metas) if metas else None  # None: descriptors passed as pointer, shape and strides
-        for kind, value in zip(types, values):
-            if isinstance(kind, str) and kind.startswith("tensordesc"):
-                meta = next(metas) if metas is not None else None
+        start = 0  # the values up to a pointer or descriptor go in as they are
+        for position, is_descriptor, meta in params.special:
+            args.extend(values[start:position])
+            start = position + 1
+            value = values[position]
+            if is_descriptor:
                 where = locate(value.base.data_ptr())
                 if where is not None:  # over a tensor made anew each call: encoded on each replay
                     if meta is not None and meta["fp4_padded"]:
@@ -242,16 +275,17 @@ class Replay:
                 args.extend(make_tensordesc_arg(value, meta))  # (the TMA map, or the pointer, first)
                 if where is not None:
                     args[slots[-1][0]] = None  # (filled on each replay: the template holds no tensor of the call's)
-            elif isinstance(kind, str) and kind.startswith("*") and isinstance(value, torch.Tensor):
+            elif isinstance(value, torch.Tensor):
                 where = locate(value.data_ptr())
                 if where is not None:
                     slots.append((len(args), *where, None))
                 else:
                     kept.append(value)
                 args.append(value.data_ptr())
-            else:
+            else:  # (a pointer parameter given something else, such as None)
                 args.append(value)
-        return _Launch(launcher, args, slots)
+        args.extend(values[start:])
+        return _Launch(launcher=params.launcher, args=args, slots=slots)
 
     def __call__(self, *inputs: torch.Tensor):
         pointers = [t.data_ptr() for t in inputs]
@@ -300,19 +334,24 @@ class Replays:
     ``replays(fn, args, kept)`` is ``fn(*args)``: the first call of a kind runs ``fn`` as it is (so
     that prefills of ever new lengths are not recorded: a recording costs 1.5 to 3.5 normal calls,
     session 60), the second records it, and the later ones replay it with the tensors among
-    ``args``. A kind is everything the launches depend on: ``kind_of(args)`` (the tensors' shapes,
-    strides, dtypes, alignment and shared memory, every other argument's value), the GPU, the
-    current stream (split-K counts are a stream's) and the switches ``common.PDL`` and
-    ``QFLASH_GLUON``. ``kept`` gives what else the launches were made with: the addresses of the
-    tensors they keep (a layer's buffers) and the caller's settings (its output dtype); where it
-    changes, the replays go. A recording refused because the call first made something lasting (the
-    split-K counts of a new stream) may succeed next time; after MAX_REFUSALS a kind stays on
-    ``fn``. Calls take ``fn`` where the inputs' GPU is not the current one or a launch hook listens
-    (a profiler's: it sees every kernel) or ``ENABLED`` is False."""
+    ``args``. With ``record_after_replay``, a kind's first call records at once where the call
+    before it replayed: in a decode loop whose steps each bring a new key length to every layer
+    (transformers' growing cache), a step's first layer records and the others replay, where the
+    first two would otherwise take the normal path and record. A kind is everything the launches
+    depend on: ``kind_of(args)`` (the tensors' shapes, strides, dtypes, alignment and shared memory,
+    every other argument's value), the GPU, the current stream (split-K counts are a stream's) and
+    the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else the launches were
+    made with: the addresses of the tensors they keep (a layer's buffers) and the caller's settings
+    (its output dtype); where it changes, the replays go. A recording refused because the call first
+    made something lasting (the split-K counts of a new stream) may succeed next time; after
+    MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn`` where the inputs' GPU is not the current
+    one or a launch hook listens (a profiler's: it sees every kernel) or ``ENABLED`` is False."""
 
-    def __init__(self):
+    def __init__(self, record_after_replay: bool = False):
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
         self.kept = None
+        self.record_after_replay = record_after_replay
+        self.replayed = False  # whether the last call replayed
 
     def __call__(self, fn, args: Sequence, kept: tuple = ()):
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
@@ -326,13 +365,16 @@ class Replays:
         # (the device too: every GPU's default stream has handle 0, and a kernel is loaded per GPU)
         kind = (kind_of(args), device.index, common.stream_handle(device), common.PDL, common.gluon_enabled())
         replay = kinds.get(kind)
+        after_replay, self.replayed = self.replayed, False
         if type(replay) is not int:
             if replay is not None:
+                self.replayed = True
                 return replay(*inputs)
             if len(kinds) >= MAX_KINDS:  # the oldest kind goes first
                 del kinds[next(iter(kinds))]
-            kinds[kind] = 0
-            return fn(*args)
+            kinds[kind] = replay = 0
+            if not (self.record_after_replay and after_replay):
+                return fn(*args)
         if replay >= MAX_REFUSALS:
             return fn(*args)
         y, made = record(fn, args)
@@ -342,6 +384,7 @@ class Replays:
     def clear(self) -> None:
         self.kinds.clear()
         self.kept = None
+        self.replayed = False
 
     def replays(self) -> list:
         """The Replays made so far (what the tests check was replayed)."""

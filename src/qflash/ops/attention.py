@@ -216,7 +216,9 @@ class _Attention(torch.autograd.Function):
 # Eager forwards without gradients on a GPU (decoding: every layer of a step calls with the same
 # shapes) replay the launches of an earlier call of their kind, as QuantizedLinear does: a
 # forward's checks, plan and launches cost a decode step a few hundred microseconds of Python.
-_EAGER_FORWARDS = Replays()
+# A growing cache gives each step a new kind, which its first layer records at once where the
+# step before replayed (record_after_replay); the step's other layers replay it.
+_EAGER_FORWARDS = Replays(record_after_replay=True)
 
 
 def _attention(*args) -> Tuple[torch.Tensor, torch.Tensor]:
