@@ -4,7 +4,8 @@
 
 ``flash_attn_func``'s forward of one token against 1024 keys (Llama-3-8B's 32 / 8 heads, D = 128,
 bfloat16), taken as ``Replays`` calls it: the forward alone, the forward inside ``record``'s
-dispatch mode (which sees every aten op), ``Replay.build`` with each compiled kernel's parameters
+dispatch mode (which sees every aten op), and in one without the wrapper that keeps Dynamo out
+of a mode's ``__torch_dispatch__`` (torch's ``_should_skip_dynamo``), ``Replay.build`` with each compiled kernel's parameters
 classified once (as ``build`` does) and anew on every call (as before session 61), and ``record``
 in all. Five rounds in turn, medians (us a call).
 """
@@ -52,6 +53,18 @@ def main() -> None:
         with replay._MadeTensors():
             fn(*args)
 
+    class Undisabled(replay._MadeTensors):  # torch wraps a mode's __torch_dispatch__ to keep Dynamo out
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # (a subclass's own: not wrapped)
+            return super().__torch_dispatch__.__wrapped__(self, func, types, args, kwargs)
+
+    def in_mode_undisabled():
+        with Undisabled():
+            fn(*args)
+
     made = replay._MadeTensors()
     launches, scratch = [], []
     common.LAUNCH_LOG.launches, common.LAUNCH_LOG.scratch = launches, scratch
@@ -68,6 +81,7 @@ def main() -> None:
         build()
 
     paths = {"forward": lambda: fn(*args), "forward in the dispatch mode": in_mode,
+             "forward in the dispatch mode, without Dynamo's wrapper": in_mode_undisabled,
              "Replay.build (parameters classified once a kernel)": build,
              "Replay.build (classified anew, as before)": build_uncached,
              "record (all)": lambda: replay.record(fn, args)}

@@ -332,12 +332,14 @@ class Replays:
     the attention ops' eager forwards without gradients).
 
     ``replays(fn, args, kept)`` is ``fn(*args)``: the first call of a kind runs ``fn`` as it is (so
-    that prefills of ever new lengths are not recorded: a recording costs 1.5 to 3.5 normal calls,
-    session 60), the second records it, and the later ones replay it with the tensors among
-    ``args``. With ``record_after_replay``, a kind's first call records at once where the call
-    before it replayed: in a decode loop whose steps each bring a new key length to every layer
-    (transformers' growing cache), a step's first layer records and the others replay, where the
-    first two would otherwise take the normal path and record. A kind is everything the launches
+    that prefills of ever new lengths are not recorded: recording an attention forward at decode
+    costs 2.6-2.7 normal calls, session 61), the second records it, and the later ones replay it
+    with the tensors among ``args``. With ``record_after_replay``, a kind's first call records at
+    once where the call before it replayed: in a decode loop whose steps each bring a new key
+    length to every layer (transformers' growing cache), a step's first layer records and the
+    others replay, where the first two would otherwise take the normal path and record. After a
+    normal call or a recording a new kind takes the normal path, so a run of kinds seen once does
+    not record each of them. A kind is everything the launches
     depend on: ``kind_of(args)`` (the tensors' shapes, strides, dtypes, alignment and shared memory,
     every other argument's value), the GPU, the current stream (split-K counts are a stream's) and
     the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else the launches were
