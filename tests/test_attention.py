@@ -1737,9 +1737,8 @@ def test_gpu_eager_forwards_replay_only_memory_shared_alike(monkeypatch):
 @gpu
 def test_gpu_eager_forwards_replay_a_decode_loop_recording_once_a_step(monkeypatch):
     """Decode steps of three layers with a cache that grows by one key a step (transformers'
-    dynamic cache: a new kind each step): the first step runs, records and
-    replays; every later step records in its first layer and replays in the others. The same bits
-    as with replays off."""
+    dynamic cache: a new kind each step): the first step runs, records and replays; every later
+    step records in its first layer and replays in the others. The same bits as with replays off."""
     from qflash.kernels import replay
     from qflash.ops.attention import _EAGER_FORWARDS
 

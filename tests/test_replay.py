@@ -304,7 +304,11 @@ def test_replays_record_a_new_kind_at_once_after_a_replay(as_if_on_gpu):
         return torch.empty(1, 8)
 
     replays = replay.Replays(record_after_replay=True)
-    step = lambda keys: [replays(attend, (torch.randn(keys, 8),)) for _ in range(4)]  # four layers
+
+    def step(keys):  # four layers
+        for _ in range(4):
+            replays(attend, (torch.randn(keys, 8),))
+
     step(16)
     assert made == [16, 16] and len(replays.replays()) == 1  # normal, recorded, two replays
     for keys in (17, 18, 19):

@@ -135,8 +135,9 @@ def _raw_launcher(run):
 
 class _Params:
     """What a replay needs of a compiled kernel, found once a kernel (``_params_of``): its C
-    launcher (None where not built as expected), its parameter count, and its pointer and tensor
-    descriptor parameters: (position, whether a descriptor, the descriptor's TMA metadata or None)."""
+    launcher (None where not built as expected), its parameter count, and the parameters that take a
+    tensor, pointers and tensor descriptors: (position, whether a descriptor, the descriptor's TMA
+    metadata or None)."""
 
     def __init__(self, compiled):
         self.launcher = _raw_launcher(compiled.run)
@@ -144,12 +145,12 @@ class _Params:
         self.count = len(types)
         metas = getattr(compiled.metadata, "tensordesc_meta", None)
         metas = iter(metas) if metas else None  # None: descriptors passed as pointer, shape and strides
-        self.special = []
+        self.tensor_params = []
         for position, kind in enumerate(types):
             if isinstance(kind, str) and kind.startswith("tensordesc"):
-                self.special.append((position, True, next(metas) if metas is not None else None))
+                self.tensor_params.append((position, True, next(metas) if metas is not None else None))
             elif isinstance(kind, str) and kind.startswith("*"):
-                self.special.append((position, False, None))
+                self.tensor_params.append((position, False, None))
 
 
 _PARAMS = weakref.WeakKeyDictionary()  # compiled kernel -> its _Params (a recording's loop over 70 parameters)
@@ -260,7 +261,7 @@ class Replay:
                 return None
             slots.append((_GLOBAL_SCRATCH, *where, None))
         start = 0  # the values up to a pointer or descriptor go in as they are
-        for position, is_descriptor, meta in params.special:
+        for position, is_descriptor, meta in params.tensor_params:
             args.extend(values[start:position])
             start = position + 1
             value = values[position]
@@ -339,15 +340,17 @@ class Replays:
     length to every layer (transformers' growing cache), a step's first layer records and the
     others replay, where the first two would otherwise take the normal path and record. After a
     normal call or a recording a new kind takes the normal path, so a run of kinds seen once does
-    not record each of them. A kind is everything the launches
-    depend on: ``kind_of(args)`` (the tensors' shapes, strides, dtypes, alignment and shared memory,
-    every other argument's value), the GPU, the current stream (split-K counts are a stream's) and
-    the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept`` gives what else the launches were
-    made with: the addresses of the tensors they keep (a layer's buffers) and the caller's settings
-    (its output dtype); where it changes, the replays go. A recording refused because the call first
-    made something lasting (the split-K counts of a new stream) may succeed next time; after
-    MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn`` where the inputs' GPU is not the current
-    one or a launch hook listens (a profiler's: it sees every kernel) or ``ENABLED`` is False."""
+    not record each of them.
+
+    A kind is everything the launches depend on: ``kind_of(args)`` (the tensors' shapes, strides,
+    dtypes, alignment and shared memory, every other argument's value), the GPU, the current stream
+    (split-K counts are a stream's) and the switches ``common.PDL`` and ``QFLASH_GLUON``. ``kept``
+    gives what else the launches were made with: the addresses of the tensors they keep (a layer's
+    buffers) and the caller's settings (its output dtype); where it changes, the replays go. A
+    recording refused because the call first made something lasting (the split-K counts of a new
+    stream) may succeed next time; after MAX_REFUSALS a kind stays on ``fn``. Calls take ``fn``
+    where the inputs' GPU is not the current one or a launch hook listens (a profiler's: it sees
+    every kernel) or ``ENABLED`` is False."""
 
     def __init__(self, record_after_replay: bool = False):
         self.kinds = {}  # kind -> its Replay, or the recordings refused so far (0: seen once)
