@@ -11,7 +11,6 @@ in all. Five rounds in turn, medians (us a call).
 """
 
 import statistics
-import time
 
 import torch
 
@@ -20,16 +19,7 @@ import qflash.kernels.replay as replay
 from qflash.kernels import common
 from qflash.ops import attention as ops_attention
 
-
-def us(fn, calls: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+from host_overhead import per_call_us  # (beside this script)
 
 
 def main() -> None:
@@ -90,7 +80,7 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(5):
             for name, path in paths.items():
-                rounds[name].append(us(path))
+                rounds[name].append(per_call_us(path, calls=300))
     for name, r in rounds.items():
         print(f"{name:55s} {statistics.median(r):7.1f} us  ({', '.join(f'{x:.0f}' for x in r)})")
 
