@@ -1024,6 +1024,8 @@ def test_kvcache_bad_inputs():
         (lambda: f(q, k_cache, v_cache, cache_seqlens=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
          ValueError, r"shape \(2,\)"),
         (lambda: f(q, k_cache, v_cache, cache_seqlens=1.5), TypeError, "cache_seqlens must be an int"),
+        (lambda: f(q, k_cache, v_cache, k, v, cache_seqlens=31), ValueError, r"must lie in \[0, 30\].*got 31"),
+        (lambda: f(q, k_cache, v_cache, cache_seqlens=-1), ValueError, r"must lie in \[0, 32\].*got -1"),
         (lambda: f(q, torch.randn(2, 32, 2, 80, device=DEVICE).half()[..., ::2], v_cache), ValueError,
          "k_cache must have a unit last stride"),
         (lambda: f(q, k_cache[:1], v_cache[:1]), ValueError, "k_cache has batch 1"),

@@ -802,12 +802,13 @@ def flash_attn_with_kvcache(
         k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, headdim), written
             **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
         cache_seqlens: the end of each sequence's keys in its cache row before the new ones: an
-            int, or an int32 / int64 tensor (batch,) on q's device; None: every slot.
+            int (one outside [0, seqlen_cache - seqlen_new] raises), or an int32 / int64 tensor
+            (batch,) on q's device; None: every slot.
         cache_batch_idx: None, or an int32 / int64 tensor (batch,): the cache row of each
             sequence. Where two sequences name one row, that row takes the new keys of the later.
         cache_leftpad: None, or an int32 / int64 tensor (batch,): the first slot of each
             sequence's keys (left padding), at most cache_seqlens[b].
-            A sequence whose values do not fit (cache_seqlens[b] outside [0, seqlen_cache -
+            A sequence whose tensor values do not fit (cache_seqlens[b] outside [0, seqlen_cache -
             seqlen_new], cache_leftpad[b] outside [0, cache_seqlens[b]], a row outside the cache)
             gets NaN outputs; its new rows go in where they land inside its cache row (none for
             a row outside the cache), so no other sequence's slots change; ``qflash.set_debug(True)``
@@ -872,6 +873,11 @@ def flash_attn_with_kvcache(
                                                                     q.device, scalar=False)
     leftpad = None if cache_leftpad is None else _per_sequence("cache_leftpad", cache_leftpad, batch, q.device,
                                                                 scalar=False)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        # An int is known here, so checked at no cost (a tensor's values only under set_debug: a sync)
+        if not 0 <= operator.index(cache_seqlens) <= slots - new:
+            raise ValueError(f"cache_seqlens must lie in [0, {slots - new}] (seqlen_cache - seqlen_new), "
+                             f"got {cache_seqlens}")
     if debug_enabled() and batch and not q.is_meta:
         _check_cache_positions(start, batch_idx, leftpad, cache_rows, slots - new, block_table, new, k_cache.shape[1])
     left, right = _window(window_size, causal)
