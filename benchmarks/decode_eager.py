@@ -67,10 +67,12 @@ def main() -> None:
     attentions = args.attention.split(",")
     if "qf_attention" in attentions:
         register()
+    qf_modes = ("on", "off", "second") if args.second_call_recording else ("on", "off")
+
     def modes(name, attention):  # replays: "on", "off", "second" (on, a kind recorded on its second call)
         if (name, attention) == ("bf16", "sdpa"):  # (launches no qflash kernel: one run, the yardstick)
             return ("on",)
-        return ("on", "off", "second") if attention == "qf_attention" and args.second_call_recording else ("on", "off")
+        return qf_modes if attention == "qf_attention" else ("on", "off")
 
     runs = [(name, attention, mode) for attention in attentions for name in models for mode in modes(name, attention)]
     prompt = torch.randint(0, config.vocab_size, (1, 16), device=dev)

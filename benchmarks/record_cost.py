@@ -4,10 +4,10 @@
 
 ``flash_attn_func``'s forward of one token against 1024 keys (Llama-3-8B's 32 / 8 heads, D = 128,
 bfloat16), taken as ``Replays`` calls it: the forward alone, the forward inside ``record``'s
-dispatch mode (which sees every aten op), and in one without the wrapper that keeps Dynamo out
-of a mode's ``__torch_dispatch__`` (torch's ``_should_skip_dynamo``), ``Replay.build`` with each compiled kernel's parameters
-classified once (as ``build`` does) and anew on every call (as before session 61), and ``record``
-in all. Five rounds in turn, medians (us a call).
+dispatch mode (which sees every aten op), and in one without the wrapper that keeps Dynamo out of
+a mode's ``__torch_dispatch__`` (torch's ``_should_skip_dynamo``), ``Replay.build`` with each
+compiled kernel's parameters classified once (as ``build`` does) and anew on every call (as before
+session 61), and ``record`` in all. Five rounds in turn, medians (us a call).
 """
 
 import statistics
