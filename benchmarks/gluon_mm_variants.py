@@ -19,7 +19,14 @@ a variant a shape cannot take (a ring that does not fit) is recorded with its er
 four times the L2 together, as a model's layers find their weights in DRAM; ``warm`` (the
 default) repeats one B, which stays in L2 where it fits (a decode product's weights up to 8B qkv).
 ``--rounds R`` times cuBLAS and the variants in turn R times, each round starting one further along
-(the order rotates), each ratio the median of its rounds'."""
+(the order rotates), each ratio the median of its rounds'.
+
+``--int8`` times INT8 products instead (tensor or row scales, ``qflash.quantize``'s), against
+``torch._int_mm`` with B in ``nn.Linear``'s (N, K) layout (int32 out, no scales: the README's INT8
+column), or where it refuses the shape (M <= 16) against the first variant; every variant's output
+must be the bits of the exact reference (``int8_matmul_ref``), split K included.
+
+    python3 benchmarks/gluon_mm_variants.py --int8 --m 16,128 --scales row --variants tl,128x6,auto,w"""
 
 import argparse
 import re
@@ -34,7 +41,7 @@ from qflash.bench.matmul import cublas_fp8, fp8_operands, llama_shapes
 from qflash.kernels import matmul_gluon as g
 from qflash.kernels.common import early_launch, sm_count
 from qflash.kernels.matmul import default_config, scaled_matmul
-from qflash.reference.matmul import fp8_matmul_ref
+from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 
 # block_n x stages, t: C by bulk copies, n: 64-row tiles whose columns two consumers split, e: tensor or
 # row scales read at each item's start instead of in its epilogue, sN: K
@@ -114,9 +121,29 @@ def run(opts, a_q, b_q, a_k, b_k, out_dtype, scales):
         with early_launch():
             return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales)
     if opts.get("tl"):
-        config = default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], scales, False, a_q.device)
+        config = default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], scales, a_q.dtype == torch.int8,
+                                a_q.device)
         return scaled_matmul(a_q, b_q, a_k, b_k, None, out_dtype, scales, config=config)
     return g.launch(a_q, b_q, a_k, b_k, None, out_dtype, scales, **opts)
+
+
+def int8_operands(a, b, scales):
+    """(a_q, b_q, a_k, b_k, ref, None) for an INT8 product: the scales as the kernels take them ((M, 1)
+    and (N, 1) per row) and the exact reference's float32 bits."""
+    import qflash
+
+    (a_q, a_s), (b_q, b_s) = (qflash.quantize(x, torch.int8, scales) for x in (a, b))
+    a_k, b_k = (s.reshape(-1, 1) if scales == "row" else s for s in (a_s, b_s))
+    return a_q, b_q, a_k, b_k, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32), None
+
+
+def int_mm(a_q, sets):
+    """cuBLAS's INT8 product on each set's B in turn (``rotating``), or None where it refuses the shape."""
+    try:
+        torch._int_mm(a_q, sets[0][0].T)
+    except RuntimeError:
+        return None
+    return rotating([partial(torch._int_mm, a_q, b_i.T) for b_i, _ in sets])
 
 
 def kernel_names(fn):
@@ -154,6 +181,7 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="timings of cuBLAS and every variant in turn")
     p.add_argument("--rep-ms", type=int, default=100, help="ms of replays a timing")
     p.add_argument("--cublas-kernels", action="store_true", help="record the kernels cuBLAS runs (profiler)")
+    p.add_argument("--int8", action="store_true", help="INT8 products, against torch._int_mm")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     variants = [(v, variant(v)) for v in args.variants.split(",")]
@@ -172,13 +200,15 @@ def main():
         a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         flop = 2 * m * n * k
         for scales in args.scales.split(","):
-            a_q, b_q, a_k, b_k, ref, peer = operands(a, b, scales)
+            a_q, b_q, a_k, b_k, ref, peer = (int8_operands if args.int8 else operands)(a, b, scales)
             for weights in args.weights.split(","):
                 sets = weight_copies(weights == "cold", b_q, b_k)
-                # (per tensor or per row by the scales' sizes; block scales: its own per-tensor B)
-                peer_sets = sets if peer[1] is b_q else weight_copies(weights == "cold", peer[1], peer[3])
-                cublas = rotating([cublas_fp8(peer[0], pb, peer[2], pbk) for pb, pbk in peer_sets])
-                cublas_kernels = kernel_names(cublas) if args.cublas_kernels else None
+                if args.int8:
+                    cublas = int_mm(a_q, sets)  # (None: the variants against the first of them)
+                else:  # (per tensor or per row by the scales' sizes; block scales: its own per-tensor B)
+                    peer_sets = sets if peer[1] is b_q else weight_copies(weights == "cold", peer[1], peer[3])
+                    cublas = rotating([cublas_fp8(peer[0], pb, peer[2], pbk) for pb, pbk in peer_sets])
+                cublas_kernels = kernel_names(cublas) if args.cublas_kernels and cublas else None
                 if cublas_kernels:
                     print(f"{name:12s} M={m:5d} {scales:6s} cuBLAS runs {cublas_kernels}", flush=True)
                 tag = f"{scales:6s}" + ("" if weights == "warm" else f" {weights} x{len(sets)}")
@@ -201,15 +231,20 @@ def main():
                     base = out if base is None else base
                     base16 = out16 if base16 is None else base16
                     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                    same = torch.equal(out, base) and torch.equal(out16, base16)
+                    if args.int8:  # exact: the reference's bits, whatever the tiles and the split of K
+                        same = torch.equal(out, ref) and torch.equal(out16, ref.to(torch.bfloat16))
+                    else:
+                        same = torch.equal(out, base) and torch.equal(out16, base16)
                     calls = rotating([partial(run, opts, a_q, b_i, a_k_used, b_k_i, torch.bfloat16, scales)
                                       for b_i, b_k_i in sets])
                     timed.append((label, opts or {}, err, same, calls))
                 # rounds of cuBLAS and every variant in turn; a ratio is the median of each round's own
-                fns = [cublas] + [t[-1] for t in timed]
+                fns = ([cublas] if cublas else []) + [t[-1] for t in timed]
                 times = [[] for _ in fns]
                 for i in in_turn(len(fns), args.rounds):
                     times[i].append(graph_ms(fns[i], rep_ms=args.rep_ms))
+                if cublas is None:  # the first variant stands in for cuBLAS (its "cuBLAS" ratios are to it)
+                    times.insert(0, times[0])
                 cublas_ms = statistics.median(times[0])
                 for (label, opts, err, same, _), ms_list in zip(timed, times[1:]):
                     ms = statistics.median(ms_list)
@@ -218,8 +253,11 @@ def main():
                                      variant=label, **opts, ms=ms, tflops=flop / ms * 1e-9, cublas_ms=cublas_ms,
                                      cublas_tflops=flop / cublas_ms * 1e-9, vs_cublas=ratio, rel_err=err,
                                      within_fp32=err < 1e-5 * max(1.0, k ** 0.5),
-                                     same_as_128=(same if opts.get("split_k", 1) == 1 and "block_n" in opts
-                                                  and not opts.get("swap_ab") else None),
+                                     same_as_128=(same if args.int8 or (opts.get("split_k", 1) == 1
+                                                                       and "block_n" in opts
+                                                                       and not opts.get("swap_ab")) else None),
+                                     peer="torch._int_mm" if args.int8 and cublas else
+                                     timed[0][0] if args.int8 else "torch._scaled_mm",
                                      cublas_kernels=cublas_kernels,
                                      **({"rounds_ms": ms_list, "rounds_cublas_ms": times[0]} if args.rounds > 1
                                         else {})))

@@ -582,6 +582,12 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(128, 10240, 8192, int8=False, row_scales=True) == (128, 6, True, 1, 2)
     assert gluon.tile_config(128, 10240, 8192, int8=False, c_bytes=4)[1] == 5  # float32 C: no room beside 6
     assert gluon.tile_config(128, 10240, 8192, int8=False, block_scales=True)[1] == 5
+    # INT8: FP8's tile where it takes it (no 256-wide, 192-row or tailed ones: 128 x 128, 5 slots, bulk stores)
+    assert gluon.tile_config(128, 4096, 4096, int8=True) == gluon.tile_config(128, 4096, 4096, int8=False)
+    assert gluon.tile_config(128, 4096, 14336, int8=True) == (64, 12, True, 1, 1)
+    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 5, True, 1, 2)  # FP8: 192 x 128
+    assert gluon.tile_config(1024, 4096, 4096, int8=True) == (128, 5, True, 1, 2)  # FP8: 128 x 256
+    assert gluon.tile_config(256, 10240, 8192, int8=True) == (128, 5, True, 1, 2)  # FP8: 128 x 160
     # six slots per tensor up to M = 512 with K long (s43a, s43b); per row only at M = 128 or with K split
     assert gluon.tile_config(256, 8192, 8192, int8=False) == (128, 6, True, 1, 2)
     assert gluon.tile_config(256, 8192, 8192, int8=False, row_scales=True) == (128, 5, True, 1, 2)
@@ -599,7 +605,6 @@ def test_tile_config_follows_the_measurements():
     # long K: 64 tiles of 128, 2 runs, 6 slots (the float32 sums then by plain stores)
     assert gluon.tile_config(128, 8192, 28672, int8=False) == (128, 6, False, 2, 2)
     assert gluon.tile_config(128, 8192, 28672, int8=False, block_scales=True) == (128, 5, True, 2, 2)
-    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 6, False, 1, 2)
     assert gluon.tile_config(8192, 8192, 8192, int8=False, block_scales=True) == (128, 5, True, 1, 2)  # pairs, FMA
     assert gluon.tile_config(128, 4096, 4096, int8=False, block_scales=True) == (64, 8, True, 1, 1)
     assert gluon.tile_config(64, 6144, 4096, int8=False) == (64, 8, True, 1, 1)  # 96 tiles of 32 K steps
@@ -837,9 +842,13 @@ def test_launch_refuses_what_three_consumers_do_not_take():
 def test_preferred_only_where_measured():
     """FP8 from M = 33 with N and K from 2048, the range timed against the tl kernel on the H200;
     at M <= 32 the transposed product where B's 64-row tiles fill the SMs (one round 70 % from
-    M = 8, several 90 %) or, from M = 16, K in two runs fills one round, tensor and row scales."""
+    M = 8, several 90 %) or, from M = 16, K in two runs fills one round, tensor and row scales.
+    INT8 by the same rules, in the tiles it takes."""
     assert gluon.preferred(128, 8192, 4096, int8=False) and gluon.preferred(8192, 28672, 8192, int8=False)
-    assert not gluon.preferred(8192, 8192, 8192, int8=True)  # INT8 stays with the tl kernel
+    # INT8 likewise, but at M <= 64 not where FP8's tile is one INT8 cannot run (256 wide: gate / up)
+    assert gluon.preferred(8192, 8192, 8192, int8=True) and gluon.preferred(64, 4096, 14336, int8=True)
+    assert gluon.preferred(128, 28672, 4096, int8=True) and not gluon.preferred(64, 28672, 4096, int8=True)
+    assert not gluon.preferred(32, 8192, 4096, int8=True) and not gluon.preferred(128, 1024, 4096, int8=True)
     assert gluon.preferred(1024, 4096, 4096, int8=False) and gluon.preferred(128, 4096, 14336, int8=False)
     assert gluon.preferred(64, 6144, 4096, int8=False) and gluon.preferred(33, 4096, 4096, int8=False)
     assert not gluon.preferred(32, 8192, 4096, int8=False) and gluon.preferred(1024, 2048, 4096, int8=False)
@@ -855,7 +864,7 @@ def test_preferred_only_where_measured():
     assert not any(gluon.swap_preferred(m, n, k, int8=False) for m, n, k in tl)
     assert [gluon.swap_config(m, n, k)[3] for m, n, k in swap] == [1, 1, 1, 1, 1, 1, 2, 1, 1]
     assert [gluon.swap_ctas_per_sm(tiles, 132) for tiles in (96, 132, 133, 160, 264, 265, 896)] == [1, 1, 2, 2, 2, 1, 1]
-    assert not gluon.swap_preferred(16, 6144, 4096, int8=True)
+    assert [gluon.swap_preferred(m, n, k, int8=True) for m, n, k in swap + tl] == [True] * len(swap) + [False] * len(tl)
     # Block scales: also where the tiles make one or two rounds (M < 8: the tl kernel's product is
     # slower with them, s37b); not four rounds at 85 % (8B gate_up), nor out of range
     assert all(gluon.swap_preferred(m, n, k, int8=False, block_scales=True) for m, n, k in swap)
@@ -1238,6 +1247,31 @@ def test_gpu_public_block_scales_at_decode_sizes(m, n, k, monkeypatch):
         want = qflash.fp8_matmul(a_q, b_q, a_k, b_k, out_dtype=torch.float32)
     assert torch.equal(public, want)
     assert rel_l2_err(public, ref) < 1e-5 * k ** 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", [(16, 6144, 4096), (32, 4096, 14336), (16, 28672, 4096), (64, 4096, 14336),
+                                   (64, 28672, 4096), (130, 4096, 4096), (256, 10240, 8192), (1030, 4096, 4096)])
+def test_gpu_public_int8_matmul_on_the_gluon_kernel(m, n, k, scales, monkeypatch):
+    """int8_matmul sends a product where ``preferred`` or ``swap_preferred`` says (the transposed
+    product at M <= 32, FP8's narrow tiles, 128 x 128 ones where FP8's are wider), else to the tl
+    kernel (8B gate_up at M = 16 and 64): the exact reference's bits either way, bias included."""
+    a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, scales, "cuda")
+    kind, a_k, b_k = _int8_kernel_scales(a_s, b_s, scales, m, n)
+    bias = torch.randn(n, device="cuda")
+    with poisoned():
+        public = qflash.int8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.bfloat16)
+    assert_written(public)
+    assert torch.equal(public, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    swap, plain = gluon.swap_preferred(m, n, k, True, sms), gluon.preferred(m, n, k, int8=True)
+    assert (swap or plain) == (n != 28672 or m > 64)
+    if swap or plain:
+        kernel = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, kind, swap_ab=swap)
+        assert torch.equal(public, kernel)
+    monkeypatch.setenv("QFLASH_GLUON", "0")
+    assert torch.equal(qflash.int8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.bfloat16), public)
 
 
 @pytest.mark.gpu

@@ -17,10 +17,11 @@ rows, and K is split into runs so that every SM streams part of B. Each run stor
 (int32) sum; the last run of a tile to arrive, counted by an atomic, adds the runs in a fixed order
 and writes C (no second kernel; the same result whichever run arrives last).
 
-On Hopper, FP8 products from M = 33 (tensor, row or block scales) go to the warp-specialized
-Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``), and those of M <= 32 to its
-transposed product where B's tiles fill the SMs (``matmul_gluon.swap_preferred``; with block
-scales also where they make one or two rounds); ``QFLASH_GLUON=0`` keeps them here. Scales and
+On Hopper, FP8 products from M = 33 (tensor, row or block scales) and INT8 ones (tensor or row
+scales) go to the warp-specialized Gluon kernel in ``matmul_gluon.py`` (``matmul_gluon.preferred``),
+and those of M <= 32 to its transposed product where B's tiles fill the SMs
+(``matmul_gluon.swap_preferred``; with block scales also where they make one or two rounds);
+``QFLASH_GLUON=0`` keeps them here. Scales and
 bias live in ``matmul_epilogue.py``, which both kernels share (with the Gluon kernel's split-K
 sum and the split-K arrival counts).
 """

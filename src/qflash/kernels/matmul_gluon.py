@@ -1,9 +1,10 @@
 """Scaled INT8 / FP8 matrix product for Hopper in Gluon: persistent and warp-specialized.
 
-``matmul.scaled_matmul`` (so ``fp8_matmul``) sends FP8 products with per-tensor, per-row or
-block scales here on Hopper where ``preferred`` says it measured faster than the ``tl`` kernel,
-which stays the implementation for everything else (INT8, small N or K, the decode-sized
-products that ``swap_preferred`` leaves out, other GPUs, the interpreter). This is the schedule
+``matmul.scaled_matmul`` (so ``fp8_matmul`` and ``int8_matmul``) sends FP8 products with per-tensor,
+per-row or block scales, and INT8 ones with per-tensor or per-row scales, here on Hopper where
+``preferred`` says it measured faster than the ``tl`` kernel, which stays the implementation for
+everything else (small N or K, the decode-sized products that ``swap_preferred`` leaves out, other
+GPUs, the interpreter). This is the schedule
 the ``tl`` kernel cannot get from Triton 3.6 on Hopper (its warp-specialized 4-warp tiles
 computed wrong results, NOTES "Third round"):
 
@@ -774,10 +775,10 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
 
     Block scales take no 256-wide tiles: in narrower ones the K steps go in pairs (now groups of
     eight or four, ``BLOCK_K_GROUP``) and the scales by fused multiply-adds (1.03-1.24x the
-    256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 keeps the
-    session-7 tiles (128 x 128, 6 slots, plain stores): it stays on the tl kernel."""
+    256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 takes these tiles
+    where it can run them, else 128 x 128 ones (``_int8_tiles``)."""
     if int8:
-        return BLOCK_N, STAGES, False, 1, 2
+        return _int8_tiles(tile_config(m, n, k, False, sms, row_scales=row_scales, c_bytes=c_bytes))
     consumers = 1 if m <= SUB_M else 2
     stages = RING_STAGES[consumers]
     wide = cdiv(m, consumers * SUB_M) * cdiv(n, 256)
@@ -808,6 +809,24 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
             and (split_k > 1 or (c_bytes == 2 and m <= SIX_SLOT_MAX_M[row_scales]))):
         return block_n, 6, split_k == 1, split_k, consumers  # a sixth slot (float32 sums by plain stores)
     return block_n, stages[block_n], True, split_k, consumers
+
+
+def _int8_takes(config: tuple) -> bool:
+    """Whether an INT8 product can run FP8's tile (``tile_config``): up to 128 wide, one or two
+    consumers. 256-wide, 192-row and tailed tiles are FP8's only (the INT8 branch has no halves in
+    turn, no third consumer, no tail)."""
+    block_n, _, _, _, consumers = config
+    return block_n in RING_STAGES[2] and block_n <= BLOCK_N and consumers < 3
+
+
+def _int8_tiles(config: tuple) -> tuple:
+    """FP8's tile for an INT8 product where INT8 takes it (``_int8_takes``), else two consumers'
+    128 x 128 tiles with 5 slots and bulk stores, FP8's own 128-wide tile. Against session 7's INT8
+    tile (6 slots, plain stores), x ``torch._int_mm``, weights cold, three rounds
+    (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024 1.46-1.99
+    against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00 against
+    1.44-1.93."""
+    return config if _int8_takes(config) else (BLOCK_N, RING_STAGES[2][BLOCK_N], True, 1, 2)
 
 
 def split_columns(config: tuple) -> bool:
@@ -918,9 +937,19 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     against the tl kernel, same runs, tensor, row and block scales
     (``matmul_fp8_small_models_dispatch_ab_m{64,128,1024,8192}_h200_2026-12-03_s56d.json``):
     1.20-3.62x from M = 128, 0.86-1.74x at M = 64 (the one loss: N = K = 2048 per tensor). Not M <= 32
-    (the transposed product, ``swap_preferred``, or the tl kernel), not INT8 (0.86-1.00x the tl
-    kernel in session 7)."""
-    return not int8 and m > 32 and n >= MIN_NK and k >= MIN_NK
+    (the transposed product, ``swap_preferred``, or the tl kernel).
+
+    INT8 (row scales) likewise, in FP8's tiles where it takes them (``_int8_tiles``), but at M <= 64
+    not where FP8 takes a 256-wide tile (the gate / up projections: 0.89 / 1.14 x ``torch._int_mm``
+    on two consumers' 128 x 128 tiles against the tl kernel's 1.08 / 1.41). x ``torch._int_mm``,
+    weights cold, three rounds, the Llama shapes, against the tl kernel that took every INT8 product
+    until then (matmul_int8_gluon_tiles_m64_m8192_h200_2026-12-04_s62a.json): M = 64 1.11-1.62
+    against 0.69-1.44, M = 128 1.34-1.93 against 0.49-1.96 (256-wide FP8 tiles: 1.57 / 2.00 with
+    bulk stores against 1.46 / 1.96), M = 256 1.50-2.20 against 0.83-1.56; M = 1024 / 8192 on
+    128 x 128 tiles with bulk stores 1.46-1.99 against 1.26-1.80."""
+    if m <= 32 or n < MIN_NK or k < MIN_NK:
+        return False
+    return not int8 or m > SUB_M or _int8_takes(tile_config(m, n, k, False, row_scales=True))
 
 
 def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales: bool = False) -> bool:
@@ -946,8 +975,14 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_sca
     - two CTAs an SM (``swap_ctas_per_sm``, s24e, M = 1 / 8 / 16 / 32): 70B qkv (160 tiles) 1.02
       / 0.97 / 1.00 / 0.93 against 1.00 / 0.95 / 0.94 / 0.90.
     The tl kernel stays ahead at 8B gate_up (448 tiles, four rounds 85 % full: 0.76 in two runs
-    against 0.98, s23f) and at M = 1 where one round runs (8B o 0.83 in two runs against 1.02)."""
-    if int8 or m > 32 or n < 4096 or k < 4096:
+    against 0.98, s23f) and at M = 1 where one round runs (8B o 0.83 in two runs against 1.02).
+
+    INT8 (row scales) by the same rule, against the tl kernel that took every INT8 product until
+    then, weights cold, three rounds (matmul_int8_gluon_tiles_m16_m32_h200_2026-12-04_s62a.json):
+    M = 16, x the tl kernel (``torch._int_mm`` refuses M <= 16), 1.02-1.20 where the rule takes it
+    but 8B down, 0.99 (8B gate_up, left out: 0.96); M = 32, x ``torch._int_mm``, 1.11-1.64 against
+    0.95-1.60 (8B gate_up, left out: 1.04 against 1.08)."""
+    if m > 32 or n < 4096 or k < 4096:
         return False
     tiles = cdiv(n, SUB_M)
     return _swap_runs(m, tiles, k, sms) > 0 or (block_scales and tiles <= 2 * sms)
