@@ -23,7 +23,8 @@ from qflash.kernels import common  # noqa: E402
     (False, "tensor", 256, 4, True, 1), (False, "row", 256, 3, False, 1), (True, "row", 128, 5, True, 4),
     (False, "block", 256, 3, True, 1), (False, "block", 128, 5, True, 1), (False, "tensor", 128, 5, True, 3),
     (False, "tensor", 64, 8, True, 2), (False, "block", 64, 8, True, 1), (True, "row", 64, 8, False, 1),
-    (False, "row", 32, 10, True, 1), (False, "block", 32, 10, True, 2)])
+    (False, "row", 32, 10, True, 1), (False, "block", 32, 10, True, 2), (True, "row", 256, 3, True, 1),
+    (True, "tensor", 256, 3, False, 2)])
 def test_builds_for_sm90(int8, scales, block_n, stages, tma_store, split_k):
     """Compiled offline: a TMA loader warp and two consumer warpgroups on 8-bit wgmma, registers
     rebalanced with setmaxnreg, one CTA's ring within 227 KB; FP8 adds each 128-deep partial
@@ -407,13 +408,15 @@ def test_gpu_early_scales_match(m, n, k, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_n,stages,split_k", [(128, 5, 1), (256, 3, 1), (256, 3, 2)])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-def test_gpu_int8_bulk_store_bit_exact(m, n, k):
-    """INT8 with C written through shared memory (float32 C: 64 KB of blocks next to 5 ring slots)."""
+def test_gpu_int8_bulk_store_bit_exact(m, n, k, block_n, stages, split_k):
+    """INT8 with C written through shared memory (float32 C: 64 KB of blocks next to 5 ring slots),
+    and 256-wide tiles, each half its own int32 total (one or two consumers, K whole or in runs)."""
     a_q, b_q, a_s, b_s = _quantized(m, n, k, torch.int8, "row", "cuda")
     with poisoned():
-        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, "row", stages=5,
-                         tma_store=True)
+        c = gluon.launch(a_q, b_q, a_s.reshape(-1, 1), b_s.reshape(-1, 1), None, torch.float32, "row",
+                         block_n=block_n, stages=stages, tma_store=True, split_k=split_k)
     assert_written(c)
     assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float32))
 
@@ -582,11 +585,12 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(128, 10240, 8192, int8=False, row_scales=True) == (128, 6, True, 1, 2)
     assert gluon.tile_config(128, 10240, 8192, int8=False, c_bytes=4)[1] == 5  # float32 C: no room beside 6
     assert gluon.tile_config(128, 10240, 8192, int8=False, block_scales=True)[1] == 5
-    # INT8: FP8's tile where it takes it (no 256-wide, 192-row or tailed ones: 128 x 128, 5 slots, bulk stores)
+    # INT8: FP8's tile where it takes it (192-row ones: 128 x 256; tailed or split-column ones: 128 x 128)
     assert gluon.tile_config(128, 4096, 4096, int8=True) == gluon.tile_config(128, 4096, 4096, int8=False)
     assert gluon.tile_config(128, 4096, 14336, int8=True) == (64, 12, True, 1, 1)
-    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (128, 5, True, 1, 2)  # FP8: 192 x 128
-    assert gluon.tile_config(1024, 4096, 4096, int8=True) == (128, 5, True, 1, 2)  # FP8: 128 x 256
+    assert gluon.tile_config(8192, 8192, 8192, int8=True) == (256, 3, True, 1, 2)  # FP8: 192 x 128
+    assert gluon.tile_config(1024, 4096, 4096, int8=True) == (256, 3, True, 1, 2)
+    assert gluon.tile_config(64, 28672, 4096, int8=True) == (128, 5, True, 1, 2)  # FP8: split columns
     assert gluon.tile_config(256, 10240, 8192, int8=True) == (128, 5, True, 1, 2)  # FP8: 128 x 160
     # six slots per tensor up to M = 512 with K long (s43a, s43b); per row only at M = 128 or with K split
     assert gluon.tile_config(256, 8192, 8192, int8=False) == (128, 6, True, 1, 2)
@@ -806,10 +810,8 @@ def test_launch_asks_for_early_launch_where_opted_in(monkeypatch, switch, pdl, w
     assert seen["launch_pdl"] is want
 
 
-def test_launch_refuses_wide_int8_tiles():
+def test_launch_refuses_tailed_int8_tiles():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.int8, "row")
-    with pytest.raises(ValueError, match="block_n must be 16, 32, 64 or 128"):
-        gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=256)
     with pytest.raises(ValueError, match="a tile with a tail"):
         gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "row", block_n=96)
     with pytest.raises(ValueError, match="block_n must be"):

@@ -419,8 +419,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     HALF: gl.constexpr = LEAD // 2 if WIDE or SPLIT_N else LEAD  # columns of one wgmma
     TAIL: gl.constexpr = TAIL_N // B_PARTS  # columns of this consumer's tail
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
-    gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or ((WIDE or SPLIT_N) and not IS_INT8),
-                     "tiles are 16, 32, 64 or 128 wide, or 256 for FP8")
+    gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or WIDE or (SPLIT_N and not IS_INT8),
+                     "tiles are 16, 32, 64, 128 or 256 wide (256: two consumers, or FP8's split columns)")
     gl.static_assert(TAIL_N == 0 or (TAIL_N < LEAD and not IS_INT8 and SCALES != SCALES_BLOCK and not TMA_STORE
                                      and not SWAP_AB), "a tail: FP8, tensor or row scales, plain stores")
     gl.static_assert(not SPLIT_N or (CONSUMERS == 2 and HALF >= 16 and (TAIL_N == 0 or TAIL >= 16) and not IS_INT8
@@ -451,16 +451,26 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 a_early, b_early = _row_scales(AScale, BScale, early_rows, early_cols, M, N, stride_asm, stride_bsn)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
+            acc_hi = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # columns 128-255 (WIDE)
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(A_PARTS * s + a_part),
-                                    b_ring.index(B_PARTS * s + b_part).permute((1, 0)), acc, is_async=True)
-                # One product in flight: the previous K step's is done, so its slot goes back.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                a = a_ring.index(A_PARTS * s + a_part)
+                b = b_ring.index(B_PARTS * s + b_part)
+                # This K step's products in flight: the previous step's are done, so its slot goes back.
+                if WIDE:  # each half into its own total
+                    acc = warpgroup_mma(a, b.slice(0, HALF).permute((1, 0)), acc, is_async=True)
+                    acc_hi = warpgroup_mma(a, b.slice(HALF, HALF).permute((1, 0)), acc_hi, is_async=True)
+                    acc, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_hi))
+                else:
+                    acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > k_lo)
                 c += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if WIDE:
+                acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
@@ -812,21 +822,26 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
 
 
 def _int8_takes(config: tuple) -> bool:
-    """Whether an INT8 product can run FP8's tile (``tile_config``): up to 128 wide, one or two
-    consumers. 256-wide, 192-row and tailed tiles are FP8's only (the INT8 branch has no halves in
-    turn, no third consumer, no tail)."""
+    """Whether an INT8 product can run FP8's tile (``tile_config``): up to 128 wide on one or two
+    consumers, or 256 wide on two. 192-row, tailed and split-column tiles are FP8's only (the INT8
+    branch has no third consumer, no tail, and one consumer's 256-wide tile would need the split)."""
     block_n, _, _, _, consumers = config
-    return block_n in RING_STAGES[2] and block_n <= BLOCK_N and consumers < 3
+    return (block_n in RING_STAGES[2] and block_n <= BLOCK_N and consumers < 3) or (block_n == 256 and consumers == 2)
 
 
 def _int8_tiles(config: tuple) -> tuple:
-    """FP8's tile for an INT8 product where INT8 takes it (``_int8_takes``), else two consumers'
-    128 x 128 tiles with 5 slots and bulk stores, FP8's own 128-wide tile. Against session 7's INT8
-    tile (6 slots, plain stores), x ``torch._int_mm``, weights cold, three rounds
-    (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024 1.46-1.99
-    against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00 against
-    1.44-1.93."""
-    return config if _int8_takes(config) else (BLOCK_N, RING_STAGES[2][BLOCK_N], True, 1, 2)
+    """FP8's tile for an INT8 product where INT8 takes it (``_int8_takes``); in place of three
+    consumers' 192 x 128 tiles the 128 x 256 ones FP8 would take without them, and else two
+    consumers' 128 x 128 tiles with 5 slots and bulk stores, FP8's own 128-wide tile. That tile
+    against session 7's INT8 tile (6 slots, plain stores), x ``torch._int_mm``, weights cold, three
+    rounds (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024
+    1.46-1.99 against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00
+    against 1.44-1.93."""
+    if _int8_takes(config):
+        return config
+    if config[4] == 3:
+        return 256, RING_STAGES[2][256], True, 1, 2
+    return BLOCK_N, RING_STAGES[2][BLOCK_N], True, 1, 2
 
 
 def split_columns(config: tuple) -> bool:
@@ -1221,7 +1236,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
            early_scales: Optional[bool] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
-    32, 64, 128, or for FP8 256, and with tensor or row scales a width with a tail, ``tail_split``),
+    32, 64, 128 or 256, and for FP8 with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
     (by default GROUP_M, or BLOCK_LONG_K_GROUP_M for block scales at long K and large M),
     ``ctas_per_sm`` (1 or 2 CTAs an SM; 2 for one-consumer tiles up to 128 wide, each ring in half
@@ -1242,8 +1257,6 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     n = b_q.shape[0]
     if block_n is not None and tail_split(block_n)[1] and (a_q.dtype == torch.int8 or scales == "block" or swap_ab):
         raise ValueError(f"block_n={block_n} (a tile with a tail) takes FP8 with tensor or row scales, not swap_ab")
-    if block_n is not None and a_q.dtype == torch.int8 and block_n == 256:
-        raise ValueError(f"block_n must be 16, 32, 64 or 128 for INT8, got {block_n}")
     if consumers not in (None, 1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
     if consumers == 3 and (block_n not in (None, 128) or a_q.dtype == torch.int8 or swap_ab or split_n
