@@ -836,7 +836,9 @@ def _int8_tiles(config: tuple) -> tuple:
     against session 7's INT8 tile (6 slots, plain stores), x ``torch._int_mm``, weights cold, three
     rounds (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024
     1.46-1.99 against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00
-    against 1.44-1.93."""
+    against 1.44-1.93. The 128 x 256 tiles against it where FP8 takes those or 192 x 128 ones, same
+    bits, each ratio the median of three rounds' (matmul_int8_wide_tiles_ab_h200_2026-12-04_s62e.json):
+    M = 8192 1.02-1.08, M = 1024 1.01-1.08."""
     if _int8_takes(config):
         return config
     if config[4] == 3:
@@ -955,13 +957,14 @@ def preferred(m: int, n: int, k: int, int8: bool) -> bool:
     (the transposed product, ``swap_preferred``, or the tl kernel).
 
     INT8 (row scales) likewise, in FP8's tiles where it takes them (``_int8_tiles``), but at M <= 64
-    not where FP8 takes a 256-wide tile (the gate / up projections: 0.89 / 1.14 x ``torch._int_mm``
+    not where FP8 takes one consumer's 256-wide tile (gate / up projections: 0.89 / 1.14 x ``torch._int_mm``
     on two consumers' 128 x 128 tiles against the tl kernel's 1.08 / 1.41). x ``torch._int_mm``,
     weights cold, three rounds, the Llama shapes, against the tl kernel that took every INT8 product
     until then (matmul_int8_gluon_tiles_m64_m8192_h200_2026-12-04_s62a.json): M = 64 1.11-1.62
     against 0.69-1.44, M = 128 1.34-1.93 against 0.49-1.96 (256-wide FP8 tiles: 1.57 / 2.00 with
     bulk stores against 1.46 / 1.96), M = 256 1.50-2.20 against 0.83-1.56; M = 1024 / 8192 on
-    128 x 128 tiles with bulk stores 1.46-1.99 against 1.26-1.80."""
+    128 x 128 tiles with bulk stores 1.46-1.99 against 1.26-1.80 (128 x 256 ones, ``_int8_tiles``,
+    then 1.01-1.08 faster again)."""
     if m <= 32 or n < MIN_NK or k < MIN_NK:
         return False
     return not int8 or m > SUB_M or _int8_takes(tile_config(m, n, k, False, row_scales=True))
