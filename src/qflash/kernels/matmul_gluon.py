@@ -420,7 +420,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     TAIL: gl.constexpr = TAIL_N // B_PARTS  # columns of this consumer's tail
     IS_INT8: gl.constexpr = a_ring.dtype == gl.int8  # else FP8 e4m3
     gl.static_assert(LEAD == 16 or LEAD == 32 or LEAD == 64 or LEAD == 128 or WIDE or (SPLIT_N and not IS_INT8),
-                     "tiles are 16, 32, 64, 128 or 256 wide (256: two consumers, or FP8's split columns)")
+                     "tiles are 16, 32, 64, 128 or 256 wide")
     gl.static_assert(TAIL_N == 0 or (TAIL_N < LEAD and not IS_INT8 and SCALES != SCALES_BLOCK and not TMA_STORE
                                      and not SWAP_AB), "a tail: FP8, tensor or row scales, plain stores")
     gl.static_assert(not SPLIT_N or (CONSUMERS == 2 and HALF >= 16 and (TAIL_N == 0 or TAIL >= 16) and not IS_INT8
@@ -824,7 +824,8 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
 def _int8_takes(config: tuple) -> bool:
     """Whether an INT8 product can run FP8's tile (``tile_config``): up to 128 wide on one or two
     consumers, or 256 wide on two. 192-row, tailed and split-column tiles are FP8's only (the INT8
-    branch has no third consumer, no tail, and one consumer's 256-wide tile would need the split)."""
+    branch has no third consumer and no tail, and one consumer's 256-wide tile is FP8's with split
+    columns, ``split_columns``)."""
     block_n, _, _, _, consumers = config
     return (block_n in RING_STAGES[2] and block_n <= BLOCK_N and consumers < 3) or (block_n == 256 and consumers == 2)
 
@@ -999,7 +1000,8 @@ def swap_preferred(m: int, n: int, k: int, int8: bool, sms: int = 132, block_sca
     then, weights cold, three rounds (matmul_int8_gluon_tiles_m16_m32_h200_2026-12-04_s62a.json):
     M = 16, x the tl kernel (``torch._int_mm`` refuses M <= 16), 1.02-1.20 where the rule takes it
     but 8B down, 0.99 (8B gate_up, left out: 0.96); M = 32, x ``torch._int_mm``, 1.11-1.64 against
-    0.95-1.60 (8B gate_up, left out: 1.04 against 1.08)."""
+    0.95-1.60 (8B gate_up, left out: 1.04 against 1.08). At M = 1 / 8 (the dispatch against the tl
+    kernel, ``matmul_int8_dispatch_ab_h200_2026-12-04_s62b.json``) 1.02-1.16 where it takes them."""
     if m > 32 or n < 4096 or k < 4096:
         return False
     tiles = cdiv(n, SUB_M)
