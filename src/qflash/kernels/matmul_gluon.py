@@ -826,8 +826,7 @@ def _int8_takes(config: tuple) -> bool:
     consumers, or 256 wide on two. 192-row, tailed and split-column tiles are FP8's only (the INT8
     branch has no third consumer and no tail, and one consumer's 256-wide tile is FP8's with split
     columns, ``split_columns``)."""
-    block_n, _, _, _, consumers = config
-    return (block_n in RING_STAGES[2] and block_n <= BLOCK_N and consumers < 3) or (block_n == 256 and consumers == 2)
+    return config[4] < 3 and not tail_split(config[0])[1] and not split_columns(config)
 
 
 def _int8_tiles(config: tuple) -> tuple:
