@@ -590,6 +590,12 @@ def test_tile_config_follows_the_measurements():
     assert gluon.tile_config(128, 4096, 14336, int8=True) == (64, 12, True, 1, 1)
     assert gluon.tile_config(8192, 8192, 8192, int8=True) == (256, 3, True, 1, 2)  # FP8: 192 x 128
     assert gluon.tile_config(1024, 4096, 4096, int8=True) == (256, 3, True, 1, 2)
+    # ... 256 wide from INT8_WIDE_MIN_M (M = 128 / 256 8B gate_up: 1.46 / 1.67 x _int_mm against
+    # 1.52 / 1.74 on 128 x 128 tiles; M = 512 70B gate_up: 1.48 either way, s63f)
+    assert gluon.tile_config(128, 28672, 4096, int8=False) == (256, 3, True, 1, 2)
+    assert gluon.tile_config(128, 28672, 4096, int8=True) == (128, 5, True, 1, 2)
+    assert gluon.tile_config(256, 28672, 4096, int8=True) == (128, 5, True, 1, 2)
+    assert gluon.tile_config(512, 57344, 8192, int8=True) == (256, 3, True, 1, 2)
     assert gluon.tile_config(64, 28672, 4096, int8=True) == (128, 5, True, 1, 2)  # FP8: split columns
     assert gluon.tile_config(256, 10240, 8192, int8=True) == (128, 5, True, 1, 2)  # FP8: 128 x 160
     # six slots per tensor up to M = 512 with K long (s43a, s43b); per row only at M = 128 or with K split

@@ -788,7 +788,7 @@ def tile_config(m: int, n: int, k: int, int8: bool, sms: int = 132, block_scales
     256-wide tiles at M = 1024 / 8192, ..._fma_h200_2026-11-30_s19c.json). INT8 takes these tiles
     where it can run them, else 128 x 128 ones (``_int8_tiles``)."""
     if int8:
-        return _int8_tiles(tile_config(m, n, k, False, sms, row_scales=row_scales, c_bytes=c_bytes))
+        return _int8_tiles(tile_config(m, n, k, False, sms, row_scales=row_scales, c_bytes=c_bytes), m)
     consumers = 1 if m <= SUB_M else 2
     stages = RING_STAGES[consumers]
     wide = cdiv(m, consumers * SUB_M) * cdiv(n, 256)
@@ -829,17 +829,28 @@ def _int8_takes(config: tuple) -> bool:
     return config[4] < 3 and not tail_split(config[0])[1] and not split_columns(config)
 
 
-def _int8_tiles(config: tuple) -> tuple:
-    """FP8's tile for an INT8 product where INT8 takes it (``_int8_takes``); in place of three
-    consumers' 192 x 128 tiles the 128 x 256 ones FP8 would take without them, and else two
-    consumers' 128 x 128 tiles with 5 slots and bulk stores, FP8's own 128-wide tile. That tile
-    against session 7's INT8 tile (6 slots, plain stores), x ``torch._int_mm``, weights cold, three
-    rounds (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024
-    1.46-1.99 against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00
-    against 1.44-1.93. The 128 x 256 tiles against it where FP8 takes those or 192 x 128 ones, same
+# INT8's 128 x 256 tiles (FP8's) from this M; below it, 128 x 128 ones with 5 slots and bulk stores.
+# x ``torch._int_mm`` per row, same run, weights cold, three rounds, 256 wide against 128 wide
+# (matmul_int8_wide_tiles_m128_m512_h200_2026-12-04_s63f.json; the same bits): M = 128 8B gate_up
+# 1.46 against 1.52, 70B gate_up 1.93 against 1.96; M = 256 8B gate_up 1.67 against 1.74; M = 512
+# 70B o 1.53 against 1.55, 70B gate_up and down within 0.01 (M = 1024 / 8192: 1.01-1.08 x the
+# 128-wide ones, s62e). In the same run one tile timed twice (M = 512 8B gate_up, 128 wide either
+# way) gave 1.65 and 1.61: the gaps at M = 128 / 256 are within twice that. M = 384 not timed.
+INT8_WIDE_MIN_M = 512
+
+
+def _int8_tiles(config: tuple, m: int) -> tuple:
+    """FP8's tile for an INT8 product of ``m`` rows where INT8 takes it (``_int8_takes``), its
+    128 x 256 tiles from INT8_WIDE_MIN_M; in place of three consumers' 192 x 128 tiles the
+    128 x 256 ones FP8 would take without them, and else two consumers' 128 x 128 tiles with 5
+    slots and bulk stores, FP8's own 128-wide tile. That tile against session 7's INT8 tile (6
+    slots, plain stores), x ``torch._int_mm``, weights cold, three rounds
+    (matmul_int8_gluon_tiles_*_s62a.json): M = 8192 1.48-1.53 against 1.31-1.42, M = 1024 1.46-1.99
+    against 1.29-1.71; at M = 128 / 256 where FP8 takes 256-wide or tailed tiles, 1.53-2.00 against
+    1.44-1.93. The 128 x 256 tiles against it where FP8 takes those or 192 x 128 ones, same
     bits, each ratio the median of three rounds' (matmul_int8_wide_tiles_ab_h200_2026-12-04_s62e.json):
     M = 8192 1.02-1.08, M = 1024 1.01-1.08."""
-    if _int8_takes(config):
+    if _int8_takes(config) and (config[0] < 256 or m >= INT8_WIDE_MIN_M):
         return config
     if config[4] == 3:
         return 256, RING_STAGES[2][256], True, 1, 2
