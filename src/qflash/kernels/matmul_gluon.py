@@ -835,7 +835,10 @@ def _int8_takes(config: tuple) -> bool:
 # 1.46 against 1.52, 70B gate_up 1.93 against 1.96; M = 256 8B gate_up 1.67 against 1.74; M = 512
 # 70B o 1.53 against 1.55, 70B gate_up and down within 0.01 (M = 1024 / 8192: 1.01-1.08 x the
 # 128-wide ones, s62e). In the same run one tile timed twice (M = 512 8B gate_up, 128 wide either
-# way) gave 1.65 and 1.61: the gaps at M = 128 / 256 are within twice that. M = 384 not timed.
+# way) gave 1.65 and 1.61: the gaps at M = 128 / 256 are within twice that. At M = 96 / 384, where
+# FP8 takes 256-wide tiles (..._m96_m384_h200_2026-12-04_s64a.json): M = 384 8B gate_up 1.82 against
+# 1.87, 70B qkv 1.53 / 1.55, 70B gate_up 1.76 / 1.79; M = 96 8B gate_up 1.47 / 1.45, 70B gate_up
+# 1.24 / 1.21 (the 256-wide tile's gains there within the spread above).
 INT8_WIDE_MIN_M = 512
 
 
