@@ -246,6 +246,10 @@ def main():
                 if cublas is None:  # the first variant stands in for cuBLAS (its "cuBLAS" ratios are to it)
                     times.insert(0, times[0])
                 cublas_ms = statistics.median(times[0])
+                if not args.int8:
+                    peer_name = "torch._scaled_mm"
+                else:  # _int_mm, or where it refuses the shape the first variant
+                    peer_name = "torch._int_mm" if cublas else timed[0][0] if timed else None
                 for (label, opts, err, same, _), ms_list in zip(timed, times[1:]):
                     ms = statistics.median(ms_list)
                     ratio = median_speedup(ms_list, times[0])
@@ -256,8 +260,7 @@ def main():
                                      same_as_128=(same if args.int8 or (opts.get("split_k", 1) == 1
                                                                        and "block_n" in opts
                                                                        and not opts.get("swap_ab")) else None),
-                                     peer="torch._int_mm" if args.int8 and cublas else
-                                     timed[0][0] if args.int8 else "torch._scaled_mm",
+                                     peer=peer_name,
                                      cublas_kernels=cublas_kernels,
                                      **({"rounds_ms": ms_list, "rounds_cublas_ms": times[0]} if args.rounds > 1
                                         else {})))
