@@ -451,7 +451,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 a_early, b_early = _row_scales(AScale, BScale, early_rows, early_cols, M, N, stride_asm, stride_bsn)
         if IS_INT8:
             acc = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # exact: |sum| < K * 127^2
-            acc_hi = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)  # columns 128-255 (WIDE)
+            if WIDE:  # columns 128-255
+                acc_hi = gl.zeros((SUB, HALF), dtype=gl.int32, layout=acc_layout)
             for kk in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -480,7 +481,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
             # wgmma.) A wide tile's halves take turns with one partial: 128 + 64 registers of
             # float32 a thread instead of 256; a narrow tile has 64 + 2 x 64.
             acc = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
-            acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)  # columns 128-255 (WIDE)
+            if WIDE:  # columns 128-255
+                acc_hi = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             fresh = gl.zeros((SUB, HALF), dtype=gl.float32, layout=acc_layout)
             if TAIL_N > 0:  # the tail's total and partial
                 tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
