@@ -76,9 +76,10 @@ def ptxas_report(ptx: str) -> str:
     return run.stderr
 
 
-def sm90_build(module: str, *args, **kwargs) -> dict:
+def sm90_build(module: str, *args, with_offsets: bool = False, **kwargs) -> dict:
     """``module.compile_for_sm90(*args, **kwargs)`` in a fresh Python process: {"ptx", "shared",
-    "num_warps"}.
+    "num_warps"}, and with ``with_offsets`` "smem": its buffers' offsets in shared memory
+    (``gluon_common.smem_offsets``).
 
     Gluon kernels are built away from this process because Triton's interpreter (which the CPU
     tests run on) leaves some of its patches to triton.language in place after calling nested
@@ -89,8 +90,11 @@ def sm90_build(module: str, *args, **kwargs) -> dict:
 
     code = ("import importlib, json, sys, torch\n"
             f"kernel = importlib.import_module({module!r}).compile_for_sm90(*{args!r}, **{kwargs!r})\n"
-            "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared,\n"
-            "           'num_warps': kernel.metadata.num_warps}, sys.stdout)\n")
+            "smem = None\n"
+            + ("from qflash.kernels.gluon_common import smem_offsets\nsmem = smem_offsets(kernel)\n" if with_offsets
+               else "")
+            + "json.dump({'ptx': kernel.asm['ptx'], 'shared': kernel.metadata.shared,\n"
+            "           'num_warps': kernel.metadata.num_warps, 'smem': smem}, sys.stdout)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tests = os.path.dirname(os.path.abspath(__file__))  # (for modules of the tests, launch_builds)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)

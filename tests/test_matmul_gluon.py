@@ -249,6 +249,49 @@ def test_three_consumers_build(scales):
     assert kernel["shared"] <= 227 * 1024 and gluon._slot_bytes(128, 3) == 40 * 1024
 
 
+def _barrier_inits(ptx: str) -> dict:
+    """{arrival count: [byte offsets]} of the mbarriers a kernel's PTX initializes (each at
+    ``global_smem`` plus an immediate, in the order the kernel makes them)."""
+    base = re.search(r"mov\.b32\s+(%r\d+), global_smem;", ptx).group(1)
+    offsets = {reg: int(imm) for reg, imm in re.findall(rf"add\.s32\s+(%r\d+), {base}, (\d+);", ptx)}
+    inits = {}
+    for reg, count in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\], (\d+);", ptx):
+        inits.setdefault(int(count), []).append(offsets[reg])
+    return inits
+
+
+@pytest.mark.parametrize("int8,scales,block_n,consumers", [
+    (False, "tensor", 128, 2), (False, "tensor", 64, 2), (False, "row", 160, 2), (False, "block", 128, 2),
+    (True, "row", 128, 2), (False, "tensor", 64, 1), (False, "row", 128, 3)])
+def test_cluster_build(int8, scales, block_n, consumers):
+    """Clusters of two CTAs that share A's tiles (``launch(cluster=True)``), built offline: each
+    CTA's loader copies its A parts to both CTAs by multicast, naming A's descriptor parameter; a
+    consumer releases a slot on its own empty barrier and on the other CTA's (``mapa``), so each
+    empty barrier counts both CTAs' consumers; every partition waits once at the cluster barrier,
+    after the barriers' initialization is fenced, and the loader takes a warpgroup so that no
+    warp idles outside the partitions (``.reqntid``: consumers and loader, 128 threads each). No
+    spills, no serialized wgmma. The offsets the kernel names (``smem_offsets``, the same in its
+    two builds: ``build_in_clusters``) are where its PTX initializes ready[s] and empty[s]."""
+    # (three consumers' tiles take bulk stores, as tile_config gives them: plain ones spill there)
+    config = dict(block_n=block_n, consumers=consumers, stages=4 if consumers == 3 or block_n == 160 else 5,
+                  tma_store=consumers == 3)
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config, cluster=True, with_offsets=True)
+    ptx, at = kernel["ptx"], kernel["smem"]
+    report = ptxas_report(ptx)
+    assert f".reqntid {128 * (consumers + 1)}" in ptx
+    assert "global.mbarrier::complete_tx::bytes.multicast::cluster" in ptx and "_scaled_mm_ws_kernel_param_0" in ptx
+    assert "mapa.shared::cluster.u32" in ptx and "mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx
+    assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
+    assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
+    assert "0 bytes spill stores" in report and "serialized" not in report
+    stages = len(_barrier_inits(ptx)[1])
+    assert _barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
+                                   2 * consumers: [at["empty"] + 8 * s for s in range(stages)]}
+    assert at["a_ring"] % 1024 == 0  # (128-byte swizzled tiles start on 1024-byte boundaries)
+    plain = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config)["ptx"]
+    assert "barrier.cluster" not in plain and "multicast" not in plain and "mapa" not in plain
+
+
 def test_tail_split():
     assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
         (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
@@ -551,6 +594,74 @@ def test_gpu_fp8_block_scales_any_strides(block_n):
         got = gluon.launch(a_q, b_q, a_k, b_k, None, torch.float32, "block", block_n=block_n, stages=stages)
         assert torch.equal(got, want), (a_k.stride(), b_k.stride())
     assert rel_l2_err(want, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5
+
+
+CLUSTER_CONFIGS = [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6),
+                   dict(block_n=64, stages=8, tma_store=True), dict(block_n=64, stages=8, consumers=1),
+                   dict(block_n=160), dict(block_n=128, consumers=3, tma_store=True), dict(block_n=256, split_n=True),
+                   {}]
+
+
+def _cluster_takes(config, int8, scales):
+    """Whether a config of CLUSTER_CONFIGS runs for these operands: tails and split columns take
+    FP8 with tensor or row scales, three consumers FP8."""
+    narrow_only = config.get("block_n") == 160 or config.get("split_n")
+    return not (int8 and (narrow_only or config.get("consumers") == 3)) and not (scales == "block" and narrow_only)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(70, 90, 320), (257, 1000, 4096), (128, 1152, 4096)])
+def test_gpu_cluster_pairs_match(m, n, k):
+    """Clusters of two CTAs that share A's tiles by multicast copies (``launch(cluster=True)``)
+    give the bits of the same tiles without them, K whole: FP8 per tensor, per row and with block
+    scales, INT8 exact too; 128- and 64-wide tiles, a tailed one, one consumer's 64-row tiles,
+    three consumers' 192-row ones, split columns and the dispatch's tile; ragged edges and odd
+    counts of column blocks included (a pair's second block past N reads zeros, writes nothing)."""
+    for qdtype, scales in [(torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "row"),
+                           (torch.float8_e4m3fn, "block"), (torch.int8, "row")]:
+        int8 = qdtype == torch.int8
+        if scales == "block":
+            a_q, b_q, a_k, b_k, bias, _ = _block_case(m, n, k, outliers=False)
+        else:
+            a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
+            a_k, b_k = _kernel_scales(a_s, b_s, scales)
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        for config in CLUSTER_CONFIGS:
+            if not _cluster_takes(config, int8, scales):
+                continue
+            want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, split_k=1, **config)
+            with poisoned():
+                got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=True, **config)
+            assert_written(got)
+            assert torch.equal(got, want), (scales, int8, config)
+            if int8:
+                assert torch.equal(got, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), config
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_launch_replays():
+    """A product in clusters captured in a CUDA graph and replayed on refreshed inputs: each replay
+    the bits of an eager call (Triton's launcher makes the clusters from the kernel's metadata,
+    which a capture records)."""
+    a_q, b_q, a_s, b_s = _quantized(128, 4096, 4096, torch.float8_e4m3fn, "tensor", "cuda")
+    out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster=True)
+    for _ in range(3):
+        a_q.copy_(torch.randn(a_q.shape, device="cuda").to(a_q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", split_k=1)
+        assert torch.equal(out, want)
+
+
+def test_launch_refuses_what_clusters_do_not_take():
+    a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.float8_e4m3fn, "row")
+    a_k, b_k = _kernel_scales(a_s, b_s, "row")
+    for bad in (dict(swap_ab=True), dict(split_k=2), dict(ctas_per_sm=2, consumers=1, block_n=64)):
+        with pytest.raises(ValueError, match="cluster=True"):
+            gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster=True, **bad)
 
 
 def test_tile_config_follows_the_measurements():

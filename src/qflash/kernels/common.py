@@ -305,13 +305,18 @@ class CachedLauncher:
         key = tuple(key)
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = compiled = self.kernel[grid](*values, **kwargs)
+            self.compiled[key] = compiled = self._first_launch(grid, device, values, kwargs)
             if len(self.compiled) > self.maxsize:  # the oldest key goes first
                 self.compiled.popitem(last=False)
         else:
             self._run(compiled, (*grid, 1, 1), device, values)
         note_launch(compiled, grid, values)  # (where a layer records its launches: replay.record)
         return compiled
+
+    def _first_launch(self, grid: tuple, device: int, values: list, kwargs: dict):
+        """A key's first call: Triton's own path (binding, compiling or its caches, the launch).
+        The compiled kernel."""
+        return self.kernel[grid](*values, **kwargs)
 
     @staticmethod
     def _run(compiled, grid: tuple, device: int, values: list) -> None:

@@ -4,10 +4,16 @@ descriptors."""
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from qflash.kernels.common import CachedLauncher
 
 
 @gluon.jit
@@ -58,3 +64,137 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
     desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
                          padding="zero")
     return desc
+
+
+# Clusters of two CTAs that share a tile of A by TMA multicast. Triton 3.6's Gluon launches a
+# kernel built for one CTA in clusters when its launch asks (``cluster_launch``) but has no
+# multicast copy and no way to name a shared-memory buffer's address; so these few steps are inline
+# PTX, with the buffers' byte offsets in shared memory (``smem_offsets``, read off the built kernel)
+# as constexprs. Each names its CTA's first thread of a warpgroup (thread 0 of 128) to act.
+@gluon.constexpr_function
+def _multicast_asm(desc_param: str, cta_mask: int) -> str:
+    """The PTX of ``multicast_copy`` for the tensor descriptor that is the kernel parameter named
+    ``desc_param`` (the descriptor's 128 bytes as Triton passes them: ``<kernel>_param_<i>``)."""
+    return ("{ .reg .pred p; .reg .b32 t, dst, bar; .reg .b64 map; .reg .b16 mask;\n"
+            "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0;\n"
+            "mov.u32 dst, global_smem; add.u32 bar, dst, $2; add.u32 dst, dst, $1;\n"
+            f"mov.b64 map, {desc_param}; cvta.param.u64 map, map; mov.u16 mask, {cta_mask};\n"
+            "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [dst], [map, {$3, $4}], [bar], mask;\n"
+            "mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.constexpr = 3):
+    """One box of the 2-D tensor descriptor ``DESC_PARAM`` (the kernel parameter's PTX name), at
+    column ``x`` and row ``y``, copied into shared memory at byte ``dst_at`` of every CTA of the
+    cluster in ``CTA_MASK`` (bit i: rank i), each CTA's mbarrier at byte ``bar_at`` counting the
+    bytes that reach it, as a plain copy's does. The offsets are the same in every CTA: all run
+    one kernel."""
+    gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK), "=r,r,r,r,r", [dst_at, bar_at, x, y],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def remote_arrive(bar_at, go=1):
+    """One arrival on the mbarrier at byte ``bar_at`` of the other CTA of a cluster of two (release
+    at cluster scope: what this CTA read of the slot it guards is done), where ``go`` is not 0."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t, bar, peer, remote;\n"
+        "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;\n"
+        "mov.u32 peer, %cluster_ctarank; xor.b32 peer, peer, 1;\n"
+        "mov.u32 bar, global_smem; add.u32 bar, bar, $1; mapa.shared::cluster.u32 remote, bar, peer;\n"
+        "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "mov.u32 $0, 0; }", "=r,r,r", [bar_at, go], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def fence_barrier_init():
+    """Make this CTA's mbarrier initializations visible to the other CTAs of its cluster (before
+    ``cluster_sync``): a copy multicast into this CTA, or a remote arrival, may reach them next."""
+    gl.inline_asm_elementwise("fence.mbarrier_init.release.cluster; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def cluster_sync():
+    """Wait until every thread of every CTA of the cluster has come here. Every warp of a
+    warp-specialized kernel must (none idle: a partition's warps a multiple of four), so each
+    partition calls it first."""
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+def smem_offsets(compiled) -> dict:
+    """Where a built Gluon kernel's shared-memory buffers lie: {name: byte offset}, by the name of
+    the variable each ``allocate_shared_memory`` was assigned to (``a_ring``, ``ready``, ...).
+    Triton decides the offsets while it lowers the kernel and keeps them nowhere; this runs its
+    passes up to that allocation again on the kernel's TTGIR, as its build ran them."""
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptx_version_from_options
+
+    meta = compiled.metadata
+    context = ir.context()
+    ir.load_dialects(context)
+    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(context)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttgir")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ttgir"])
+        module = ir.parse_mlir_module(path, context)
+    module.context = context
+    pm = ir.pass_manager(context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, get_ptx_version_from_options(meta, 90))
+    pm.run(module, "smem_offsets")
+    found = re.findall(r"%(\w+) = ttg\.local_alloc \{allocation\.offset = (\d+) : i32\}", str(module))
+    return {name: int(offset) for name, offset in found}
+
+
+def build_in_clusters(build, buffers: tuple):
+    """A kernel for clusters whose ``SMEM_AT`` constexpr gives the byte offsets of ``buffers`` in
+    shared memory: ``build(smem_at)`` (the built kernel) first with zeros, to find where the
+    buffers lie (``smem_offsets``), then with those offsets, checked to be where that build put
+    them (they only enter inline PTX, so they should not move)."""
+    found = smem_offsets(build((0,) * len(buffers)))
+    at = tuple(found[name] for name in buffers)
+    compiled = build(at)
+    moved = smem_offsets(compiled)
+    if tuple(moved[name] for name in buffers) != at:
+        raise RuntimeError(f"shared-memory buffers {buffers} moved between two builds ({at} -> {moved}): the "
+                           f"cluster's copies would miss them")
+    return compiled
+
+
+class ClusterLauncher(CachedLauncher):
+    """``CachedLauncher`` for a Gluon kernel built for one CTA and launched in clusters of two
+    CTAs, whose ``CLUSTER`` constexpr turns on the copies and arrivals between them
+    (``multicast_copy``, ``remote_arrive``) and whose ``SMEM_AT`` constexpr gives those the byte
+    offsets of ``buffers`` in shared memory (``build_in_clusters``: a key's first call builds the
+    kernel twice). The grid counts clusters. The build's launches make clusters of two through
+    this launcher or any other, a replay's included: Triton's launcher clusters ``num_ctas`` CTAs,
+    read from the metadata it is passed."""
+
+    CTAS = 2
+
+    def __init__(self, kernel, buffers: tuple, maxsize: int = 512):
+        super().__init__(kernel, maxsize)
+        self.buffers = buffers
+
+    def _first_launch(self, grid: tuple, device: int, values: list, kwargs: dict):
+        at = self.names.index("SMEM_AT")
+
+        def build(smem_at):
+            return self.kernel.warmup(*values[:at], smem_at, *values[at + 1:], grid=grid, **kwargs)
+
+        compiled = build_in_clusters(build, self.buffers)
+        meta = compiled.metadata
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            raise RuntimeError(f"{self.kernel.__name__}: Triton sizes global scratch memory a CTA, not a cluster")
+        compiled.packed_metadata = (meta.num_warps, self.CTAS, meta.shared)
+        self._run(compiled, (*grid, 1, 1), device, values)
+        return compiled

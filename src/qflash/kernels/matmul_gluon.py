@@ -57,6 +57,15 @@ s34d). With split K each run's sum goes unscaled to a float32 (int32) buffer, an
 ``matmul_epilogue.reduce_split_k`` adds the runs in a fixed order and applies the scales and bias;
 in the transposed product the last run of a tile to arrive (an atomic count) adds them in the
 kernel, also in a fixed order.
+
+In clusters (CLUSTER; an experiment that no dispatch takes yet: ``launch(cluster=True)``) two CTAs
+on neighbouring SMs take two column blocks of the same rows, and each loader brings half of the A
+parts of a K step to both by one multicast copy, so that A is read from L2 once a pair, as cuBLAS
+does at M = 128. A slot is then free only when both CTAs' consumers let it go: each consumer
+arrives on its own CTA's empty barrier and on the other's. Triton 3.6's Gluon has neither the
+multicast copy nor the remote arrival, and names no buffer's address, so those are inline PTX
+(``gluon_common``) with the buffers' offsets in shared memory found by building the kernel once
+before (``build_in_clusters``).
 """
 
 from __future__ import annotations
@@ -73,7 +82,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from qflash.kernels import common
 from qflash.kernels.common import (CTA_RESERVED_BYTES, SIGNATURE_NAMES, SM_SHARED_BYTES, CachedLauncher,
                                    aligned_columns, build_for_sm90, cdiv, is_hopper, nvmma_layout, sm_count)
-from qflash.kernels.gluon_common import let_next_grid_launch, ring_barriers, unchecked_descriptor, wait_for_prior_grids
+from qflash.kernels.gluon_common import (ClusterLauncher, build_in_clusters, cluster_sync, fence_barrier_init,
+                                         let_next_grid_launch, multicast_copy, remote_arrive, ring_barriers,
+                                         unchecked_descriptor, wait_for_prior_grids)
 from qflash.kernels.matmul_epilogue import (SCALES_BLOCK, SCALES_KIND, SCALES_TENSOR, reduce_split_k,
                                             scale_strides, split_k_counters)
 from qflash.testing import new_output
@@ -81,6 +92,10 @@ from qflash.testing import new_output
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_K = 128  # K step, and the FP8 promotion interval
 GROUP_M = 8
+# The PTX name of the kernel's first parameter, A's tensor descriptor (its 128 bytes, as Triton
+# passes a descriptor), which a cluster's multicast copies name (``multicast_copy``).
+A_DESC_PARAM = gl.constexpr("_scaled_mm_ws_kernel_param_0")
+CLUSTER_BUFFERS = ("a_ring", "ready", "empty")  # what the kernel's SMEM_AT gives the offsets of
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
 _GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, torch.int32: gl.int32}
@@ -119,14 +134,38 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 
 @gluon.jit
+def _schedule(num_n, CLUSTER: gl.constexpr):
+    """This CTA's work items: (first, step, column blocks an item, rank). In a cluster (CLUSTER)
+    the two CTAs take the two column blocks of one item, the same rows, so that each brings half of
+    A's tile to both (``multicast_copy``): the items are the pairs, rank 0 or 1 the block of the
+    pair. (A pair's second block past N reads zeros and stores nothing.)"""
+    if CLUSTER:
+        return gl.program_id(0) // 2, gl.num_programs(0) // 2, gl.cdiv(num_n, 2), gl.program_id(0) % 2
+    return gl.program_id(0), gl.num_programs(0), num_n, 0
+
+
+@gluon.jit
+def _release(empty, s, CLUSTER: gl.constexpr, EMPTY_AT: gl.constexpr, go=True):
+    """Ring slot s back to the loader (where ``go``): this consumer's arrival on its CTA's empty
+    barrier, and in a cluster on the other CTA's too, whose loader copies into this slot as well."""
+    mbarrier.arrive(empty.index(s), count=1, pred=go)
+    if CLUSTER:
+        remote_arrive(EMPTY_AT + 8 * s, gl.to_tensor(go).to(gl.int32))
+
+
+@gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
-               TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr):
+               TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
+               SMEM_AT: gl.constexpr):
     """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
     item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
     ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
     a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
     in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
-    add nothing. ``args``: the kernel's tuple of runtime arguments for the loader."""
+    add nothing. In a cluster (CLUSTER) the CTA of rank r brings the A parts p with p % 2 == r to
+    both CTAs of its pair (``multicast_copy``: into the A ring at byte SMEM_AT[0] of each, counted
+    by ready[s] at byte SMEM_AT[1]); the others come from the other CTA. ``args``: the kernel's
+    tuple of runtime arguments for the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -146,10 +185,14 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
+    if CLUSTER:
+        cluster_sync()  # both CTAs' barriers made before either copies into the other
     wait_for_prior_grids()  # launched early (programmatic dependent launch): the inputs may still be in the making
+    first, step, cols, rank = _schedule(num_n, CLUSTER)
     c = 0  # K steps over all items: the ring's position
-    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+    for t in range(first, num_m * cols * SPLIT_K, step):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, cols, k_steps, GROUP_M, SPLIT_K)
+        pid_n = pid_n * (2 if CLUSTER else 1) + rank
         if SCALES == SCALES_BLOCK:  # where the item's scales start: A's first row, B's 128 x 128 block
             a_first, b_block = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)
         for kk in range(k_lo, k_hi):
@@ -170,8 +213,14 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     tma.async_copy_global_to_shared(b_sc_desc, [b_at - b_at % 4], ready.index(s),
                                                     b_sc_ring.index(B_SC_ROWS * (B_SC * s + blk)))
             for part in gl.static_range(A_PARTS):
-                tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK], ready.index(s),
-                                                a_ring.index(A_PARTS * s + part))
+                if CLUSTER:
+                    if part % 2 == rank:
+                        multicast_copy(A_DESC_PARAM, kk * BK, (pid_m * A_PARTS + part) * SUB,
+                                       SMEM_AT[0] + (A_PARTS * s + part) * a_desc.block_type.nbytes,
+                                       SMEM_AT[1] + 8 * s)
+                else:
+                    tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK],
+                                                    ready.index(s), a_ring.index(A_PARTS * s + part))
             for part in gl.static_range(B_PARTS):
                 tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK], ready.index(s),
                                                 b_ring.index(B_PARTS * s + part))
@@ -180,6 +229,11 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD + part * TAIL_PART, kk * BK],
                                                     ready.index(s), b_tail.index(B_PARTS * s + part))
             c += 1
+    if CLUSTER:
+        # Not gone before the last arrivals from the other CTA are in: every slot released by both
+        # CTAs' consumers (the wait a next fill would make), so that nothing still reaches this CTA.
+        for j in gl.static_range(STAGES):
+            mbarrier.wait(empty.index((c + j) % STAGES), (((c + j) // STAGES) & 1) ^ 1)
     # Every load issued: the next kernel may take the SMs this one leaves. (Let at the start, a long
     # kernel's CTAs that launched early onto the free SMs of a part-empty grid ran 0.79 x at M = 16
     # 70B qkv, two CTAs an SM; s35b.)
@@ -328,7 +382,8 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, S
 @gluon.jit
 def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part, b_at,
              stride_bsk, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
-             G: gl.constexpr, B_SC_ALIGNED: gl.constexpr, SWAP_AB: gl.constexpr):
+             G: gl.constexpr, B_SC_ALIGNED: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
+             SMEM_AT: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -367,14 +422,14 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
             b_sel = j % 4 if B_SC_ALIGNED else (b_at + j * stride_bsk) % 4
             cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, a_sc_layout)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-        mbarrier.arrive(empty.index(prev_s), count=1)
+        _release(empty, prev_s, CLUSTER, SMEM_AT[2])
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    mbarrier.arrive(empty.index(prev_s), count=1)
+    _release(empty, prev_s, CLUSTER, SMEM_AT[2])
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
     return acc, c + G
 
@@ -383,7 +438,7 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
                  TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr,
-                 EARLY_SCALES: gl.constexpr = False):
+                 EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = False, SMEM_AT: gl.constexpr = (0, 0, 0)):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -398,6 +453,8 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     them up. ``args``: the kernel's tuple of runtime arguments for the consumers (the same for each)."""
     (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring, ready,
      empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows) = args
+    if CLUSTER:
+        cluster_sync()  # (every warp of the kernel takes part: ``cluster_sync``)
     wait_for_prior_grids()  # the scales, the bias and C: not before the kernel ahead of this one is done
     # The kernel's choices, read off the buffers it made: parts of A and of B's block (and tail) a
     # ring slot, and blocks of C a consumer
@@ -437,9 +494,11 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     # wide, of one or two consumers (three have 160 registers a thread: row scales would spill)
     EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
                            and CONSUMERS < 3)
+    first, step, cols, rank = _schedule(num_n, CLUSTER)
     c = 0
-    for t in range(gl.program_id(0), num_m * num_n * SPLIT_K, gl.num_programs(0)):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, num_n, k_steps, GROUP_M, SPLIT_K)
+    for t in range(first, num_m * cols * SPLIT_K, step):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, cols, k_steps, GROUP_M, SPLIT_K)
+        pid_n = pid_n * (2 if CLUSTER else 1) + rank
         a_early = 1.0  # [SUB] rows' scales (per tensor: the product of the two), or not used
         b_early = 1.0  # [HALF] columns' scales, or not used
         if EARLY:
@@ -466,13 +525,13 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 else:
                     acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=kk > k_lo)
+                _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[2], kk > k_lo)
                 c += 1
             if WIDE:
                 acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1, pred=k_hi > k_lo)
+            _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[2], k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -503,14 +562,14 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 for kk in range(k_lo, k_single, K_GROUP):
                     acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                       a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS, STAGES,
-                                      SCALES, K_GROUP, B_SC_ALIGNED, SWAP_AB)
+                                      SCALES, K_GROUP, B_SC_ALIGNED, SWAP_AB, CLUSTER, SMEM_AT)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
                         acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                           a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS,
-                                          STAGES, SCALES, 2, False, SWAP_AB)
+                                          STAGES, SCALES, 2, False, SWAP_AB, CLUSTER, SMEM_AT)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -535,7 +594,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
-                mbarrier.arrive(empty.index(s), count=1)
+                _release(empty, s, CLUSTER, SMEM_AT[2])
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -572,7 +631,11 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
                          K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False,
-                         EARLY_SCALES: gl.constexpr = False):
+                         EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = False,
+                         SMEM_AT: gl.constexpr = (0, 0, 0)):
+    # CLUSTER: launched in clusters of two CTAs that share A's tiles (``_mm_loader``); SMEM_AT: the
+    # byte offsets in shared memory of a_ring, ready and empty below (``smem_offsets``), which the
+    # cluster's copies and arrivals name in PTX. a_desc must stay the first parameter (A_DESC_PARAM).
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -599,10 +662,20 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     else:
         a_sc_ring = a_ring  # not used
         b_sc_ring = a_ring
-    ready, empty = ring_barriers(STAGES, 1, CONSUMERS)  # every consumer releases a slot
+    # Every consumer releases a slot, in a cluster those of both CTAs (the other CTA's loader
+    # copies into it too).
+    ready, empty = ring_barriers(STAGES, 1, CONSUMERS * (2 if CLUSTER else 1))
+    if CLUSTER:
+        fence_barrier_init()
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
+    # The loader's warps: one, or in a cluster a warpgroup, so that no warp idles outside the
+    # partitions (each partition's ``cluster_sync`` needs every thread of the cluster).
+    LOADER_WARPS: gl.constexpr = 4 if CLUSTER else 1
+    # ... and its registers a thread: 32 in a cluster, where its copies' offsets spill from 24 (a
+    # warpgroup of 32 and two consumers' of 240 fill the SM's 64 K)
+    LOADER_REGS: gl.constexpr = 32 if CLUSTER else 24
     consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring,
                 ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows)
     loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc,
@@ -610,25 +683,33 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     if CONSUMERS == 3:  # 192-row tiles: three consumers of 160 registers, no K-step pairs
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 4, 1],
-            [160, 160, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+            [4, 4, LOADER_WARPS], [160, 160, LOADER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [4, 1], [240, 24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+            [4, LOADER_WARPS], [240, LOADER_REGS])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
-                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB))], [1], [24])
+                                   CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
+                                   SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+            [LOADER_WARPS], [LOADER_REGS])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
@@ -1246,6 +1327,9 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
+# The same kernel in clusters of two CTAs that share A's tiles (``launch(cluster=True)``): its
+# copies and arrivals name these buffers' offsets.
+_cluster_launcher = ClusterLauncher(_scaled_mm_ws_kernel, CLUSTER_BUFFERS)
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -1254,7 +1338,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
-           early_scales: Optional[bool] = None) -> torch.Tensor:
+           early_scales: Optional[bool] = None, cluster: bool = False) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128 or 256, and for FP8 with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1268,7 +1352,10 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     scales, 4 from K = LONG_K, and 2 for the rest) the K steps a group of a tile up to 128 wide
     (``_k_group``); ``early_scales`` whether a work item loads its tensor or row scales at its start
     (by default ``loads_scales_early``'s choice); ``pdl`` whether the launch is programmatic
-    dependent (by default ``launches_early``'s choice where ``common.PDL`` is True, else not). C (or
+    dependent (by default ``launches_early``'s choice where ``common.PDL`` is True, else not);
+    ``cluster`` launches CTAs in clusters of two that take neighbouring column blocks of the same
+    rows and bring A's tile to both by multicast copies, each copying half of it (an experiment:
+    no dispatch takes it; K whole; not with swap_ab or two CTAs an SM). C (or
     with split K, the partial sums) goes out through shared memory and bulk copies where its rows are
     16-byte aligned, the ring leaves room and the tile has no tail. Eager calls of short kernels are
     bound by the host: what follows from the shapes is made once (``_plan``), and the kernel launches
@@ -1290,6 +1377,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
     if swap_ab and tma_store:
         raise ValueError("the transposed product (swap_ab) writes C by plain stores: tma_store must be False")
+    if cluster and (swap_ab or (split_k or 1) != 1 or (ctas_per_sm or 1) != 1):
+        raise ValueError(f"cluster=True takes one CTA an SM, no swap_ab and no K split, got swap_ab={swap_ab}, "
+                         f"split_k={split_k}, ctas_per_sm={ctas_per_sm}")
     if swap_ab and m > SUB_M:
         raise ValueError(f"the transposed product (swap_ab) takes decode-sized products, A of up to {SUB_M} rows "
                          f"(its tile's width), got {m}")
@@ -1299,8 +1389,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         if scales != "block":  # block scales keep the user's roles (``_scale_origins``)
             a_scale, b_scale = b_scale, a_scale
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n, c_bufs, k_group,
-                 early_scales)
+                 1 if cluster else split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n,
+                 c_bufs, k_group, early_scales)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
     # Split K: the runs' sums go to ``partial``, which a second kernel adds up, or in the transposed
@@ -1337,7 +1427,13 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         b_sc_aligned = b_sc_aligned and constexprs["K_GROUP"] % 4 == 0
     else:
         b_sc_aligned = False
-    _launcher[plan.grid](
+    grid, launcher = plan.grid, _launcher
+    if cluster:
+        rows = SUB_M if plan.constexprs["SPLIT_N"] else plan.consumers * SUB_M
+        pairs = cdiv(m, rows) * cdiv(cdiv(n, plan.block_n), 2)  # a cluster's work items: two column blocks
+        grid, launcher = (min(pairs, sm_count(a_q.device) // 2),), _cluster_launcher
+        constexprs = {**constexprs, "CLUSTER": True}
+    launcher[grid](
         a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
         a_scale, b_scale,
         c if bias is None else bias, sums, counters, m, n, k, target.stride(0), *scale_strides(a_scale),
@@ -1357,7 +1453,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True, early_scales: bool = False):
+                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: bool = False):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
@@ -1387,6 +1483,10 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                     B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales)
-    return build_for_sm90(_scaled_mm_ws_kernel, types, constants, enable_fp_fusion=False,
-                          **_launch_options(ctas_per_sm))
+                     B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, CLUSTER=cluster)
+
+    def build(smem_at=(0, 0, 0)):
+        return build_for_sm90(_scaled_mm_ws_kernel, types, {**constants, "SMEM_AT": smem_at}, enable_fp_fusion=False,
+                              **_launch_options(ctas_per_sm))
+
+    return build_in_clusters(build, CLUSTER_BUFFERS) if cluster else build()
