@@ -1,6 +1,7 @@
 """Gluon pieces shared by the Hopper kernels (``attention_gluon.py``, ``matmul_gluon.py``): the
-mbarriers of their warp-specialized rings, grid dependency control, and their host tensor
-descriptors."""
+mbarriers of their warp-specialized rings, grid dependency control, their host tensor
+descriptors, and the steps of kernels launched in clusters of two CTAs (multicast copies, arrivals
+on the other CTA's barriers, the buffers' offsets those name, the launcher)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,12 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
     return desc
 
 
-# Clusters of two CTAs that share a tile of A by TMA multicast. Triton 3.6's Gluon launches a
-# kernel built for one CTA in clusters when its launch asks (``cluster_launch``) but has no
-# multicast copy and no way to name a shared-memory buffer's address; so these few steps are inline
-# PTX, with the buffers' byte offsets in shared memory (``smem_offsets``, read off the built kernel)
-# as constexprs. Each names its CTA's first thread of a warpgroup (thread 0 of 128) to act.
+# Clusters of two CTAs that share tiles by TMA multicast. A kernel built for one CTA runs in
+# clusters when its launch asks for them (``ClusterLauncher``), but Triton 3.6's Gluon has no
+# multicast copy, no arrival on another CTA's barrier and no way to name a buffer's address in
+# shared memory; so these steps are inline PTX, given the buffers' byte offsets (``smem_offsets``,
+# read off the built kernel) as constexprs. A copy or an arrival is made by the first thread of
+# each warpgroup that runs it (thread 0 of its 128).
 @gluon.constexpr_function
 def _multicast_asm(desc_param: str, cta_mask: int) -> str:
     """The PTX of ``multicast_copy`` for the tensor descriptor that is the kernel parameter named
@@ -129,7 +131,7 @@ def smem_offsets(compiled) -> dict:
     """Where a built Gluon kernel's shared-memory buffers lie: {name: byte offset}, by the name of
     the variable each ``allocate_shared_memory`` was assigned to (``a_ring``, ``ready``, ...).
     Triton decides the offsets while it lowers the kernel and keeps them nowhere; this runs its
-    passes up to that allocation again on the kernel's TTGIR, as its build ran them."""
+    passes up to that allocation again on the kernel's TTGIR, as its build for sm_90 ran them."""
     from triton._C.libtriton import ir, nvidia, passes
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend, get_ptx_version_from_options

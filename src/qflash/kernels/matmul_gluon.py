@@ -157,15 +157,15 @@ def _release(empty, s, CLUSTER: gl.constexpr, EMPTY_AT: gl.constexpr, go=True):
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
                SMEM_AT: gl.constexpr):
-    """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
-    item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
-    ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of:
-    a 64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail
-    in a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which
-    add nothing. In a cluster (CLUSTER) the CTA of rank r brings the A parts p with p % 2 == r to
-    both CTAs of its pair (``multicast_copy``: into the A ring at byte SMEM_AT[0] of each, counted
-    by ready[s] at byte SMEM_AT[1]); the others come from the other CTA. ``args``: the kernel's
-    tuple of runtime arguments for the loader."""
+    """One warp (in a cluster a warpgroup, one thread of which copies): the A parts (64 rows a
+    consumer) and the B tile of every K step of every work item of this CTA (a tile TAIL_N wider
+    than B's block: its last TAIL_N rows from ``b_tail_desc`` into ``b_tail``). A slot holds A and
+    B in the parts the rings are made of: a 64-row part of A a consumer and B whole, or (SPLIT_N)
+    one part of A and B's block and tail in a part a consumer. Edges past M, N or K arrive as
+    zeros (the descriptors' bounds), which add nothing. In a cluster (CLUSTER) the CTA of rank r
+    brings the A parts p with p % 2 == r to both CTAs of its pair (``multicast_copy``: into the A
+    ring at byte SMEM_AT[0] of each, counted by ready[s] at byte SMEM_AT[1]); the others come from
+    the other CTA. ``args``: the kernel's tuple of runtime arguments for the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -667,15 +667,15 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS * (2 if CLUSTER else 1))
     if CLUSTER:
         fence_barrier_init()
+    # The loader's warps: one, or in a cluster a warpgroup, so that no warp idles outside the
+    # partitions (each partition's ``cluster_sync`` needs every thread of the cluster) ...
+    LOADER_WARPS: gl.constexpr = 4 if CLUSTER else 1
+    # ... and its registers a thread: 32 in a cluster, where its copies' offsets spill from 24 (a
+    # warpgroup of 32 and the consumers' of 240, or three of 160, fill the SM's 64 K)
+    LOADER_REGS: gl.constexpr = 32 if CLUSTER else 24
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
-    # The loader's warps: one, or in a cluster a warpgroup, so that no warp idles outside the
-    # partitions (each partition's ``cluster_sync`` needs every thread of the cluster).
-    LOADER_WARPS: gl.constexpr = 4 if CLUSTER else 1
-    # ... and its registers a thread: 32 in a cluster, where its copies' offsets spill from 24 (a
-    # warpgroup of 32 and two consumers' of 240 fill the SM's 64 K)
-    LOADER_REGS: gl.constexpr = 32 if CLUSTER else 24
     consumer = (C, c_desc, c_smem, AScale, BScale, Bias, Sums, Counters, a_ring, b_ring, b_tail, a_sc_ring, b_sc_ring,
                 ready, empty, M, N, K, stride_cm, stride_asm, stride_bsn, stride_bsk, split_rows)
     loader = (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc,
