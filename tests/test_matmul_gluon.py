@@ -600,42 +600,44 @@ CLUSTER_CONFIGS = [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128
                    dict(block_n=64, stages=8, tma_store=True), dict(block_n=64, stages=8, consumers=1),
                    dict(block_n=160), dict(block_n=128, consumers=3, tma_store=True), dict(block_n=256, split_n=True),
                    {}]
+CLUSTER_KINDS = [(torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "row"), (torch.float8_e4m3fn, "block"),
+                 (torch.int8, "row")]
 
 
-def _cluster_takes(config, int8, scales):
-    """Whether a config of CLUSTER_CONFIGS runs for these operands: tails and split columns take
-    FP8 with tensor or row scales, three consumers FP8."""
-    narrow_only = config.get("block_n") == 160 or config.get("split_n")
-    return not (int8 and (narrow_only or config.get("consumers") == 3)) and not (scales == "block" and narrow_only)
+def _cluster_cases():
+    """(qdtype, scales, config) of CLUSTER_KINDS x CLUSTER_CONFIGS that run: tails and split
+    columns take FP8 with tensor or row scales, three consumers FP8."""
+    for qdtype, scales in CLUSTER_KINDS:
+        for config in CLUSTER_CONFIGS:
+            narrow_only = config.get("block_n") == 160 or config.get("split_n")
+            int8 = qdtype == torch.int8
+            if not ((int8 and (narrow_only or config.get("consumers") == 3)) or (scales == "block" and narrow_only)):
+                yield qdtype, scales, config
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(70, 90, 320), (257, 1000, 4096), (128, 1152, 4096)])
-def test_gpu_cluster_pairs_match(m, n, k):
+@pytest.mark.parametrize("qdtype,scales,config", list(_cluster_cases()), ids=str)
+def test_gpu_cluster_pairs_match(qdtype, scales, config):
     """Clusters of two CTAs that share A's tiles by multicast copies (``launch(cluster=True)``)
     give the bits of the same tiles without them, K whole: FP8 per tensor, per row and with block
     scales, INT8 exact too; 128- and 64-wide tiles, a tailed one, one consumer's 64-row tiles,
     three consumers' 192-row ones, split columns and the dispatch's tile; ragged edges and odd
     counts of column blocks included (a pair's second block past N reads zeros, writes nothing)."""
-    for qdtype, scales in [(torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "row"),
-                           (torch.float8_e4m3fn, "block"), (torch.int8, "row")]:
-        int8 = qdtype == torch.int8
+    int8 = qdtype == torch.int8
+    for m, n, k in [(70, 90, 320), (257, 1000, 4096)]:  # (one specialization: one build each)
         if scales == "block":
             a_q, b_q, a_k, b_k, bias, _ = _block_case(m, n, k, outliers=False)
         else:
             a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
             a_k, b_k = _kernel_scales(a_s, b_s, scales)
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        for config in CLUSTER_CONFIGS:
-            if not _cluster_takes(config, int8, scales):
-                continue
-            want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, split_k=1, **config)
-            with poisoned():
-                got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=True, **config)
-            assert_written(got)
-            assert torch.equal(got, want), (scales, int8, config)
-            if int8:
-                assert torch.equal(got, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), config
+        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, split_k=1, **config)
+        with poisoned():
+            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=True, **config)
+        assert_written(got)
+        assert torch.equal(got, want), (m, n, k)
+        if int8:
+            assert torch.equal(got, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), (m, n, k)
 
 
 @pytest.mark.gpu
