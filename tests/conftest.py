@@ -5,6 +5,7 @@ collection, before any test module imports qflash's kernels.
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -101,6 +102,17 @@ def sm90_build(module: str, *args, with_offsets: bool = False, **kwargs) -> dict
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)
+
+
+def barrier_inits(ptx: str) -> dict:
+    """{arrival count: [byte offsets]} of the mbarriers a kernel's PTX initializes (each at
+    ``global_smem`` plus an immediate, in the order the kernel makes them)."""
+    base = re.search(r"mov\.b32\s+(%r\d+), global_smem;", ptx).group(1)
+    offsets = {base: 0, **{reg: int(imm) for reg, imm in re.findall(rf"add\.s32\s+(%r\d+), {base}, (\d+);", ptx)}}
+    inits = {}
+    for reg, count in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\], (\d+);", ptx):
+        inits.setdefault(int(count), []).append(offsets[reg])
+    return inits
 
 
 def check_chain_eager_and_replayed(chain, check, refresh, times: int = 3) -> None:

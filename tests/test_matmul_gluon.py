@@ -12,7 +12,7 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.reference.quantize import quantize_ref
 from qflash.testing import assert_written, poisoned, rel_l2_err
 
-from conftest import DEVICE, check_chain_eager_and_replayed, ptxas_report, sm90_build
+from conftest import DEVICE, barrier_inits, check_chain_eager_and_replayed, ptxas_report, sm90_build
 
 gluon = pytest.importorskip("qflash.kernels.matmul_gluon")
 from qflash.kernels import common  # noqa: E402
@@ -249,17 +249,6 @@ def test_three_consumers_build(scales):
     assert kernel["shared"] <= 227 * 1024 and gluon._slot_bytes(128, 3) == 40 * 1024
 
 
-def _barrier_inits(ptx: str) -> dict:
-    """{arrival count: [byte offsets]} of the mbarriers a kernel's PTX initializes (each at
-    ``global_smem`` plus an immediate, in the order the kernel makes them)."""
-    base = re.search(r"mov\.b32\s+(%r\d+), global_smem;", ptx).group(1)
-    offsets = {reg: int(imm) for reg, imm in re.findall(rf"add\.s32\s+(%r\d+), {base}, (\d+);", ptx)}
-    inits = {}
-    for reg, count in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\], (\d+);", ptx):
-        inits.setdefault(int(count), []).append(offsets[reg])
-    return inits
-
-
 @pytest.mark.parametrize("int8,scales,block_n,consumers", [
     (False, "tensor", 128, 2), (False, "tensor", 64, 2), (False, "row", 160, 2), (False, "block", 128, 2),
     (True, "row", 128, 2), (False, "tensor", 64, 1), (False, "row", 128, 3)])
@@ -284,8 +273,8 @@ def test_cluster_build(int8, scales, block_n, consumers):
     assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
     assert "0 bytes spill stores" in report and "serialized" not in report
-    stages = len(_barrier_inits(ptx)[1])
-    assert _barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
+    stages = len(barrier_inits(ptx)[1])
+    assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
                                    2 * consumers: [at["empty"] + 8 * s for s in range(stages)]}
     assert at["a_ring"] % 1024 == 0  # (128-byte swizzled tiles start on 1024-byte boundaries)
     plain = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config)["ptx"]
