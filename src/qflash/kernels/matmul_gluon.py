@@ -59,9 +59,9 @@ in the transposed product the last run of a tile to arrive (an atomic count) add
 kernel, also in a fixed order.
 
 In clusters (CLUSTER; an experiment that no dispatch takes yet: ``launch(cluster=True)``) two CTAs
-on neighbouring SMs take two column blocks of the same rows, and each loader brings half of the A
-parts of a K step to both by one multicast copy, so that A is read from L2 once a pair, as cuBLAS
-does at M = 128. A slot is then free only when both CTAs' consumers let it go: each consumer
+on neighbouring SMs take two column blocks of the same rows, and each loader brings its share of
+the A parts of a K step (half of two) to both by multicast copies, so that A is read from L2 once
+a pair, as cuBLAS does at M = 128. A slot is then free only when both CTAs' consumers let it go: each consumer
 arrives on its own CTA's empty barrier and on the other's. Triton 3.6's Gluon has neither the
 multicast copy nor the remote arrival, and names no buffer's address, so those are inline PTX
 (``gluon_common``) with the buffers' offsets in shared memory found by building the kernel once
