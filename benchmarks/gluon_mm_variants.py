@@ -47,12 +47,12 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 # row scales read at each item's start instead of in its epilogue, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
-# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, C (last): in clusters of
-# two CTAs that share A's tiles by multicast copies (``launch(cluster=True)``, K whole);
-# auto[G][T][C]: tile_config's (T: A's block scales column-major; C: in clusters, K whole);
-# w[N][sM][cP][xC][kG][e]: the transposed product (swap_ab) with swap_config's tile, N ring slots, K
-# in M runs, P consumers (64-row parts of B a tile; by default one), C CTAs an SM (by default
-# swap_ctas_per_sm's), K steps in groups of G, e as above;
+# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, CA / CB (last): in
+# clusters of two CTAs an SM each whose tiles share A's (the activations') or B's (the weights')
+# tiles by multicast copies (``launch(cluster="A" / "B")``); auto[G][T][CA|CB]: tile_config's (T:
+# A's block scales column-major); w[N][sM][cP][xC][kG][e][CA]: the transposed product (swap_ab)
+# with swap_config's tile, N ring slots, K in M runs, P consumers (64-row parts of B a tile; by
+# default one), C CTAs an SM (by default swap_ctas_per_sm's), K steps in groups of G, e as above;
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
 # the same with the Gluon kernel's programmatic dependent launch on (``common.PDL``; session
 # 35's runs, before it became opt-in, named "public" the launch on and "publicN" off);
@@ -69,25 +69,26 @@ def variant(text):
         return {"pdl": True}
     if text == "tl":
         return {"tl": True}
-    auto = re.fullmatch(r"auto(\d)?(T?)(C?)", text)
+    auto = re.fullmatch(r"auto(\d)?(T?)(?:C([AB]))?", text)
     if auto:
         group, cols, cluster = auto.groups()
         return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}),
-                    **({"cluster": True} if cluster else {}))
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(?:k(\d))?(e?)", text)
+                    **({"cluster": cluster} if cluster else {}))
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(?:k(\d))?(e?)(?:C([AB]))?", text)
     if swap:
-        stages, split, consumers, ctas, k_group, early = swap.groups()
+        stages, split, consumers, ctas, k_group, early, cluster = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
+                    **({"cluster": cluster} if cluster else {}),
                     **({"k_group": int(k_group)} if k_group else {}),
                     **({"early_scales": True} if early else {}),
                     **({"split_k": int(split)} if split else {}),
                     **({"consumers": int(consumers)} if consumers else {}),
                     **({"ctas_per_sm": int(ctas)} if ctas else {}))
-    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(e?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?(C?)",
-                         text)
+    match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(e?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?"
+                         r"(?:C([AB]))?", text)
     if match is None:
-        raise SystemExit(f"a variant is auto[G][T][C], w[N][sM][cP][xC][kG][e], or block_n x stages [t] [n] [e] [sN] "
-                         f"[gN] [cN] [xC] [bB] [kG] [C], got {text!r}")
+        raise SystemExit(f"a variant is auto[G][T][CA|CB], w[N][sM][cP][xC][kG][e][CA], or block_n x stages [t] [n] "
+                         f"[e] [sN] [gN] [cN] [xC] [bB] [kG] [CA|CB], got {text!r}")
     block_n, stages, tma, split_n, early, split, group, consumers, ctas, bufs, k_group, cluster = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
@@ -106,7 +107,7 @@ def variant(text):
     if ctas:
         out["ctas_per_sm"] = int(ctas)
     if cluster:
-        out["cluster"] = True
+        out["cluster"] = cluster
     return out
 
 

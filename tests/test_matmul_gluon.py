@@ -249,34 +249,46 @@ def test_three_consumers_build(scales):
     assert kernel["shared"] <= 227 * 1024 and gluon._slot_bytes(128, 3) == 40 * 1024
 
 
-@pytest.mark.parametrize("int8,scales,block_n,consumers", [
-    (False, "tensor", 128, 2), (False, "tensor", 64, 2), (False, "row", 160, 2), (False, "block", 128, 2),
-    (True, "row", 128, 2), (False, "tensor", 64, 1), (False, "row", 128, 3)])
-def test_cluster_build(int8, scales, block_n, consumers):
-    """Clusters of two CTAs that share A's tiles (``launch(cluster=True)``), built offline: each
-    CTA's loader copies its A parts to both CTAs by multicast, naming A's descriptor parameter; a
-    consumer releases a slot on its own empty barrier and on the other CTA's (``mapa``), so each
-    empty barrier counts both CTAs' consumers; every partition waits once at the cluster barrier,
-    after the barriers' initialization is fenced, and the loader takes a warpgroup so that no
-    warp idles outside the partitions (``.reqntid``: consumers and loader, 128 threads each). No
-    spills, no serialized wgmma. The offsets the kernel names (``smem_offsets``, the same in its
-    two builds: ``build_in_clusters``) are where its PTX initializes ready[s] and empty[s]."""
+@pytest.mark.parametrize("int8,scales,block_n,consumers,shares,swap_ab,split_k", [
+    (False, "tensor", 128, 2, "A", False, 1), (False, "tensor", 64, 2, "A", False, 1),
+    (False, "row", 160, 2, "A", False, 1), (False, "block", 128, 2, "A", False, 1),
+    (True, "row", 128, 2, "A", False, 1), (False, "tensor", 64, 1, "A", False, 1),
+    (False, "row", 128, 3, "A", False, 1),
+    (False, "tensor", 64, 1, "B", False, 1), (False, "tensor", 128, 2, "B", False, 2),
+    (False, "tensor", 16, 1, "B", True, 1), (False, "row", 32, 1, "B", True, 2), (False, "block", 16, 1, "B", True, 1),
+    (True, "row", 16, 1, "B", True, 2)])
+def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_k):
+    """Clusters of two CTAs that share the kernel's A or B tiles (``launch(cluster=...)``; with
+    swap_ab the kernel's B is the user's A: the activations at M = 16), built offline: each CTA's
+    loader copies its share of the shared operand's parts to both CTAs by multicast, naming that
+    operand's descriptor parameter (one copy a part); a consumer releases a slot on its own empty
+    barrier and on the other CTA's (``mapa``), so each empty barrier counts both CTAs' consumers;
+    every partition waits once at the cluster barrier, after the barriers' initialization is
+    fenced, and the loader takes a warpgroup so that no warp idles outside the partitions
+    (``.reqntid``: consumers and loader, 128 threads each). No spills, no serialized wgmma. The
+    offsets the kernel names (``smem_offsets``, the same in its two builds: ``build_in_clusters``)
+    are where its PTX initializes ready[s] and empty[s]."""
     # (three consumers' tiles take bulk stores, as tile_config gives them: plain ones spill there)
-    config = dict(block_n=block_n, consumers=consumers, stages=4 if consumers == 3 or block_n == 160 else 5,
-                  tma_store=consumers == 3)
-    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config, cluster=True, with_offsets=True)
+    stages = 4 if consumers == 3 or block_n == 160 else 8 if block_n == 64 or scales == "block" and swap_ab else \
+        10 if swap_ab else 5
+    config = dict(block_n=block_n, consumers=consumers, stages=stages, tma_store=consumers == 3, swap_ab=swap_ab,
+                  split_k=split_k)
+    mode = {"A": gluon.CLUSTER_SHARES_A, "B": gluon.CLUSTER_SHARES_B}[shares].value
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config, cluster=mode, with_offsets=True)
     ptx, at = kernel["ptx"], kernel["smem"]
     report = ptxas_report(ptx)
     assert f".reqntid {128 * (consumers + 1)}" in ptx
-    assert "global.mbarrier::complete_tx::bytes.multicast::cluster" in ptx and "_scaled_mm_ws_kernel_param_0" in ptx
+    param = {"A": "_scaled_mm_ws_kernel_param_0", "B": "_scaled_mm_ws_kernel_param_5"}[shares]
+    copies = re.findall(r"mov\.b64 map, (\w+); cvta\.param\.u64 map, map; mov\.u16 mask, 3;", ptx)
+    assert copies == [param] * (consumers if shares == "A" else 1)
+    assert ptx.count("global.mbarrier::complete_tx::bytes.multicast::cluster") == len(copies)
     assert "mapa.shared::cluster.u32" in ptx and "mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx
     assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
     assert "0 bytes spill stores" in report and "serialized" not in report
-    stages = len(barrier_inits(ptx)[1])
     assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
-                                   2 * consumers: [at["empty"] + 8 * s for s in range(stages)]}
-    assert at["a_ring"] % 1024 == 0  # (128-byte swizzled tiles start on 1024-byte boundaries)
+                                  2 * consumers: [at["empty"] + 8 * s for s in range(stages)]}
+    assert at["a_ring"] % 1024 == 0 and at["b_ring"] % 1024 == 0  # (swizzled tiles start on 1024-byte boundaries)
     plain = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config)["ptx"]
     assert "barrier.cluster" not in plain and "multicast" not in plain and "mapa" not in plain
 
@@ -585,48 +597,69 @@ def test_gpu_fp8_block_scales_any_strides(block_n):
     assert rel_l2_err(want, fp8_matmul_ref(a_q, b_q, a_s, b_s, None, torch.float64)) < 1e-5 * k ** 0.5
 
 
-CLUSTER_CONFIGS = [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6),
-                   dict(block_n=64, stages=8, tma_store=True), dict(block_n=64, stages=8, consumers=1),
-                   dict(block_n=160), dict(block_n=128, consumers=3, tma_store=True), dict(block_n=256, split_n=True),
-                   {}]
+CLUSTER_CONFIGS = {  # the operand pairs share: the tiles they run with it
+    "A": [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6), dict(block_n=64, stages=8),
+          dict(block_n=64, stages=8, consumers=1), dict(block_n=160), dict(block_n=128, consumers=3, tma_store=True),
+          dict(block_n=256, split_n=True), dict(block_n=128, stages=5, split_k=2), {}],
+    "B": [dict(block_n=64, stages=8, consumers=1, tma_store=True), dict(block_n=128, stages=5, tma_store=True),
+          dict(block_n=256, split_n=True), dict(block_n=128, stages=5, split_k=2)],
+}
 CLUSTER_KINDS = [(torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "row"), (torch.float8_e4m3fn, "block"),
                  (torch.int8, "row")]
 
 
 def _cluster_cases():
-    """(qdtype, scales, config) of CLUSTER_KINDS x CLUSTER_CONFIGS that run: tails and split
-    columns take FP8 with tensor or row scales, three consumers FP8."""
+    """(qdtype, scales, shares, config) of CLUSTER_KINDS x CLUSTER_CONFIGS that run: tails and
+    split columns take FP8 with tensor or row scales, three consumers FP8."""
     for qdtype, scales in CLUSTER_KINDS:
-        for config in CLUSTER_CONFIGS:
-            narrow_only = config.get("block_n") == 160 or config.get("split_n")
-            int8 = qdtype == torch.int8
-            if not ((int8 and (narrow_only or config.get("consumers") == 3)) or (scales == "block" and narrow_only)):
-                yield qdtype, scales, config
+        for shares, configs in CLUSTER_CONFIGS.items():
+            for config in configs:
+                narrow_only = config.get("block_n") == 160 or config.get("split_n")
+                int8 = qdtype == torch.int8
+                if not ((int8 and (narrow_only or config.get("consumers") == 3))
+                        or (scales == "block" and narrow_only)):
+                    yield qdtype, scales, shares, config
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("qdtype,scales,config", list(_cluster_cases()), ids=str)
-def test_gpu_cluster_pairs_match(qdtype, scales, config):
-    """Clusters of two CTAs that share A's tiles by multicast copies (``launch(cluster=True)``)
-    give the bits of the same tiles without them, K whole: FP8 per tensor, per row and with block
-    scales, INT8 exact too; 128- and 64-wide tiles, a tailed one, one consumer's 64-row tiles,
-    three consumers' 192-row ones, split columns and the dispatch's tile; ragged edges and odd
-    counts of column blocks included (a pair's second block past N reads zeros, writes nothing)."""
-    int8 = qdtype == torch.int8
-    for m, n, k in [(70, 90, 320), (257, 1000, 4096)]:  # (one specialization: one build each)
+def _check_cluster_pairs(qdtype, scales, shares, config, shapes):
+    """``launch(cluster=shares)`` gives the bits of the same launch without clusters at each of
+    ``shapes`` (poisoned output, every element written; INT8 also the exact reference's)."""
+    for m, n, k in shapes:
         if scales == "block":
             a_q, b_q, a_k, b_k, bias, _ = _block_case(m, n, k, outliers=False)
         else:
             a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
             a_k, b_k = _kernel_scales(a_s, b_s, scales)
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, split_k=1, **config)
+        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, ctas_per_sm=1, **config)
         with poisoned():
-            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=True, **config)
+            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=shares, **config)
         assert_written(got)
         assert torch.equal(got, want), (m, n, k)
-        if int8:
+        if qdtype == torch.int8:
             assert torch.equal(got, int8_matmul_ref(a_q, b_q, a_s, b_s, bias, torch.bfloat16)), (m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype,scales,shares,config", list(_cluster_cases()), ids=str)
+def test_gpu_cluster_pairs_match(qdtype, scales, shares, config):
+    """Clusters of two CTAs whose tiles share A's tile (the same rows, two column blocks) or B's
+    (the same columns, two row blocks), copied to both by multicast (``launch(cluster=...)``),
+    give the bits of the same tiles without them: FP8 per tensor, per row and with block scales,
+    INT8 exact too; 128- and 64-wide tiles, a tailed one, one consumer's 64-row tiles, three
+    consumers' 192-row ones, split columns, split K and the dispatch's tile; ragged edges and odd
+    counts of blocks included (a pair's second tile past M or N reads zeros, writes nothing)."""
+    _check_cluster_pairs(qdtype, scales, shares, config, [(70, 90, 320), (257, 1000, 4096)])  # (one build each)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, dict(split_k=1), dict(split_k=3)], ids=str)
+@pytest.mark.parametrize("qdtype,scales", CLUSTER_KINDS, ids=str)
+def test_gpu_cluster_transposed_pairs_match(qdtype, scales, config):
+    """The transposed product (decode-sized M) in clusters whose two tiles of B's rows share the
+    activations' tile, as cuBLAS's clusters do at M = 16: the bits of the same launch without
+    clusters, K whole or in runs that the tile's last run adds up; an odd count of 64-row tiles."""
+    _check_cluster_pairs(qdtype, scales, "A", dict(swap_ab=True, **config), [(16, 1000, 4096), (5, 300, 320)])
 
 
 @pytest.mark.gpu
@@ -635,24 +668,26 @@ def test_gpu_cluster_launch_replays():
     the bits of an eager call (Triton's launcher makes the clusters from the kernel's metadata,
     which a capture records)."""
     a_q, b_q, a_s, b_s = _quantized(128, 4096, 4096, torch.float8_e4m3fn, "tensor", "cuda")
-    out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster=True)
+    out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster="A")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster=True)
+        out = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", cluster="A")
     for _ in range(3):
         a_q.copy_(torch.randn(a_q.shape, device="cuda").to(a_q.dtype))
         out.fill_(float("nan"))
         graph.replay()
-        want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", split_k=1)
+        want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor")
         assert torch.equal(out, want)
 
 
 def test_launch_refuses_what_clusters_do_not_take():
     a_q, b_q, a_s, b_s = _quantized(4, 8, 64, torch.float8_e4m3fn, "row")
     a_k, b_k = _kernel_scales(a_s, b_s, "row")
-    for bad in (dict(swap_ab=True), dict(split_k=2), dict(ctas_per_sm=2, consumers=1, block_n=64)):
-        with pytest.raises(ValueError, match="cluster=True"):
-            gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster=True, **bad)
+    with pytest.raises(ValueError, match="cluster must be None, 'A' or 'B'"):
+        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster=True)
+    with pytest.raises(ValueError, match="cluster='A' takes one CTA an SM"):
+        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster="A", ctas_per_sm=2, consumers=1,
+                     block_n=64)
 
 
 def test_tile_config_follows_the_measurements():

@@ -58,14 +58,15 @@ s34d). With split K each run's sum goes unscaled to a float32 (int32) buffer, an
 in the transposed product the last run of a tile to arrive (an atomic count) adds them in the
 kernel, also in a fixed order.
 
-In clusters (CLUSTER; an experiment that no dispatch takes yet: ``launch(cluster=True)``) two CTAs
-on neighbouring SMs take two column blocks of the same rows, and each loader brings its share of
-the A parts of a K step (half of two) to both by multicast copies, so that A is read from L2 once
-a pair, as cuBLAS does at M = 128. A slot is then free only when both CTAs' consumers let it go: each consumer
-arrives on its own CTA's empty barrier and on the other's. Triton 3.6's Gluon has neither the
-multicast copy nor the remote arrival, and names no buffer's address, so those are inline PTX
-(``gluon_common``) with the buffers' offsets in shared memory found by building the kernel once
-before (``build_in_clusters``).
+In clusters (CLUSTER; an experiment that no dispatch takes yet: ``launch(cluster="A" or "B")``)
+two CTAs take two column blocks of the same rows (CLUSTER_SHARES_A) or two row blocks of the same
+columns (CLUSTER_SHARES_B), and each loader brings its share of the shared operand's parts of a
+K step (half of two) to both by multicast copies, so that it is read from L2 once a pair, as
+cuBLAS's clusters do at M = 16 and 128. A slot is then free only when both CTAs' consumers let
+it go: each consumer arrives on its own CTA's empty barrier and on the other's. Triton 3.6's
+Gluon has neither the multicast copy nor the arrival on another CTA's barrier, and names no
+buffer's address, so those are inline PTX (``gluon_common``) with the buffers' offsets in shared
+memory found by building the kernel once before (``build_in_clusters``).
 """
 
 from __future__ import annotations
@@ -92,10 +93,18 @@ from qflash.testing import new_output
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_K = 128  # K step, and the FP8 promotion interval
 GROUP_M = 8
-# The PTX name of the kernel's first parameter, A's tensor descriptor (its 128 bytes, as Triton
-# passes a descriptor), which a cluster's multicast copies name (``multicast_copy``).
+# Clusters of two CTAs (CLUSTER): none, or pairs of tiles that share A's tile (the same rows, two
+# neighbouring column blocks) or B's (the same columns, two neighbouring row blocks), brought to
+# both CTAs by multicast copies (``multicast_copy``) ...
+CLUSTER_OFF = gl.constexpr(0)
+CLUSTER_SHARES_A = gl.constexpr(1)
+CLUSTER_SHARES_B = gl.constexpr(2)
+# ... which name the tensor descriptors by their PTX parameters (a descriptor's 128 bytes, as
+# Triton passes it, and then its shape and strides: five parameters for a 2-D one) ...
 A_DESC_PARAM = gl.constexpr("_scaled_mm_ws_kernel_param_0")
-CLUSTER_BUFFERS = ("a_ring", "ready", "empty")  # what the kernel's SMEM_AT gives the offsets of
+B_DESC_PARAM = gl.constexpr("_scaled_mm_ws_kernel_param_5")
+# ... and these buffers by their offsets in shared memory (the kernel's SMEM_AT)
+CLUSTER_BUFFERS = ("a_ring", "b_ring", "ready", "empty")
 
 _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
 _GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, torch.int32: gl.int32}
@@ -134,14 +143,27 @@ def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.cons
 
 
 @gluon.jit
-def _schedule(num_n, CLUSTER: gl.constexpr):
-    """This CTA's work items: (first, step, column blocks an item, rank). In a cluster (CLUSTER)
-    the two CTAs take the two column blocks of one item, the same rows, so that each brings half of
-    A's tile to both (``multicast_copy``): the items are the pairs, rank 0 or 1 the block of the
-    pair. (A pair's second block past N reads zeros and stores nothing.)"""
-    if CLUSTER:
-        return gl.program_id(0) // 2, gl.num_programs(0) // 2, gl.cdiv(num_n, 2), gl.program_id(0) % 2
-    return gl.program_id(0), gl.num_programs(0), num_n, 0
+def _schedule(num_m, num_n, CLUSTER: gl.constexpr):
+    """This CTA's work items: (first, step, the row and column blocks the items count, rank). In a
+    cluster the items are pairs of tiles, the tile of rank 0 or 1 in each this CTA's
+    (``_pair_tile``): two neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or two
+    row blocks of the same columns (CLUSTER_SHARES_B). A pair's second tile past N or M reads
+    zeros and stores nothing."""
+    if CLUSTER == CLUSTER_SHARES_A:
+        return gl.program_id(0) // 2, gl.num_programs(0) // 2, num_m, gl.cdiv(num_n, 2), gl.program_id(0) % 2
+    elif CLUSTER == CLUSTER_SHARES_B:
+        return gl.program_id(0) // 2, gl.num_programs(0) // 2, gl.cdiv(num_m, 2), num_n, gl.program_id(0) % 2
+    return gl.program_id(0), gl.num_programs(0), num_m, num_n, 0
+
+
+@gluon.jit
+def _pair_tile(pid_m, pid_n, rank, CLUSTER: gl.constexpr):
+    """The tile (row block, column block) of this CTA in the item (pid_m, pid_n) of ``_schedule``."""
+    if CLUSTER == CLUSTER_SHARES_A:
+        return pid_m, 2 * pid_n + rank
+    elif CLUSTER == CLUSTER_SHARES_B:
+        return 2 * pid_m + rank, pid_n
+    return pid_m, pid_n
 
 
 @gluon.jit
@@ -162,10 +184,11 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     than B's block: its last TAIL_N rows from ``b_tail_desc`` into ``b_tail``). A slot holds A and
     B in the parts the rings are made of: a 64-row part of A a consumer and B whole, or (SPLIT_N)
     one part of A and B's block and tail in a part a consumer. Edges past M, N or K arrive as
-    zeros (the descriptors' bounds), which add nothing. In a cluster (CLUSTER) the CTA of rank r
-    brings the A parts p with p % 2 == r to both CTAs of its pair (``multicast_copy``: into the A
-    ring at byte SMEM_AT[0] of each, counted by ready[s] at byte SMEM_AT[1]); the others come from
-    the other CTA. ``args``: the kernel's tuple of runtime arguments for the loader."""
+    zeros (the descriptors' bounds), which add nothing. In a cluster the CTA of rank r brings the
+    shared operand's parts p with p % 2 == r (A's with CLUSTER_SHARES_A, else B's) to both CTAs
+    of its pair (``multicast_copy``: into the ring at byte SMEM_AT[0] or SMEM_AT[1] of each,
+    counted by ready[s] at byte SMEM_AT[2]); the others come from the other CTA. ``args``: the
+    kernel's tuple of runtime arguments for the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -185,14 +208,15 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
+    gl.static_assert(CLUSTER != CLUSTER_SHARES_B or TAIL_N == 0, "pairs that share B: no tails")
     if CLUSTER:
         cluster_sync()  # both CTAs' barriers made before either copies into the other
     wait_for_prior_grids()  # launched early (programmatic dependent launch): the inputs may still be in the making
-    first, step, cols, rank = _schedule(num_n, CLUSTER)
+    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
     c = 0  # K steps over all items: the ring's position
-    for t in range(first, num_m * cols * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, cols, k_steps, GROUP_M, SPLIT_K)
-        pid_n = pid_n * (2 if CLUSTER else 1) + rank
+    for t in range(first, items_m * items_n * SPLIT_K, step):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, k_steps, GROUP_M, SPLIT_K)
+        pid_m, pid_n = _pair_tile(pid_m, pid_n, rank, CLUSTER)
         if SCALES == SCALES_BLOCK:  # where the item's scales start: A's first row, B's 128 x 128 block
             a_first, b_block = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)
         for kk in range(k_lo, k_hi):
@@ -213,17 +237,23 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     tma.async_copy_global_to_shared(b_sc_desc, [b_at - b_at % 4], ready.index(s),
                                                     b_sc_ring.index(B_SC_ROWS * (B_SC * s + blk)))
             for part in gl.static_range(A_PARTS):
-                if CLUSTER:
+                if CLUSTER == CLUSTER_SHARES_A:
                     if part % 2 == rank:
                         multicast_copy(A_DESC_PARAM, kk * BK, (pid_m * A_PARTS + part) * SUB,
                                        SMEM_AT[0] + (A_PARTS * s + part) * a_desc.block_type.nbytes,
-                                       SMEM_AT[1] + 8 * s)
+                                       SMEM_AT[2] + 8 * s)
                 else:
                     tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK],
                                                     ready.index(s), a_ring.index(A_PARTS * s + part))
             for part in gl.static_range(B_PARTS):
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK], ready.index(s),
-                                                b_ring.index(B_PARTS * s + part))
+                if CLUSTER == CLUSTER_SHARES_B:
+                    if part % 2 == rank:
+                        multicast_copy(B_DESC_PARAM, kk * BK, pid_n * BN + part * LEAD_PART,
+                                       SMEM_AT[1] + (B_PARTS * s + part) * b_desc.block_type.nbytes,
+                                       SMEM_AT[2] + 8 * s)
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK],
+                                                    ready.index(s), b_ring.index(B_PARTS * s + part))
             if TAIL_N > 0:
                 for part in gl.static_range(B_PARTS):
                     tma.async_copy_global_to_shared(b_tail_desc, [pid_n * BN + LEAD + part * TAIL_PART, kk * BK],
@@ -422,14 +452,14 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
             b_sel = j % 4 if B_SC_ALIGNED else (b_at + j * stride_bsk) % 4
             cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, a_sc_layout)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-        _release(empty, prev_s, CLUSTER, SMEM_AT[2])
+        _release(empty, prev_s, CLUSTER, SMEM_AT[3])
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    _release(empty, prev_s, CLUSTER, SMEM_AT[2])
+    _release(empty, prev_s, CLUSTER, SMEM_AT[3])
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
     return acc, c + G
 
@@ -438,7 +468,7 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
                  TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr,
-                 EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = False, SMEM_AT: gl.constexpr = (0, 0, 0)):
+                 EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = 0, SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -494,11 +524,11 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     # wide, of one or two consumers (three have 160 registers a thread: row scales would spill)
     EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
                            and CONSUMERS < 3)
-    first, step, cols, rank = _schedule(num_n, CLUSTER)
+    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
     c = 0
-    for t in range(first, num_m * cols * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, num_m, cols, k_steps, GROUP_M, SPLIT_K)
-        pid_n = pid_n * (2 if CLUSTER else 1) + rank
+    for t in range(first, items_m * items_n * SPLIT_K, step):
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, k_steps, GROUP_M, SPLIT_K)
+        pid_m, pid_n = _pair_tile(pid_m, pid_n, rank, CLUSTER)
         a_early = 1.0  # [SUB] rows' scales (per tensor: the product of the two), or not used
         b_early = 1.0  # [HALF] columns' scales, or not used
         if EARLY:
@@ -525,13 +555,13 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 else:
                     acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[2], kk > k_lo)
+                _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[3], kk > k_lo)
                 c += 1
             if WIDE:
                 acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[2], k_hi > k_lo)
+            _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[3], k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -594,7 +624,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
-                _release(empty, s, CLUSTER, SMEM_AT[2])
+                _release(empty, s, CLUSTER, SMEM_AT[3])
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -631,11 +661,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                          TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
                          K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False,
-                         EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = False,
-                         SMEM_AT: gl.constexpr = (0, 0, 0)):
-    # CLUSTER: launched in clusters of two CTAs that share A's tiles (``_mm_loader``); SMEM_AT: the
-    # byte offsets in shared memory of a_ring, ready and empty below (``smem_offsets``), which the
-    # cluster's copies and arrivals name in PTX. a_desc must stay the first parameter (A_DESC_PARAM).
+                         EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = 0,
+                         SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
+    # CLUSTER: launched in clusters of two CTAs that share A's or B's tiles (CLUSTER_SHARES_A / _B,
+    # ``_mm_loader``); SMEM_AT: the byte offsets in shared memory of a_ring, b_ring, ready and empty
+    # below (``smem_offsets``), which the cluster's copies and arrivals name in PTX. a_desc and
+    # b_desc must stay the first two parameters (A_DESC_PARAM, B_DESC_PARAM).
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -1327,8 +1358,8 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
-# The same kernel in clusters of two CTAs that share A's tiles (``launch(cluster=True)``): its
-# copies and arrivals name these buffers' offsets.
+# The same kernel in clusters of two CTAs that share A's or B's tiles (``launch(cluster=...)``):
+# its copies and arrivals name these buffers' offsets.
 _cluster_launcher = ClusterLauncher(_scaled_mm_ws_kernel, CLUSTER_BUFFERS)
 
 
@@ -1338,7 +1369,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
-           early_scales: Optional[bool] = None, cluster: bool = False) -> torch.Tensor:
+           early_scales: Optional[bool] = None, cluster: Optional[str] = None) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128 or 256, and for FP8 with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1353,9 +1384,10 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     (``_k_group``); ``early_scales`` whether a work item loads its tensor or row scales at its start
     (by default ``loads_scales_early``'s choice); ``pdl`` whether the launch is programmatic
     dependent (by default ``launches_early``'s choice where ``common.PDL`` is True, else not);
-    ``cluster`` launches CTAs in clusters of two that take neighbouring column blocks of the same
-    rows and bring A's tile to both by multicast copies, each copying half of it (an experiment:
-    no dispatch takes it; K whole; not with swap_ab or two CTAs an SM). C (or
+    ``cluster`` ("A" or "B"; an experiment that no dispatch takes) launches CTAs in clusters of two
+    whose tiles share the user's A (the activations: the same rows of C, neighbouring column
+    blocks) or B (the weights: the same columns, neighbouring row blocks), brought to both CTAs by
+    multicast copies, each CTA copying its share; one CTA an SM (not ``ctas_per_sm=2``). C (or
     with split K, the partial sums) goes out through shared memory and bulk copies where its rows are
     16-byte aligned, the ring leaves room and the tile has no tail. Eager calls of short kernels are
     bound by the host: what follows from the shapes is made once (``_plan``), and the kernel launches
@@ -1377,9 +1409,10 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"k_group must be 2, 4 or 8, got {k_group}")
     if swap_ab and tma_store:
         raise ValueError("the transposed product (swap_ab) writes C by plain stores: tma_store must be False")
-    if cluster and (swap_ab or (split_k or 1) != 1 or (ctas_per_sm or 1) != 1):
-        raise ValueError(f"cluster=True takes one CTA an SM, no swap_ab and no K split, got swap_ab={swap_ab}, "
-                         f"split_k={split_k}, ctas_per_sm={ctas_per_sm}")
+    if cluster not in (None, "A", "B"):
+        raise ValueError(f"cluster must be None, 'A' or 'B' (the operand two CTAs share), got {cluster!r}")
+    if cluster and (ctas_per_sm or 1) != 1:
+        raise ValueError(f"cluster={cluster!r} takes one CTA an SM, got ctas_per_sm={ctas_per_sm}")
     if swap_ab and m > SUB_M:
         raise ValueError(f"the transposed product (swap_ab) takes decode-sized products, A of up to {SUB_M} rows "
                          f"(its tile's width), got {m}")
@@ -1389,7 +1422,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         if scales != "block":  # block scales keep the user's roles (``_scale_origins``)
             a_scale, b_scale = b_scale, a_scale
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 1 if cluster else split_k, group_m, sm_count(a_q.device), consumers, swap_ab, ctas_per_sm, split_n,
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, 1 if cluster else ctas_per_sm, split_n,
                  c_bufs, k_group, early_scales)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
@@ -1429,10 +1462,19 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         b_sc_aligned = False
     grid, launcher = plan.grid, _launcher
     if cluster:
+        # The kernel's operands: with swap_ab its B is the user's A.
+        mode = CLUSTER_SHARES_A if (cluster == "A") != swap_ab else CLUSTER_SHARES_B
+        if mode == CLUSTER_SHARES_B and tail:
+            raise ValueError(f"cluster={cluster!r}: pairs that share B's tiles take no tiles with a tail, got "
+                             f"{plan.block_n} wide")
         rows = SUB_M if plan.constexprs["SPLIT_N"] else plan.consumers * SUB_M
-        pairs = cdiv(m, rows) * cdiv(cdiv(n, plan.block_n), 2)  # a cluster's work items: two column blocks
+        row_blocks, col_blocks = cdiv(m, rows), cdiv(n, plan.block_n)
+        if mode == CLUSTER_SHARES_A:  # a cluster's work item: two column blocks, or two row blocks
+            pairs = row_blocks * cdiv(col_blocks, 2) * plan.split_k
+        else:
+            pairs = cdiv(row_blocks, 2) * col_blocks * plan.split_k
         grid, launcher = (min(pairs, sm_count(a_q.device) // 2),), _cluster_launcher
-        constexprs = {**constexprs, "CLUSTER": True}
+        constexprs = {**constexprs, "CLUSTER": mode.value}
     launcher[grid](
         a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
         a_scale, b_scale,
@@ -1453,8 +1495,9 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: bool = False):
-    """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel."""
+                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: int = 0):
+    """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel.
+    ``cluster``: CLUSTER_OFF, CLUSTER_SHARES_A or CLUSTER_SHARES_B (0, 1, 2)."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = SIGNATURE_NAMES[qdtype]
@@ -1485,7 +1528,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
                      B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, CLUSTER=cluster)
 
-    def build(smem_at=(0, 0, 0)):
+    def build(smem_at=(0, 0, 0, 0)):
         return build_for_sm90(_scaled_mm_ws_kernel, types, {**constants, "SMEM_AT": smem_at}, enable_fp_fusion=False,
                               **_launch_options(ctas_per_sm))
 
