@@ -133,22 +133,11 @@ def _a_sc_rows(vec):
 
 
 @gluon.jit
-def _work_item(t, num_m, num_n, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
-    """Work item t: its output tile (row block, column block), which of the SPLIT_K runs of K steps
-    it takes, and that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
-    pid_m, pid_n = _tile_coords(t // SPLIT_K, num_m, num_n, GROUP_M)
-    split = t % SPLIT_K
-    k_run = gl.cdiv(k_steps, SPLIT_K)
-    return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
-
-
-@gluon.jit
 def _schedule(num_m, num_n, CLUSTER: gl.constexpr):
     """This CTA's work items: (first, step, the row and column blocks the items count, rank). In a
-    cluster the items are pairs of tiles, the tile of rank 0 or 1 in each this CTA's
-    (``_pair_tile``): two neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or two
-    row blocks of the same columns (CLUSTER_SHARES_B). A pair's second tile past N or M reads
-    zeros and stores nothing."""
+    cluster the items are pairs of tiles, one for each CTA (rank 0 or 1, ``_work_item``): two
+    neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or two row blocks of the same
+    columns (CLUSTER_SHARES_B). A pair's second tile past N or M reads zeros and stores nothing."""
     if CLUSTER == CLUSTER_SHARES_A:
         return gl.program_id(0) // 2, gl.num_programs(0) // 2, num_m, gl.cdiv(num_n, 2), gl.program_id(0) % 2
     elif CLUSTER == CLUSTER_SHARES_B:
@@ -157,13 +146,19 @@ def _schedule(num_m, num_n, CLUSTER: gl.constexpr):
 
 
 @gluon.jit
-def _pair_tile(pid_m, pid_n, rank, CLUSTER: gl.constexpr):
-    """The tile (row block, column block) of this CTA in the item (pid_m, pid_n) of ``_schedule``."""
+def _work_item(t, items_m, items_n, rank, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
+               CLUSTER: gl.constexpr):
+    """Work item t of ``_schedule``'s counts: this CTA's output tile (row block, column block; in
+    a cluster its rank's tile of the pair), which of the SPLIT_K runs of K steps it takes, and
+    that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
+    pid_m, pid_n = _tile_coords(t // SPLIT_K, items_m, items_n, GROUP_M)
     if CLUSTER == CLUSTER_SHARES_A:
-        return pid_m, 2 * pid_n + rank
+        pid_n = 2 * pid_n + rank
     elif CLUSTER == CLUSTER_SHARES_B:
-        return 2 * pid_m + rank, pid_n
-    return pid_m, pid_n
+        pid_m = 2 * pid_m + rank
+    split = t % SPLIT_K
+    k_run = gl.cdiv(k_steps, SPLIT_K)
+    return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
 
 
 @gluon.jit
@@ -215,8 +210,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
     c = 0  # K steps over all items: the ring's position
     for t in range(first, items_m * items_n * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, k_steps, GROUP_M, SPLIT_K)
-        pid_m, pid_n = _pair_tile(pid_m, pid_n, rank, CLUSTER)
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER)
         if SCALES == SCALES_BLOCK:  # where the item's scales start: A's first row, B's 128 x 128 block
             a_first, b_block = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)
         for kk in range(k_lo, k_hi):
@@ -527,8 +521,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
     c = 0
     for t in range(first, items_m * items_n * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, k_steps, GROUP_M, SPLIT_K)
-        pid_m, pid_n = _pair_tile(pid_m, pid_n, rank, CLUSTER)
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER)
         a_early = 1.0  # [SUB] rows' scales (per tensor: the product of the two), or not used
         b_early = 1.0  # [HALF] columns' scales, or not used
         if EARLY:
@@ -1495,7 +1488,7 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: int = 0):
+                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: int = CLUSTER_OFF.value):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel.
     ``cluster``: CLUSTER_OFF, CLUSTER_SHARES_A or CLUSTER_SHARES_B (0, 1, 2)."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
