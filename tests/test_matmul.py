@@ -52,6 +52,28 @@ def test_scales_of_every_accepted_shape_go_through_as_they_are():
     assert _scale("a_scale", a_s, m, a_s.device) is a_s
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_bias_of_any_floating_dtype_and_strides(dtype):
+    """The kernels read the bias as one contiguous row: a strided one (every other value of a
+    longer tensor, or a column of a matrix) gives the same bits as its contiguous copy (INT8
+    against the reference; FP8 against the same call), and is left as it was."""
+    m, n, k = 33, 40, 96
+    a, b, _ = _operands(m, n, k)
+    a_q, a_s = qflash.quantize(a, torch.int8, "row")
+    b_q, b_s = qflash.quantize(b, torch.int8, "row")
+    f_a, f_as = qflash.quantize(a, torch.float8_e4m3fn, "row")
+    f_b, f_bs = qflash.quantize(b, torch.float8_e4m3fn, "row")
+    strided = (torch.randn(2 * n, device=DEVICE, dtype=dtype)[::2], torch.randn(n, 3, device=DEVICE, dtype=dtype)[:, 1])
+    for bias in strided:
+        kept = bias.clone()
+        with poisoned():
+            c = qflash.int8_matmul(a_q, b_q, a_s, b_s, bias=bias, out_dtype=torch.float32)
+        assert torch.equal(c, int8_matmul_ref(a_q, b_q, a_s, b_s, bias.contiguous(), torch.float32))
+        c = qflash.fp8_matmul(f_a, f_b, f_as, f_bs, bias=bias, out_dtype=torch.float32)
+        assert torch.equal(c, qflash.fp8_matmul(f_a, f_b, f_as, f_bs, bias=bias.contiguous(), out_dtype=torch.float32))
+        assert torch.equal(bias, kept) and bias.stride() != (1,)
+
+
 @pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -144,6 +166,8 @@ def test_bad_inputs():
         (lambda: qflash.int8_matmul(a_q, b_q[:, :16], one, one), ValueError, "disagree on K"),
         (lambda: qflash.int8_matmul(a_q, b_q, torch.ones(3, device=DEVICE), one), ValueError, "a_scale must have"),
         (lambda: qflash.int8_matmul(a_q, b_q, one, one, bias=torch.ones(5, device=DEVICE)), ValueError, "bias"),
+        (lambda: qflash.int8_matmul(a_q, b_q, one, one, bias=torch.ones(4, device=DEVICE, dtype=torch.int32)),
+         TypeError, "bias must be a floating-point tensor, got torch.int32"),
         (lambda: qflash.int8_matmul(a_q, b_q, one, one, out_dtype=torch.int32), TypeError, "out_dtype"),
         (lambda: qflash.int8_matmul(a_q[0], b_q, one, one), ValueError, "a_q must have 2 dimensions"),
         (lambda: qflash.fp8_matmul(f8, b_q, one, one), TypeError, "b_q must be torch.float8_e4m3fn"),
@@ -156,6 +180,9 @@ def test_bad_inputs():
         (lambda: qflash.fp8_matmul(f8.repeat(1, 5), torch.ones(256, 160, device=DEVICE).to(torch.float8_e4m3fn),
                                    torch.ones(8, 2, device=DEVICE), torch.ones(2, 1, device=DEVICE)),
          ValueError, r"b_scale must be \(ceil\(N/128\), ceil\(K/128\)\) = \(2, 2\), got \(2, 1\)"),
+        (lambda: qflash.fp8_matmul(f8.repeat(1, 5), torch.ones(256, 160, device=DEVICE).to(torch.float8_e4m3fn),
+                                   torch.ones(8, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE, dtype=torch.int32)),
+         TypeError, "b_scale must be a floating-point tensor, got torch.int32"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -82,6 +82,38 @@ def test_quantize_model_of_a_model_built_on_meta(mode):
         assert torch.equal(empty(x), model(x))
 
 
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_load_state_dict_keeps_the_buffers_dtypes(mode, assign):
+    """A checkpoint whose scales and bias are not float32 (float64 scales, a strided float16 bias)
+    loads as float32, contiguous, with ``assign=True`` too (the kernels read them so); the layer
+    then gives the outputs of one loaded from the float32 values, and the caller's dict is left as
+    it was. A weight in the other mode's dtype, or integer scales, is a clear error."""
+    layer = QuantizedLinear.from_linear(nn.Linear(256, 64).to(DEVICE), mode)
+    saved = layer.state_dict()
+    bias16 = torch.stack([saved["bias"].half()] * 2, dim=1)[:, 0]  # strided
+    odd = {"weight_q": saved["weight_q"], "weight_scale": saved["weight_scale"].double(), "bias": bias16}
+    kept = dict(odd)
+    fresh = QuantizedLinear(256, 64, mode=mode, device=DEVICE)
+    fresh.load_state_dict(odd, assign=assign)
+    assert all(odd[key] is kept[key] for key in kept) and odd["bias"].dtype == torch.float16
+    for name in ("weight_scale", "bias"):
+        buf = fresh.get_buffer(name)
+        assert buf.dtype == torch.float32 and buf.is_contiguous(), name
+    assert torch.equal(fresh.weight_scale, saved["weight_scale"]) and torch.equal(fresh.bias, bias16.float())
+    same = QuantizedLinear(256, 64, mode=mode, device=DEVICE)
+    same.load_state_dict({**saved, "bias": bias16.float()})
+    x = torch.randn(5, 256, device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), same(x))
+    other = "fp8" if mode == "int8" else "int8"
+    with pytest.raises(RuntimeError, match=f"weight_q is {saved['weight_q'].dtype} in the checkpoint, but this "
+                                           f"layer \\(mode '{other}'\\)"):
+        QuantizedLinear(256, 64, mode=other, device=DEVICE).load_state_dict(saved, assign=assign)
+    with pytest.raises(RuntimeError, match="weight_scale is torch.int32 in the checkpoint; expected floating"):
+        fresh.load_state_dict({**saved, "weight_scale": saved["weight_scale"].int()}, assign=assign)
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_quantize_model_replaces_a_shared_layer_everywhere(mode):
     """One nn.Linear registered under two names (a shared layer): every place gets the same

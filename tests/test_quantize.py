@@ -330,6 +330,10 @@ def test_bad_inputs():
         (lambda: qflash.dequantize(*qflash.quantize(x), granularity="column"), ValueError, "does not fit"),
         (lambda: qflash.dequantize(*qflash.quantize(x), granularity="block"), ValueError, "block_size is required"),
         (lambda: qflash.dequantize(*qflash.quantize(x), "row", (1, 128)), ValueError, "block_size is required"),
+        (lambda: qflash.dequantize(qflash.quantize(x)[0], 0.5, "tensor"), TypeError, "scale must be a torch.Tensor"),
+        (lambda: qflash.dequantize(*qflash.quantize(x), dtype=torch.int8), TypeError, "dtype must be a floating-point"),
+        (lambda: qflash.dequantize(qflash.quantize(x)[0], torch.ones((), device="meta"), "tensor"), ValueError,
+         "scale is on meta"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -42,7 +42,9 @@ class QuantizedLinear(nn.Module):
 
     Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
     ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
-    keep these dtypes under ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (only move devices).
+    keep these dtypes under ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (only move devices)
+    and ``load_state_dict`` (``assign=True`` too; a checkpoint's weight in the other mode's dtype
+    is an error).
     Input (..., in_features) in float16 / bfloat16 / float32; output in ``out_dtype`` (float16,
     bfloat16 or float32), by default the input's dtype.
 
@@ -128,6 +130,34 @@ class QuantizedLinear(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_replays", Replays())  # a layer pickled before replays were
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A checkpoint's buffers are checked before ``Module`` copies them in (or, with
+        ``load_state_dict(..., assign=True)``, takes them as they are). The quantized weight must
+        already be in this layer's dtype: a copy would turn float8 codes into int8 ones, or the
+        reverse, without a word. The scales and bias must be floating point; where they are not
+        contiguous float32 (as the kernels read them), a float32 copy of them is what loads."""
+        qdtype = _weight_recipe(self.mode)[0]
+        weight_q = state_dict.get(prefix + "weight_q")
+        if isinstance(weight_q, torch.Tensor) and weight_q.dtype != qdtype:
+            error_msgs.append(f"{prefix}weight_q is {weight_q.dtype} in the checkpoint, but this layer (mode "
+                              f"{self.mode!r}) holds {qdtype}: make the layer in the checkpoint's mode")
+            return
+        fixed = {}
+        for name in ("weight_scale", "bias"):
+            value = state_dict.get(prefix + name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not value.is_floating_point():
+                error_msgs.append(f"{prefix}{name} is {value.dtype} in the checkpoint; expected floating point")
+                return
+            if value.dtype != torch.float32 or not value.is_contiguous():
+                fixed[prefix + name] = value.to(torch.float32, memory_format=torch.contiguous_format)
+        if fixed:
+            state_dict = {**state_dict, **fixed}  # the caller's dict stays as it was
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _apply(self, fn, recurse=True):
         """``Module.to(dtype)``, ``.half()``, ``.bfloat16()`` and the like cast every floating-point

@@ -14,6 +14,9 @@ Scales (float32):
                  16-byte aligned, as ``quantize(..., "block", (1, 128))`` returns it (other
                  layouts cost a copy of a_scale each call)
 
+Bias: (N,) in any floating dtype, added in float32 before the cast to ``out_dtype``; one with a
+stride other than 1 is copied.
+
 Early launch (Hopper, opt in): with ``qflash.kernels.common.PDL = True`` products of up to 128
 rows (the Gluon FP8 kernel where its grid fills the SMs, and the ``tl`` kernel's), and
 ``quantize``'s one-pass kernel, are programmatic dependent launches: each may start while the
@@ -44,7 +47,8 @@ def _shape(scale) -> Optional[tuple]:
     return tuple(scale.shape) if isinstance(scale, torch.Tensor) else None
 
 
-def _check_operands(a_q, b_q, dtypes, bias, out_dtype):
+def _check_operands(a_q, b_q, dtypes, bias, out_dtype) -> Optional[torch.Tensor]:
+    """Check the operands; return the bias as the kernels read it."""
     require_tensor("a_q", a_q, 2, "(M, K)")
     require_tensor("b_q", b_q, 2, "(N, K), nn.Linear's weight layout")
     for name, t in (("a_q", a_q), ("b_q", b_q)):
@@ -61,9 +65,13 @@ def _check_operands(a_q, b_q, dtypes, bias, out_dtype):
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (b_q.shape[0],):
             raise ValueError(f"bias must be a tensor of shape ({b_q.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
         if bias.device != a_q.device:
             raise ValueError(f"bias is on {bias.device}, expected {a_q.device}")
     require_runnable("a_q", a_q)
+    # The kernels read the bias as one contiguous row (any floating dtype, added in float32)
+    return None if bias is None else bias.contiguous()
 
 
 def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
@@ -126,7 +134,7 @@ def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_s
 
     Per-tensor or per-row scales (see the module docstring). Returns (M, N) ``out_dtype``.
     """
-    _check_operands(a_q, b_q, (torch.int8,), bias, out_dtype)
+    bias = _check_operands(a_q, b_q, (torch.int8,), bias, out_dtype)
     return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
@@ -137,7 +145,7 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
     Per-tensor, per-row or block scales (1 x 128 for A, 128 x 128 for B); see the
     module docstring. Returns (M, N) ``out_dtype``.
     """
-    _check_operands(a_q, b_q, _FP8, bias, out_dtype)
+    bias = _check_operands(a_q, b_q, _FP8, bias, out_dtype)
     m, k = a_q.shape
     n = b_q.shape[0]
     from qflash.kernels.matmul import QBLOCK
@@ -154,7 +162,10 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
         if _shape(a_scale) != block_a:
             raise ValueError(f"with block-scaled b_scale {block_b}, a_scale must be (M, ceil(K/128)) = {block_a}, "
                              f"got {_shape(a_scale)}")
-        if a_scale.device != a_q.device or b_scale.device != a_q.device:
-            raise ValueError("a_scale and b_scale must be on a_q's device")
+        for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if not scale.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {scale.dtype}")
+            if scale.device != a_q.device:
+                raise ValueError(f"{name} is on {scale.device}, expected {a_q.device}")
         return launch_scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
     return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)

@@ -140,8 +140,15 @@ def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
 
 def dequantize(x_q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
                block_size: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x_q * scale`` with the scale expanded to its groups; returns ``dtype``."""
+    """``x_q * scale`` with the scale expanded to its groups (in float32); returns ``dtype``, a
+    floating-point one."""
     require_tensor("x_q", x_q, 2, "(M, N)")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a torch.Tensor (as quantize returns it), got {type(scale).__name__}")
+    if scale.device != x_q.device:
+        raise ValueError(f"scale is on {scale.device} but x_q is on {x_q.device}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point dtype (the dequantized values), got {dtype}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if (granularity == "block") != (block_size is not None):
