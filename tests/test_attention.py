@@ -419,6 +419,9 @@ def test_sdpa_fully_masked_rows_give_zero():
     mask[3] = False
     out = _check_sdpa(q, k, v, attn_mask=mask)
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    # as PyTorch's own since 2.5 (its "safe softmax"; NaN before)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(torch_out[:, :, 3], out[:, :, 3])
 
 
 def test_sdpa_gqa_and_3d():

@@ -929,7 +929,8 @@ def sdpa(
 
     Returns:
         (batch, ..., heads, seqlen_q, headdim_v), query's shape but value's head dim, in query's
-        dtype. One difference from PyTorch: a row whose keys are all masked gives 0 instead of NaN.
+        dtype. A row whose keys are all masked gives 0, as PyTorch's SDPA has since 2.5 (NaN
+        before).
     """
     if isinstance(query, torch.Tensor):
         query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
