@@ -47,10 +47,11 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 # row scales read at each item's start instead of in its epilogue, sN: K
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
-# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, CA / CB (last): in
-# clusters of two CTAs an SM each whose tiles share A's (the activations') or B's (the weights')
-# tiles by multicast copies (``launch(cluster="A" / "B")``); auto[G][T][CA|CB]: tile_config's (T:
-# A's block scales column-major); w[N][sM][cP][xC][kG][e][CA]: the transposed product (swap_ab)
+# xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, CA / CB (last; CA4 /
+# CB4: of four): in clusters of two CTAs, one an SM, whose tiles share A's (the activations') or
+# B's (the weights') tiles by multicast copies (``launch(cluster="A" / "B", cluster_size=4)``);
+# auto[G][T][CA|CB]: tile_config's (T: A's block scales column-major); w[N][sM][cP][xC][kG][e][CA]:
+# the transposed product (swap_ab)
 # with swap_config's tile, N ring slots, K in M runs, P consumers (64-row parts of B a tile; by
 # default one), C CTAs an SM (by default swap_ctas_per_sm's), K steps in groups of G, e as above;
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
@@ -58,6 +59,11 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 # 35's runs, before it became opt-in, named "public" the launch on and "publicN" off);
 # tl: the tl kernel with its default tiles, wherever the dispatch would go
 VARIANTS = "128x6,256x4,256x3,256x4t,256x3t,256x4tg16"
+
+
+def _cluster(shares, size):
+    """The options of a trailing CA / CB, CA4 / CB4."""
+    return {"cluster": shares, **({"cluster_size": int(size)} if size else {})} if shares else {}
 
 
 def variant(text):
@@ -69,27 +75,27 @@ def variant(text):
         return {"pdl": True}
     if text == "tl":
         return {"tl": True}
-    auto = re.fullmatch(r"auto(\d)?(T?)(?:C([AB]))?", text)
+    auto = re.fullmatch(r"auto(\d)?(T?)(?:C([AB])([24])?)?", text)
     if auto:
-        group, cols, cluster = auto.groups()
+        group, cols, cluster, size = auto.groups()
         return dict(**({"k_group": int(group)} if group else {}), **({"a_scale_cols": True} if cols else {}),
-                    **({"cluster": cluster} if cluster else {}))
-    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(?:k(\d))?(e?)(?:C([AB]))?", text)
+                    **_cluster(cluster, size))
+    swap = re.fullmatch(r"w(\d+)?(?:s(\d+))?(?:c(\d))?(?:x(\d))?(?:k(\d))?(e?)(?:C([AB])([24])?)?", text)
     if swap:
-        stages, split, consumers, ctas, k_group, early, cluster = swap.groups()
+        stages, split, consumers, ctas, k_group, early, cluster, size = swap.groups()
         return dict(swap_ab=True, **({"stages": int(stages)} if stages else {}),
-                    **({"cluster": cluster} if cluster else {}),
+                    **_cluster(cluster, size),
                     **({"k_group": int(k_group)} if k_group else {}),
                     **({"early_scales": True} if early else {}),
                     **({"split_k": int(split)} if split else {}),
                     **({"consumers": int(consumers)} if consumers else {}),
                     **({"ctas_per_sm": int(ctas)} if ctas else {}))
     match = re.fullmatch(r"(\d+)x(\d+)(t?)(n?)(e?)(?:s(\d+|a))?(?:g(\d+))?(?:c(\d))?(?:x(\d))?(?:b(\d))?(?:k(\d))?"
-                         r"(?:C([AB]))?", text)
+                         r"(?:C([AB])([24])?)?", text)
     if match is None:
         raise SystemExit(f"a variant is auto[G][T][CA|CB], w[N][sM][cP][xC][kG][e][CA], or block_n x stages [t] [n] "
-                         f"[e] [sN] [gN] [cN] [xC] [bB] [kG] [CA|CB], got {text!r}")
-    block_n, stages, tma, split_n, early, split, group, consumers, ctas, bufs, k_group, cluster = match.groups()
+                         f"[e] [sN] [gN] [cN] [xC] [bB] [kG] [CA|CB][4], got {text!r}")
+    block_n, stages, tma, split_n, early, split, group, consumers, ctas, bufs, k_group, cluster, size = match.groups()
     out = dict(block_n=int(block_n), stages=int(stages), tma_store=bool(tma),
                split_k=split if split == "a" else int(split or 1))
     if split_n:
@@ -106,8 +112,7 @@ def variant(text):
         out["consumers"] = int(consumers)
     if ctas:
         out["ctas_per_sm"] = int(ctas)
-    if cluster:
-        out["cluster"] = cluster
+    out.update(_cluster(cluster, size))
     return out
 
 

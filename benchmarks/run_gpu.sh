@@ -59,8 +59,8 @@ for stage in "${stages[@]}"; do
             timeout 300 python3 -m qflash.cli bench matmul ${MM_SHAPES:+--shapes "$MM_SHAPES"} --out "$OUT/matmul_gluon.json" \
               --providers "qflash int8 (row x col),qflash gluon int8 (row x col),torch._int_mm,qflash fp8 (tensor),qflash gluon fp8 (tensor),torch._scaled_mm (tensor),qflash fp8 (row x col),qflash gluon fp8 (row x col),torch._scaled_mm (row x col)" \
               2>&1 | tail -n 40 ;;
-    cluster) # the matmul in clusters of two CTAs (an experiment): its steps alone first, each test file
-            # under a short limit (a hang in the clusters' protocol costs minutes), then M = 128 and 16 timed
+    cluster) # the matmul in clusters of two or four CTAs (an experiment): its steps alone first, each test
+            # file under a short limit (a hang in the clusters' protocol costs minutes), then M = 128 and 16 timed
             timeout 150 python3 -m pytest tests/test_gluon_common.py -m gpu -q -p no:cacheprovider -rf 2>&1 \
               | tee "$OUT/gpu_tests_cluster_steps.log" | tail -n 15
             [ "${PIPESTATUS[0]}" -eq 0 ] && timeout 300 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q \
@@ -68,7 +68,7 @@ for stage in "${stages[@]}"; do
               && timeout 300 python3 benchmarks/gluon_mm_variants.py --m 128 --scales tensor,row --weights cold \
               --rounds 3 --variants public,autoCA,autoCB --out "$OUT/matmul_fp8_cluster_m128.json" 2>&1 | tail -n 40 \
               && timeout 240 python3 benchmarks/gluon_mm_variants.py --m 16 --scales tensor,row --weights cold \
-              --rounds 3 --variants public,wx1,wCA --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 40 ;;
+              --rounds 3 --variants public,wx1,wCA,wCA4 --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 40 ;;
     host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
             timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;

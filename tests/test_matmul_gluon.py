@@ -249,20 +249,25 @@ def test_three_consumers_build(scales):
     assert kernel["shared"] <= 227 * 1024 and gluon._slot_bytes(128, 3) == 40 * 1024
 
 
-@pytest.mark.parametrize("int8,scales,block_n,consumers,shares,swap_ab,split_k", [
-    (False, "tensor", 128, 2, "A", False, 1), (False, "tensor", 64, 2, "A", False, 1),
-    (False, "row", 160, 2, "A", False, 1), (False, "block", 128, 2, "A", False, 1),
-    (True, "row", 128, 2, "A", False, 1), (False, "tensor", 64, 1, "A", False, 1),
-    (False, "row", 128, 3, "A", False, 1),
-    (False, "tensor", 64, 1, "B", False, 1), (False, "tensor", 128, 2, "B", False, 2),
-    (False, "tensor", 16, 1, "B", True, 1), (False, "row", 32, 1, "B", True, 2), (False, "block", 16, 1, "B", True, 1),
-    (True, "row", 16, 1, "B", True, 2)])
-def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_k):
-    """Clusters of two CTAs that share the kernel's A or B tiles (``launch(cluster=...)``; with
-    swap_ab the kernel's B is the user's A: the activations at M = 16), built offline: each CTA's
-    loader copies its share of the shared operand's parts to both CTAs by multicast, naming that
-    operand's descriptor parameter (one copy a part); a consumer releases a slot on its own empty
-    barrier and on the other CTA's (``mapa``), so each empty barrier counts both CTAs' consumers;
+@pytest.mark.parametrize("int8,scales,block_n,consumers,shares,swap_ab,split_k,ctas", [
+    (False, "tensor", 128, 2, "A", False, 1, 2), (False, "tensor", 64, 2, "A", False, 1, 2),
+    (False, "row", 160, 2, "A", False, 1, 2), (False, "block", 128, 2, "A", False, 1, 2),
+    (True, "row", 128, 2, "A", False, 1, 2), (False, "tensor", 64, 1, "A", False, 1, 2),
+    (False, "row", 128, 3, "A", False, 1, 2),
+    (False, "tensor", 64, 1, "B", False, 1, 2), (False, "tensor", 128, 2, "B", False, 2, 2),
+    (False, "tensor", 16, 1, "B", True, 1, 2), (False, "row", 32, 1, "B", True, 2, 2),
+    (False, "block", 16, 1, "B", True, 1, 2), (True, "row", 16, 1, "B", True, 2, 2),
+    # clusters of four: the transposed product's (cuBLAS's at M = 16) and 128-row tiles'
+    (False, "tensor", 16, 1, "B", True, 1, 4), (False, "row", 32, 1, "B", True, 2, 4),
+    (False, "block", 16, 1, "B", True, 1, 4), (True, "row", 16, 1, "B", True, 2, 4),
+    (False, "tensor", 128, 2, "A", False, 1, 4), (False, "tensor", 64, 1, "B", False, 1, 4)])
+def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_k, ctas):
+    """Clusters of two or four CTAs that share the kernel's A or B tiles (``launch(cluster=...)``;
+    with swap_ab the kernel's B is the user's A: the activations at M = 16), built offline: each
+    CTA's loader copies its share of the shared operand's parts to every CTA of the cluster by
+    multicast (mask 3 or 15), naming that operand's descriptor parameter (one copy a part); a
+    consumer releases a slot on its own empty barrier and on each other CTA's (``mapa``), so each
+    empty barrier counts all the cluster's consumers;
     every partition waits once at the cluster barrier, after the barriers' initialization is
     fenced, and the loader takes a warpgroup so that no warp idles outside the partitions
     (``.reqntid``: consumers and loader, 128 threads each). No spills, no serialized wgmma. The
@@ -274,20 +279,23 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     config = dict(block_n=block_n, consumers=consumers, stages=stages, tma_store=consumers == 3, swap_ab=swap_ab,
                   split_k=split_k)
     mode = {"A": gluon.CLUSTER_SHARES_A, "B": gluon.CLUSTER_SHARES_B}[shares].value
-    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config, cluster=mode, with_offsets=True)
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config, cluster=mode, cluster_size=ctas,
+                        with_offsets=True)
     ptx, at = kernel["ptx"], kernel["smem"]
     report = ptxas_report(ptx)
     assert f".reqntid {128 * (consumers + 1)}" in ptx
     param = {"A": "_scaled_mm_ws_kernel_param_0", "B": "_scaled_mm_ws_kernel_param_5"}[shares]
-    copies = re.findall(r"mov\.b64 map, (\w+); cvta\.param\.u64 map, map; mov\.u16 mask, 3;", ptx)
+    copies = re.findall(rf"mov\.b64 map, (\w+); cvta\.param\.u64 map, map; mov\.u16 mask, {2 ** ctas - 1};", ptx)
     assert copies == [param] * (consumers if shares == "A" else 1)
     assert ptx.count("global.mbarrier::complete_tx::bytes.multicast::cluster") == len(copies)
-    assert "mapa.shared::cluster.u32" in ptx and "mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx
+    arrivals = re.findall(r"mov\.u32 rank, %cluster_ctarank;.*?mov\.u32 %r\d+, 0; }", ptx, re.S)
+    remote = ("mapa.shared::cluster.u32", "mbarrier.arrive.release.cluster.shared::cluster.b64")
+    assert arrivals and all(a.count(step) == ctas - 1 for a in arrivals for step in remote)
     assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
     assert "0 bytes spill stores" in report and "serialized" not in report
     assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
-                                  2 * consumers: [at["empty"] + 8 * s for s in range(stages)]}
+                                  ctas * consumers: [at["empty"] + 8 * s for s in range(stages)]}
     assert at["a_ring"] % 1024 == 0 and at["b_ring"] % 1024 == 0  # (swizzled tiles start on 1024-byte boundaries)
     plain = sm90_build("qflash.kernels.matmul_gluon", int8, scales, **config)["ptx"]
     assert "barrier.cluster" not in plain and "multicast" not in plain and "mapa" not in plain
@@ -621,9 +629,10 @@ def _cluster_cases():
                     yield qdtype, scales, shares, config
 
 
-def _check_cluster_pairs(qdtype, scales, shares, config, shapes):
-    """``launch(cluster=shares)`` gives the bits of the same launch without clusters at each of
-    ``shapes`` (poisoned output, every element written; INT8 also the exact reference's)."""
+def _check_clusters(qdtype, scales, shares, config, shapes, ctas=2):
+    """``launch(cluster=shares, cluster_size=ctas)`` gives the bits of the same launch without
+    clusters at each of ``shapes`` (poisoned output, every element written; INT8 also the exact
+    reference's)."""
     for m, n, k in shapes:
         if scales == "block":
             a_q, b_q, a_k, b_k, bias, _ = _block_case(m, n, k, outliers=False)
@@ -633,7 +642,8 @@ def _check_cluster_pairs(qdtype, scales, shares, config, shapes):
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, ctas_per_sm=1, **config)
         with poisoned():
-            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=shares, **config)
+            got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=shares, cluster_size=ctas,
+                               **config)
         assert_written(got)
         assert torch.equal(got, want), (m, n, k)
         if qdtype == torch.int8:
@@ -649,7 +659,7 @@ def test_gpu_cluster_pairs_match(qdtype, scales, shares, config):
     INT8 exact too; 128- and 64-wide tiles, a tailed one, one consumer's 64-row tiles, three
     consumers' 192-row ones, split columns, split K and the dispatch's tile; ragged edges and odd
     counts of blocks included (a pair's second tile past M or N reads zeros, writes nothing)."""
-    _check_cluster_pairs(qdtype, scales, shares, config, [(70, 90, 320), (257, 1000, 4096)])  # (one build each)
+    _check_clusters(qdtype, scales, shares, config, [(70, 90, 320), (257, 1000, 4096)])  # (one build each)
 
 
 @pytest.mark.gpu
@@ -659,7 +669,40 @@ def test_gpu_cluster_transposed_pairs_match(qdtype, scales, config):
     """The transposed product (decode-sized M) in clusters whose two tiles of B's rows share the
     activations' tile, as cuBLAS's clusters do at M = 16: the bits of the same launch without
     clusters, K whole or in runs that the tile's last run adds up; an odd count of 64-row tiles."""
-    _check_cluster_pairs(qdtype, scales, "A", dict(swap_ab=True, **config), [(16, 1000, 4096), (5, 300, 320)])
+    _check_clusters(qdtype, scales, "A", dict(swap_ab=True, **config), [(16, 1000, 4096), (5, 300, 320)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shares,config", [("A", dict(swap_ab=True)), ("A", dict(swap_ab=True, split_k=3)),
+                                           ("A", {}), ("B", dict(block_n=64, consumers=1)),
+                                           ("B", dict(block_n=128, split_k=2))], ids=str)
+@pytest.mark.parametrize("qdtype,scales", CLUSTER_KINDS, ids=str)
+def test_gpu_clusters_of_four_match(qdtype, scales, shares, config):
+    """Clusters of four CTAs (cuBLAS's at M = 16: four tiles of B's rows share the activations'
+    tile in the transposed product), and four column or row blocks of 128- and 64-row tiles: the
+    bits of the same launch without clusters; counts of tiles that leave a cluster one to three
+    tiles past M or N."""
+    shapes = [(16, 1000, 4096), (5, 300, 320)] if config.get("swap_ab") else [(70, 90, 320), (257, 1000, 4096)]
+    _check_clusters(qdtype, scales, shares, config, shapes, ctas=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [2, 4])
+def test_gpu_cluster_grid_is_resident_at_once(ctas):
+    """``launch``'s grid in clusters, SMs // cluster_size clusters where the work fills them, is
+    what the GPU holds at once (``cuOccupancyMaxActiveClusters`` for the built kernel: a cluster's
+    CTAs share a GPC, so the GPCs' sizes may leave SMs over): else the last clusters would start
+    only when the first are done, a second round for a few tiles."""
+    from triton.runtime import driver
+
+    a_q, b_q, a_s, b_s = _quantized(16, 28672, 4096, torch.float8_e4m3fn, "tensor", "cuda")
+    gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, cluster="A", cluster_size=ctas)
+    built = [k for k in gluon._cluster_launcher.compiled.values() if k.packed_metadata[1] == ctas]
+    assert built
+    for kernel in built:
+        kernel._init_handles()
+        resident = driver.active.utils.cuOccupancyMaxActiveClusters(kernel.function, kernel.metadata.shared, ctas)
+        assert common.sm_count(a_q.device) // ctas <= resident, (kernel.metadata.shared, resident)
 
 
 @pytest.mark.gpu
@@ -685,6 +728,8 @@ def test_launch_refuses_what_clusters_do_not_take():
     a_k, b_k = _kernel_scales(a_s, b_s, "row")
     with pytest.raises(ValueError, match="cluster must be None, 'A' or 'B'"):
         gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster=True)
+    with pytest.raises(ValueError, match="cluster_size must be 2 or 4, got 3"):
+        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster="A", cluster_size=3)
     with pytest.raises(ValueError, match="cluster='A' takes one CTA an SM"):
         gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster="A", ctas_per_sm=2, consumers=1,
                      block_n=64)

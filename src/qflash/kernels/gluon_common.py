@@ -1,7 +1,7 @@
 """Gluon pieces shared by the Hopper kernels (``attention_gluon.py``, ``matmul_gluon.py``): the
 mbarriers of their warp-specialized rings, grid dependency control, their host tensor
-descriptors, and the steps of kernels launched in clusters of two CTAs (multicast copies, arrivals
-on the other CTA's barriers, the buffers' offsets those name, the launcher)."""
+descriptors, and the steps of kernels launched in clusters of two or four CTAs (multicast copies,
+arrivals on the other CTAs' barriers, the buffers' offsets those name, the launcher)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
     return desc
 
 
-# Clusters of two CTAs that share tiles by TMA multicast. A kernel built for one CTA runs in
+# Clusters of CTAs (two or four) that share tiles by TMA multicast. A kernel built for one CTA runs in
 # clusters when its launch asks for them (``ClusterLauncher``), but Triton 3.6's Gluon has no
 # multicast copy, no arrival on another CTA's barrier and no way to name a buffer's address in
 # shared memory; so these steps are inline PTX, given the buffers' byte offsets (``smem_offsets``,
@@ -97,17 +97,24 @@ def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+@gluon.constexpr_function
+def _remote_arrive_asm(ctas: int) -> str:
+    """The PTX of ``remote_arrive`` in a cluster of ``ctas`` CTAs (a power of two): the other CTAs
+    are this one's rank with each of the bits below ``ctas`` flipped."""
+    arrivals = "".join(f"xor.b32 peer, rank, {i}; mapa.shared::cluster.u32 remote, bar, peer;\n"
+                       "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n" for i in range(1, ctas))
+    return ("{ .reg .pred p; .reg .b32 t, bar, rank, peer, remote;\n"
+            "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;\n"
+            "mov.u32 rank, %cluster_ctarank; mov.u32 bar, global_smem; add.u32 bar, bar, $1;\n"
+            f"{arrivals}mov.u32 $0, 0; }}")
+
+
 @gluon.jit
-def remote_arrive(bar_at, go=1):
-    """One arrival on the mbarrier at byte ``bar_at`` of the other CTA of a cluster of two (release
+def remote_arrive(bar_at, go=1, CTAS: gl.constexpr = 2):
+    """One arrival on the mbarrier at byte ``bar_at`` of each other CTA of a cluster of CTAS (release
     at cluster scope: what this CTA read of the slot it guards is done), where ``go`` is not 0."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t, bar, peer, remote;\n"
-        "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;\n"
-        "mov.u32 peer, %cluster_ctarank; xor.b32 peer, peer, 1;\n"
-        "mov.u32 bar, global_smem; add.u32 bar, bar, $1; mapa.shared::cluster.u32 remote, bar, peer;\n"
-        "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
-        "mov.u32 $0, 0; }", "=r,r,r", [bar_at, go], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_remote_arrive_asm(CTAS), "=r,r,r", [bar_at, go], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -173,15 +180,13 @@ def build_in_clusters(build, buffers: tuple):
 
 
 class ClusterLauncher(CachedLauncher):
-    """``CachedLauncher`` for a Gluon kernel built for one CTA and launched in clusters of two
-    CTAs, whose ``CLUSTER`` constexpr turns on the copies and arrivals between them
-    (``multicast_copy``, ``remote_arrive``) and whose ``SMEM_AT`` constexpr gives those the byte
-    offsets of ``buffers`` in shared memory (``build_in_clusters``: a key's first call builds the
-    kernel twice). The grid counts clusters. The build's launches make clusters of two through
-    this launcher or any other, a replay's included: Triton's launcher clusters ``num_ctas`` CTAs,
-    read from the metadata it is passed."""
-
-    CTAS = 2
+    """``CachedLauncher`` for a Gluon kernel built for one CTA and launched in clusters of ``CTAS``
+    CTAs (its constexpr: two or four), whose ``CLUSTER`` constexpr turns on the copies and
+    arrivals between them (``multicast_copy``, ``remote_arrive``) and whose ``SMEM_AT`` constexpr
+    gives those the byte offsets of ``buffers`` in shared memory (``build_in_clusters``: a key's
+    first call builds the kernel twice). The grid counts clusters. The build's launches make
+    clusters through this launcher or any other, a replay's included: Triton's launcher clusters
+    ``num_ctas`` CTAs, read from the metadata it is passed."""
 
     def __init__(self, kernel, buffers: tuple, maxsize: int = 512):
         super().__init__(kernel, maxsize)
@@ -197,6 +202,6 @@ class ClusterLauncher(CachedLauncher):
         meta = compiled.metadata
         if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
             raise RuntimeError(f"{self.kernel.__name__}: Triton sizes global scratch memory a CTA, not a cluster")
-        compiled.packed_metadata = (meta.num_warps, self.CTAS, meta.shared)
+        compiled.packed_metadata = (meta.num_warps, values[self.names.index("CTAS")], meta.shared)
         self._run(compiled, (*grid, 1, 1), device, values)
         return compiled

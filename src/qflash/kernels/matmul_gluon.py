@@ -59,11 +59,12 @@ in the transposed product the last run of a tile to arrive (an atomic count) add
 kernel, also in a fixed order.
 
 In clusters (CLUSTER; an experiment that no dispatch takes yet: ``launch(cluster="A" or "B")``)
-two CTAs take two column blocks of the same rows (CLUSTER_SHARES_A) or two row blocks of the same
-columns (CLUSTER_SHARES_B), and each loader brings its share of the shared operand's parts of a
-K step (half of two) to both by multicast copies, so that it is read from L2 once a pair, as
-cuBLAS's clusters do at M = 16 and 128. A slot is then free only when both CTAs' consumers let
-it go: each consumer arrives on its own CTA's empty barrier and on the other's. Triton 3.6's
+two or four CTAs (CTAS) take neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or
+row blocks of the same columns (CLUSTER_SHARES_B), and each loader brings its share of the
+shared operand's parts of a K step to all of them by multicast copies, so that it is read from
+L2 once a cluster, as cuBLAS's clusters do at M = 16 (four CTAs) and 128 (two). A slot is then
+free only when every CTA's consumers let it go: each consumer arrives on its own CTA's empty
+barrier and on the others'. Triton 3.6's
 Gluon has neither the multicast copy nor the arrival on another CTA's barrier, and names no
 buffer's address, so those are inline PTX (``gluon_common``) with the buffers' offsets in shared
 memory found by building the kernel once before (``build_in_clusters``).
@@ -93,9 +94,9 @@ from qflash.testing import new_output
 SUB_M = 64  # rows of A a consumer warpgroup owns (wgmma's M per warpgroup)
 BLOCK_K = 128  # K step, and the FP8 promotion interval
 GROUP_M = 8
-# Clusters of two CTAs (CLUSTER): none, or pairs of tiles that share A's tile (the same rows, two
-# neighbouring column blocks) or B's (the same columns, two neighbouring row blocks), brought to
-# both CTAs by multicast copies (``multicast_copy``) ...
+# Clusters of CTAS CTAs (CLUSTER): none, or groups of two or four tiles that share A's tile (the
+# same rows, neighbouring column blocks) or B's (the same columns, neighbouring row blocks),
+# brought to every CTA of the cluster by multicast copies (``multicast_copy``) ...
 CLUSTER_OFF = gl.constexpr(0)
 CLUSTER_SHARES_A = gl.constexpr(1)
 CLUSTER_SHARES_B = gl.constexpr(2)
@@ -133,57 +134,59 @@ def _a_sc_rows(vec):
 
 
 @gluon.jit
-def _schedule(num_m, num_n, CLUSTER: gl.constexpr):
+def _schedule(num_m, num_n, CLUSTER: gl.constexpr, CTAS: gl.constexpr):
     """This CTA's work items: (first, step, the row and column blocks the items count, rank). In a
-    cluster the items are pairs of tiles, one for each CTA (rank 0 or 1, ``_work_item``): two
-    neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or two row blocks of the same
-    columns (CLUSTER_SHARES_B). A pair's second tile past N or M reads zeros and stores nothing."""
+    cluster of CTAS the items are groups of CTAS tiles, one for each CTA (its rank, ``_work_item``):
+    neighbouring column blocks of the same rows (CLUSTER_SHARES_A) or row blocks of the same
+    columns (CLUSTER_SHARES_B). A group's tiles past N or M read zeros and store nothing."""
+    pid, programs = gl.program_id(0), gl.num_programs(0)
     if CLUSTER == CLUSTER_SHARES_A:
-        return gl.program_id(0) // 2, gl.num_programs(0) // 2, num_m, gl.cdiv(num_n, 2), gl.program_id(0) % 2
+        return pid // CTAS, programs // CTAS, num_m, gl.cdiv(num_n, CTAS), pid % CTAS
     elif CLUSTER == CLUSTER_SHARES_B:
-        return gl.program_id(0) // 2, gl.num_programs(0) // 2, gl.cdiv(num_m, 2), num_n, gl.program_id(0) % 2
-    return gl.program_id(0), gl.num_programs(0), num_m, num_n, 0
+        return pid // CTAS, programs // CTAS, gl.cdiv(num_m, CTAS), num_n, pid % CTAS
+    return pid, programs, num_m, num_n, 0
 
 
 @gluon.jit
 def _work_item(t, items_m, items_n, rank, k_steps, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
-               CLUSTER: gl.constexpr):
+               CLUSTER: gl.constexpr, CTAS: gl.constexpr):
     """Work item t of ``_schedule``'s counts: this CTA's output tile (row block, column block; in
-    a cluster its rank's tile of the pair), which of the SPLIT_K runs of K steps it takes, and
+    a cluster its rank's tile of the group), which of the SPLIT_K runs of K steps it takes, and
     that run [k_lo, k_hi). The runs of one tile are neighbouring items."""
     pid_m, pid_n = _tile_coords(t // SPLIT_K, items_m, items_n, GROUP_M)
     if CLUSTER == CLUSTER_SHARES_A:
-        pid_n = 2 * pid_n + rank
+        pid_n = CTAS * pid_n + rank
     elif CLUSTER == CLUSTER_SHARES_B:
-        pid_m = 2 * pid_m + rank
+        pid_m = CTAS * pid_m + rank
     split = t % SPLIT_K
     k_run = gl.cdiv(k_steps, SPLIT_K)
     return pid_m, pid_n, split, split * k_run, gl.minimum(k_steps, (split + 1) * k_run)
 
 
 @gluon.jit
-def _release(empty, s, CLUSTER: gl.constexpr, EMPTY_AT: gl.constexpr, go=True):
+def _release(empty, s, CLUSTER: gl.constexpr, CTAS: gl.constexpr, EMPTY_AT: gl.constexpr, go=True):
     """Ring slot s back to the loader (where ``go``): this consumer's arrival on its CTA's empty
-    barrier, and in a cluster on the other CTA's too, whose loader copies into this slot as well."""
+    barrier, and in a cluster on the other CTAs' too, whose loaders copy into this slot as well."""
     mbarrier.arrive(empty.index(s), count=1, pred=go)
     if CLUSTER:
-        remote_arrive(EMPTY_AT + 8 * s, gl.to_tensor(go).to(gl.int32))
+        remote_arrive(EMPTY_AT + 8 * s, gl.to_tensor(go).to(gl.int32), CTAS)
 
 
 @gluon.jit
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
-               SMEM_AT: gl.constexpr):
+               CTAS: gl.constexpr, SMEM_AT: gl.constexpr):
     """One warp (in a cluster a warpgroup, one thread of which copies): the A parts (64 rows a
     consumer) and the B tile of every K step of every work item of this CTA (a tile TAIL_N wider
     than B's block: its last TAIL_N rows from ``b_tail_desc`` into ``b_tail``). A slot holds A and
     B in the parts the rings are made of: a 64-row part of A a consumer and B whole, or (SPLIT_N)
     one part of A and B's block and tail in a part a consumer. Edges past M, N or K arrive as
-    zeros (the descriptors' bounds), which add nothing. In a cluster the CTA of rank r brings the
-    shared operand's parts p with p % 2 == r (A's with CLUSTER_SHARES_A, else B's) to both CTAs
-    of its pair (``multicast_copy``: into the ring at byte SMEM_AT[0] or SMEM_AT[1] of each,
-    counted by ready[s] at byte SMEM_AT[2]); the others come from the other CTA. ``args``: the
-    kernel's tuple of runtime arguments for the loader."""
+    zeros (the descriptors' bounds), which add nothing. In a cluster of CTAS the CTA of rank r
+    brings the shared operand's parts p with p % CTAS == r (A's with CLUSTER_SHARES_A, else B's)
+    to every CTA of its cluster (``multicast_copy``: into the ring at byte SMEM_AT[0] or
+    SMEM_AT[1] of each, counted by ready[s] at byte SMEM_AT[2]); the others come from the other
+    CTAs (where the parts are fewer than the CTAs, some CTAs bring none). ``args``: the kernel's
+    tuple of runtime arguments for the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -203,14 +206,16 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     num_m = gl.cdiv(M, A_PARTS * SUB)
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    gl.static_assert(CLUSTER != CLUSTER_SHARES_B or TAIL_N == 0, "pairs that share B: no tails")
+    gl.static_assert(CLUSTER != CLUSTER_SHARES_B or TAIL_N == 0, "clusters that share B: no tails")
+    EVERY_CTA: gl.constexpr = (1 << CTAS) - 1  # the multicast copies' mask of CTAs
     if CLUSTER:
-        cluster_sync()  # both CTAs' barriers made before either copies into the other
+        cluster_sync()  # every CTA's barriers made before any copies into another
     wait_for_prior_grids()  # launched early (programmatic dependent launch): the inputs may still be in the making
-    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
+    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER, CTAS)
     c = 0  # K steps over all items: the ring's position
     for t in range(first, items_m * items_n * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER)
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER,
+                                                     CTAS)
         if SCALES == SCALES_BLOCK:  # where the item's scales start: A's first row, B's 128 x 128 block
             a_first, b_block = _scale_origins(pid_m, pid_n, A_PARTS * SUB, BN, BK, SWAP_AB)
         for kk in range(k_lo, k_hi):
@@ -232,19 +237,19 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                                                     b_sc_ring.index(B_SC_ROWS * (B_SC * s + blk)))
             for part in gl.static_range(A_PARTS):
                 if CLUSTER == CLUSTER_SHARES_A:
-                    if part % 2 == rank:
+                    if part % CTAS == rank:
                         multicast_copy(A_DESC_PARAM, kk * BK, (pid_m * A_PARTS + part) * SUB,
                                        SMEM_AT[0] + (A_PARTS * s + part) * a_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
                 else:
                     tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK],
                                                     ready.index(s), a_ring.index(A_PARTS * s + part))
             for part in gl.static_range(B_PARTS):
                 if CLUSTER == CLUSTER_SHARES_B:
-                    if part % 2 == rank:
+                    if part % CTAS == rank:
                         multicast_copy(B_DESC_PARAM, kk * BK, pid_n * BN + part * LEAD_PART,
                                        SMEM_AT[1] + (B_PARTS * s + part) * b_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
                 else:
                     tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK],
                                                     ready.index(s), b_ring.index(B_PARTS * s + part))
@@ -254,8 +259,8 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                                                     ready.index(s), b_tail.index(B_PARTS * s + part))
             c += 1
     if CLUSTER:
-        # Not gone before the last arrivals from the other CTA are in: every slot released by both
-        # CTAs' consumers (the wait a next fill would make), so that nothing still reaches this CTA.
+        # Not gone before the last arrivals from the other CTAs are in: every slot released by all
+        # the cluster's consumers (the wait a next fill would make), so nothing still reaches this CTA.
         for j in gl.static_range(STAGES):
             mbarrier.wait(empty.index((c + j) % STAGES), (((c + j) // STAGES) & 1) ^ 1)
     # Every load issued: the next kernel may take the SMs this one leaves. (Let at the start, a long
@@ -407,7 +412,7 @@ def _promote(acc, part, a_sc, b_sc, SCALES: gl.constexpr, FUSED: gl.constexpr, S
 def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty, a_part, b_part, b_at,
              stride_bsk, A_PARTS: gl.constexpr, B_PARTS: gl.constexpr, STAGES: gl.constexpr, SCALES: gl.constexpr,
              G: gl.constexpr, B_SC_ALIGNED: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
-             SMEM_AT: gl.constexpr):
+             CTAS: gl.constexpr, SMEM_AT: gl.constexpr):
     """G K steps of a 128-wide (or narrower) tile from ring counter ``c``, with two partials: each
     step's product is issued before the previous step's partial is waited for and added, so the
     adds overlap this consumer's own next product, all but the last step's. Steps 2, 3, ... write
@@ -446,14 +451,14 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
             b_sel = j % 4 if B_SC_ALIGNED else (b_at + j * stride_bsk) % 4
             cur_a, cur_b, _ = _slot_scales(a_sc_ring, b_sc_ring, s, a_part, b_sel, 0, A_PARTS, a_sc_layout)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-        _release(empty, prev_s, CLUSTER, SMEM_AT[3])
+        _release(empty, prev_s, CLUSTER, CTAS, SMEM_AT[3])
         acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
         if j + 1 < G:
             acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
             spare = prev
         prev, prev_s, prev_a, prev_b = cur, s, cur_a, cur_b
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    _release(empty, prev_s, CLUSTER, SMEM_AT[3])
+    _release(empty, prev_s, CLUSTER, CTAS, SMEM_AT[3])
     acc = _promote(acc, prev, prev_a, prev_b, SCALES, True, SWAP_AB)
     return acc, c + G
 
@@ -462,7 +467,8 @@ def _k_group(acc, fresh, c, never, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, 
 def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                  TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr, SWAP_AB: gl.constexpr,
                  TAIL_N: gl.constexpr, K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr,
-                 EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = 0, SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
+                 EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = 0, CTAS: gl.constexpr = 1,
+                 SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
     """One warpgroup (consumer ``which`` of CONSUMERS): 64 rows of every work item of this CTA, K
     step by K step, then the epilogue. A tile is 16, 32, 64, 128 or (FP8 only) 256 columns wide; a
     wide one is two halves of 128, each with its own float32 total. FP8 tiles with tensor or row
@@ -518,10 +524,11 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
     # wide, of one or two consumers (three have 160 registers a thread: row scales would spill)
     EARLY: gl.constexpr = (EARLY_SCALES and not WIDE and TAIL_N == 0 and SPLIT_K == 1 and SCALES != SCALES_BLOCK
                            and CONSUMERS < 3)
-    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER)
+    first, step, items_m, items_n, rank = _schedule(num_m, num_n, CLUSTER, CTAS)
     c = 0
     for t in range(first, items_m * items_n * SPLIT_K, step):
-        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER)
+        pid_m, pid_n, split, k_lo, k_hi = _work_item(t, items_m, items_n, rank, k_steps, GROUP_M, SPLIT_K, CLUSTER,
+                                                     CTAS)
         a_early = 1.0  # [SUB] rows' scales (per tensor: the product of the two), or not used
         b_early = 1.0  # [HALF] columns' scales, or not used
         if EARLY:
@@ -548,13 +555,13 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 else:
                     acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[3], kk > k_lo)
+                _release(empty, (c - 1) % STAGES, CLUSTER, CTAS, SMEM_AT[3], kk > k_lo)
                 c += 1
             if WIDE:
                 acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(empty, (c - 1) % STAGES, CLUSTER, SMEM_AT[3], k_hi > k_lo)
+            _release(empty, (c - 1) % STAGES, CLUSTER, CTAS, SMEM_AT[3], k_hi > k_lo)
         else:
             # FP8: each K step's 128-deep product lands in a fresh partial, added into the float32
             # total once the tensor cores are done with it; meanwhile the other consumer's product
@@ -585,14 +592,14 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 for kk in range(k_lo, k_single, K_GROUP):
                     acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                       a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS, STAGES,
-                                      SCALES, K_GROUP, B_SC_ALIGNED, SWAP_AB, CLUSTER, SMEM_AT)
+                                      SCALES, K_GROUP, B_SC_ALIGNED, SWAP_AB, CLUSTER, CTAS, SMEM_AT)
                 if K_GROUP > 2:  # what is left of them in pairs
                     k_pairs = k_single
                     k_single = k_pairs + (k_hi - k_pairs) // 2 * 2
                     for kk in range(k_pairs, k_single, 2):
                         acc, c = _k_group(acc, fresh, c, K < 0, a_ring, b_ring, a_sc_ring, b_sc_ring, ready, empty,
                                           a_part, b_part, b_base + kk * stride_bsk, stride_bsk, A_PARTS, B_PARTS,
-                                          STAGES, SCALES, 2, False, SWAP_AB, CLUSTER, SMEM_AT)
+                                          STAGES, SCALES, 2, False, SWAP_AB, CLUSTER, CTAS, SMEM_AT)
             for kk in range(k_single, k_hi):  # a wide or tailed tile's steps, or a narrow tile's odd last one
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -617,7 +624,7 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                                          is_async=True)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     acc_hi = _promote(acc_hi, part, a_sc, b_sc_hi, SCALES, False)
-                _release(empty, s, CLUSTER, SMEM_AT[3])
+                _release(empty, s, CLUSTER, CTAS, SMEM_AT[3])
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
@@ -655,11 +662,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                          SWAP_AB: gl.constexpr, TAIL_N: gl.constexpr, SPLIT_N: gl.constexpr, C_BUFS: gl.constexpr,
                          K_GROUP: gl.constexpr, B_SC_ALIGNED: gl.constexpr = False,
                          EARLY_SCALES: gl.constexpr = False, CLUSTER: gl.constexpr = 0,
-                         SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
-    # CLUSTER: launched in clusters of two CTAs that share A's or B's tiles (CLUSTER_SHARES_A / _B,
-    # ``_mm_loader``); SMEM_AT: the byte offsets in shared memory of a_ring, b_ring, ready and empty
-    # below (``smem_offsets``), which the cluster's copies and arrivals name in PTX. a_desc and
-    # b_desc must stay the first two parameters (A_DESC_PARAM, B_DESC_PARAM).
+                         CTAS: gl.constexpr = 1, SMEM_AT: gl.constexpr = (0, 0, 0, 0)):
+    # CLUSTER: launched in clusters of CTAS CTAs (two or four) that share A's or B's tiles
+    # (CLUSTER_SHARES_A / _B, ``_mm_loader``); SMEM_AT: the byte offsets in shared memory of
+    # a_ring, b_ring, ready and empty below (``smem_offsets``), which the cluster's copies and
+    # arrivals name in PTX. a_desc and b_desc must stay the first two parameters (A_DESC_PARAM,
+    # B_DESC_PARAM).
     SUB: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     LEAD_PART: gl.constexpr = b_desc.block_type.shape[0]  # B's block, or with SPLIT_N a consumer's half of it
@@ -686,9 +694,11 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     else:
         a_sc_ring = a_ring  # not used
         b_sc_ring = a_ring
-    # Every consumer releases a slot, in a cluster those of both CTAs (the other CTA's loader
-    # copies into it too).
-    ready, empty = ring_barriers(STAGES, 1, CONSUMERS * (2 if CLUSTER else 1))
+    # Every consumer releases a slot, in a cluster those of every CTA (the other CTAs' loaders
+    # copy into it too).
+    gl.static_assert((CTAS == 1) == (CLUSTER == CLUSTER_OFF) and (CTAS == 1 or CTAS == 2 or CTAS == 4),
+                     "clusters of two or four CTAs")
+    ready, empty = ring_barriers(STAGES, 1, CONSUMERS * CTAS)
     if CLUSTER:
         fence_barrier_init()
     # The loader's warps: one, or in a cluster a warpgroup, so that no warp idles outside the
@@ -708,31 +718,34 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
+                                   CTAS, SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
+                                   CTAS, SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(2), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+                                   CTAS, SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
+                          SMEM_AT))],
             [4, 4, LOADER_WARPS], [160, 160, LOADER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
+                                   CTAS, SMEM_AT)),
             (_mm_consumer, (consumer, gl.to_tensor(1), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+                                   CTAS, SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
+                          SMEM_AT))],
             [4, LOADER_WARPS], [240, LOADER_REGS])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
-                                   SMEM_AT)),
-            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, SMEM_AT))],
+                                   CTAS, SMEM_AT)),
+            (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
+                          SMEM_AT))],
             [LOADER_WARPS], [LOADER_REGS])
 
 
@@ -1351,7 +1364,7 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
 
 
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
-# The same kernel in clusters of two CTAs that share A's or B's tiles (``launch(cluster=...)``):
+# The same kernel in clusters of two or four CTAs that share A's or B's tiles (``launch(cluster=...)``):
 # its copies and arrivals name these buffers' offsets.
 _cluster_launcher = ClusterLauncher(_scaled_mm_ws_kernel, CLUSTER_BUFFERS)
 
@@ -1362,7 +1375,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
            group_m: Optional[int] = None, consumers: Optional[int] = None, swap_ab: bool = False,
            ctas_per_sm: Optional[int] = None, split_n: Optional[bool] = None,
            c_bufs: Optional[int] = None, k_group: Optional[int] = None, pdl: Optional[bool] = None,
-           early_scales: Optional[bool] = None, cluster: Optional[str] = None) -> torch.Tensor:
+           early_scales: Optional[bool] = None, cluster: Optional[str] = None, cluster_size: int = 2) -> torch.Tensor:
     """``scaled_matmul_gluon`` for a product that ``why_not`` has already accepted. ``block_n`` (16,
     32, 64, 128 or 256, and for FP8 with tensor or row scales a width with a tail, ``tail_split``),
     ``stages``, ``tma_store`` and ``split_k`` override ``tile_config``, ``group_m`` the tile order
@@ -1377,10 +1390,11 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     (``_k_group``); ``early_scales`` whether a work item loads its tensor or row scales at its start
     (by default ``loads_scales_early``'s choice); ``pdl`` whether the launch is programmatic
     dependent (by default ``launches_early``'s choice where ``common.PDL`` is True, else not);
-    ``cluster`` ("A" or "B"; an experiment that no dispatch takes) launches CTAs in clusters of two
-    whose tiles share the user's A (the activations: the same rows of C, neighbouring column
-    blocks) or B (the weights: the same columns, neighbouring row blocks), brought to both CTAs by
-    multicast copies, each CTA copying its share; one CTA an SM (not ``ctas_per_sm=2``). C (or
+    ``cluster`` ("A" or "B"; an experiment that no dispatch takes) launches CTAs in clusters of
+    ``cluster_size`` (2 or 4) whose tiles share the user's A (the activations: the same rows of C,
+    neighbouring column blocks) or B (the weights: the same columns, neighbouring row blocks),
+    brought to every CTA of the cluster by multicast copies, each CTA copying its share; one CTA
+    an SM (not ``ctas_per_sm=2``). C (or
     with split K, the partial sums) goes out through shared memory and bulk copies where its rows are
     16-byte aligned, the ring leaves room and the tile has no tail. Eager calls of short kernels are
     bound by the host: what follows from the shapes is made once (``_plan``), and the kernel launches
@@ -1403,7 +1417,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     if swap_ab and tma_store:
         raise ValueError("the transposed product (swap_ab) writes C by plain stores: tma_store must be False")
     if cluster not in (None, "A", "B"):
-        raise ValueError(f"cluster must be None, 'A' or 'B' (the operand two CTAs share), got {cluster!r}")
+        raise ValueError(f"cluster must be None, 'A' or 'B' (the operand a cluster's CTAs share), got {cluster!r}")
+    if cluster and cluster_size not in (2, 4):
+        raise ValueError(f"cluster_size must be 2 or 4, got {cluster_size}")
     if cluster and (ctas_per_sm or 1) != 1:
         raise ValueError(f"cluster={cluster!r} takes one CTA an SM, got ctas_per_sm={ctas_per_sm}")
     if swap_ab and m > SUB_M:
@@ -1458,16 +1474,16 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         # The kernel's operands: with swap_ab its B is the user's A.
         mode = CLUSTER_SHARES_A if (cluster == "A") != swap_ab else CLUSTER_SHARES_B
         if mode == CLUSTER_SHARES_B and tail:
-            raise ValueError(f"cluster={cluster!r}: pairs that share B's tiles take no tiles with a tail, got "
+            raise ValueError(f"cluster={cluster!r}: clusters that share B's tiles take no tiles with a tail, got "
                              f"{plan.block_n} wide")
         rows = SUB_M if plan.constexprs["SPLIT_N"] else plan.consumers * SUB_M
         row_blocks, col_blocks = cdiv(m, rows), cdiv(n, plan.block_n)
-        if mode == CLUSTER_SHARES_A:  # a cluster's work item: two column blocks, or two row blocks
-            pairs = row_blocks * cdiv(col_blocks, 2) * plan.split_k
+        if mode == CLUSTER_SHARES_A:  # a cluster's work item: cluster_size column blocks, or row blocks
+            groups = row_blocks * cdiv(col_blocks, cluster_size) * plan.split_k
         else:
-            pairs = cdiv(row_blocks, 2) * col_blocks * plan.split_k
-        grid, launcher = (min(pairs, sm_count(a_q.device) // 2),), _cluster_launcher
-        constexprs = {**constexprs, "CLUSTER": mode.value}
+            groups = cdiv(row_blocks, cluster_size) * col_blocks * plan.split_k
+        grid, launcher = (min(groups, sm_count(a_q.device) // cluster_size),), _cluster_launcher
+        constexprs = {**constexprs, "CLUSTER": mode.value, "CTAS": cluster_size}
     launcher[grid](
         a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
         a_scale, b_scale,
@@ -1488,9 +1504,11 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
                      out_dtype: torch.dtype = torch.bfloat16, block_n: int = BLOCK_N, stages: int = STAGES,
                      tma_store: bool = False, split_k: int = 1, consumers: int = 2, swap_ab: bool = False,
                      ctas_per_sm: int = 1, split_n: bool = False, c_bufs: int = 1, k_group: int = 2,
-                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: int = CLUSTER_OFF.value):
+                     b_sc_aligned: bool = True, early_scales: bool = False, cluster: int = CLUSTER_OFF.value,
+                     cluster_size: int = 2):
     """Build the kernel for sm_90 without a GPU (what the CPU test checks): the compiled kernel.
-    ``cluster``: CLUSTER_OFF, CLUSTER_SHARES_A or CLUSTER_SHARES_B (0, 1, 2)."""
+    ``cluster``: CLUSTER_OFF, CLUSTER_SHARES_A or CLUSTER_SHARES_B (0, 1, 2), in clusters of
+    ``cluster_size`` CTAs."""
     qdtype = torch.int8 if int8 else torch.float8_e4m3fn
     gdt = _GL_DTYPES[qdtype]
     name = SIGNATURE_NAMES[qdtype]
@@ -1519,7 +1537,8 @@ def compile_for_sm90(int8: bool = False, scales: str = "row", has_bias: bool = T
     constants = dict(SCALES=SCALES_KIND[scales], HAS_BIAS=has_bias,
                      GROUP_M=GROUP_M, STAGES=stages, TMA_STORE=tma_store, SPLIT_K=split_k, CONSUMERS=consumers,
                      SWAP_AB=swap_ab, TAIL_N=tail, SPLIT_N=split_n, C_BUFS=c_bufs, K_GROUP=k_group,
-                     B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, CLUSTER=cluster)
+                     B_SC_ALIGNED=b_sc_aligned, EARLY_SCALES=early_scales, CLUSTER=cluster,
+                     CTAS=cluster_size if cluster else 1)
 
     def build(smem_at=(0, 0, 0, 0)):
         return build_for_sm90(_scaled_mm_ws_kernel, types, {**constants, "SMEM_AT": smem_at}, enable_fp_fusion=False,
