@@ -285,9 +285,15 @@ def main():
                 out = out16 = base = base16 = sets = peer_sets = cublas = timed = None
             ref = None
         if args.out:  # after every shape: a run cut short keeps what it measured
-            save_json(args.out, dict(env=environment(), rows=rows, complete=False))
+            save_json(args.out, dict(env=environment(), rows=rows, complete=False, **_clusters_held()))
     if args.out:
-        save_json(args.out, dict(env=environment(), rows=rows, complete=True))
+        save_json(args.out, dict(env=environment(), rows=rows, complete=True, **_clusters_held()))
+
+
+def _clusters_held() -> dict:
+    """How many clusters of each size the GPU held at once, where variants ran in clusters."""
+    held = {f"{ctas} CTAs": n for (_, ctas), n in sorted(g._cluster_launcher.resident.items())}
+    return {"clusters_held_at_once": held} if held else {}
 
 
 if __name__ == "__main__":

@@ -689,20 +689,23 @@ def test_gpu_clusters_of_four_match(qdtype, scales, shares, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctas", [2, 4])
 def test_gpu_cluster_grid_is_resident_at_once(ctas):
-    """``launch``'s grid in clusters, SMs // cluster_size clusters where the work fills them, is
-    what the GPU holds at once (``cuOccupancyMaxActiveClusters`` for the built kernel: a cluster's
-    CTAs share a GPC, so the GPCs' sizes may leave SMs over): else the last clusters would start
-    only when the first are done, a second round for a few tiles."""
-    from triton.runtime import driver
-
+    """Where the work would fill more, ``launch``'s grid in clusters is as many clusters as the GPU
+    holds at once (``resident_clusters``, asked at the first call; a cluster's CTAs share a GPC,
+    so the GPCs' sizes may leave SMs over), so that none waits for another to finish: at most
+    SMs / cluster_size, and the same bits as without clusters."""
     a_q, b_q, a_s, b_s = _quantized(16, 28672, 4096, torch.float8_e4m3fn, "tensor", "cuda")
-    gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, cluster="A", cluster_size=ctas)
-    built = [k for k in gluon._cluster_launcher.compiled.values() if k.packed_metadata[1] == ctas]
-    assert built
-    for kernel in built:
-        kernel._init_handles()
-        resident = driver.active.utils.cuOccupancyMaxActiveClusters(kernel.function, kernel.metadata.shared, ctas)
-        assert common.sm_count(a_q.device) // ctas <= resident, (kernel.metadata.shared, resident)
+    want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, ctas_per_sm=1)
+    for _ in range(2):  # the first call asks how many fit; the second launches that many
+        common.LAUNCH_LOG.launches = launches = []
+        try:
+            got = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, cluster="A",
+                               cluster_size=ctas)
+        finally:
+            common.LAUNCH_LOG.launches = None
+        assert torch.equal(got, want)
+    resident = gluon._cluster_launcher.resident[a_q.device.index, ctas]
+    assert 1 <= resident <= common.sm_count(a_q.device) // ctas
+    assert [grid for _, grid, _ in launches] == [(resident,)]
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qflash.kernels.common import CachedLauncher
+from qflash.kernels.common import CTA_RESERVED_BYTES, SM_SHARED_BYTES, CachedLauncher
 
 
 @gluon.jit
@@ -179,6 +179,19 @@ def build_in_clusters(build, buffers: tuple):
     return compiled
 
 
+def resident_clusters(compiled, ctas: int) -> int:
+    """How many clusters of ``ctas`` CTAs, one CTA an SM, the GPU holds at once, asked of the built
+    kernel ``compiled`` (``cuOccupancyMaxActiveClusters``). A cluster's CTAs run in one GPC, so
+    the GPCs' sizes can leave SMs over: the answer may be under SMs / ctas. (Triton's helper asks
+    for CTAs of 128 threads; with a CTA's whole shared memory each, one fits an SM whatever its
+    threads and registers, as the clustered kernels' CTAs do.)"""
+    from triton.runtime import driver
+
+    compiled._init_handles()
+    return driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, SM_SHARED_BYTES - CTA_RESERVED_BYTES,
+                                                            ctas)
+
+
 class ClusterLauncher(CachedLauncher):
     """``CachedLauncher`` for a Gluon kernel built for one CTA and launched in clusters of ``CTAS``
     CTAs (its constexpr: two or four), whose ``CLUSTER`` constexpr turns on the copies and
@@ -186,11 +199,17 @@ class ClusterLauncher(CachedLauncher):
     gives those the byte offsets of ``buffers`` in shared memory (``build_in_clusters``: a key's
     first call builds the kernel twice). The grid counts clusters. The build's launches make
     clusters through this launcher or any other, a replay's included: Triton's launcher clusters
-    ``num_ctas`` CTAs, read from the metadata it is passed."""
+    ``num_ctas`` CTAs, read from the metadata it is passed.
 
-    def __init__(self, kernel, buffers: tuple, maxsize: int = 512):
+    ``resident``: {(device, CTAS): clusters the GPU holds at once} (``resident_clusters``), asked
+    at a key's first call. A persistent kernel's caller sizes its grid by it (``persistent``: the
+    first call's own grid is cut to it too), so that no cluster waits for another to finish."""
+
+    def __init__(self, kernel, buffers: tuple, maxsize: int = 512, persistent: bool = False):
         super().__init__(kernel, maxsize)
         self.buffers = buffers
+        self.persistent = persistent
+        self.resident = {}
 
     def _first_launch(self, grid: tuple, device: int, values: list, kwargs: dict):
         at = self.names.index("SMEM_AT")
@@ -202,6 +221,11 @@ class ClusterLauncher(CachedLauncher):
         meta = compiled.metadata
         if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
             raise RuntimeError(f"{self.kernel.__name__}: Triton sizes global scratch memory a CTA, not a cluster")
-        compiled.packed_metadata = (meta.num_warps, values[self.names.index("CTAS")], meta.shared)
+        ctas = values[self.names.index("CTAS")]
+        compiled.packed_metadata = (meta.num_warps, ctas, meta.shared)
+        if (device, ctas) not in self.resident:
+            self.resident[device, ctas] = resident_clusters(compiled, ctas)
+        if self.persistent:
+            grid = (min(grid[0], self.resident[device, ctas]), *grid[1:])
         self._run(compiled, (*grid, 1, 1), device, values)
         return compiled

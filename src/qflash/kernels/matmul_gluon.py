@@ -1366,7 +1366,7 @@ def _scales_for_copies(a_scale: torch.Tensor) -> torch.Tensor:
 _launcher = CachedLauncher(_scaled_mm_ws_kernel)
 # The same kernel in clusters of two or four CTAs that share A's or B's tiles (``launch(cluster=...)``):
 # its copies and arrivals name these buffers' offsets.
-_cluster_launcher = ClusterLauncher(_scaled_mm_ws_kernel, CLUSTER_BUFFERS)
+_cluster_launcher = ClusterLauncher(_scaled_mm_ws_kernel, CLUSTER_BUFFERS, persistent=True)
 
 
 def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -1482,7 +1482,9 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
             groups = row_blocks * cdiv(col_blocks, cluster_size) * plan.split_k
         else:
             groups = cdiv(row_blocks, cluster_size) * col_blocks * plan.split_k
-        grid, launcher = (min(groups, sm_count(a_q.device) // cluster_size),), _cluster_launcher
+        # as many clusters as the GPU holds at once (known after the first call: until then SMs / size)
+        fits = _cluster_launcher.resident.get((a_q.device.index, cluster_size), sm_count(a_q.device) // cluster_size)
+        grid, launcher = (min(groups, fits),), _cluster_launcher
         constexprs = {**constexprs, "CLUSTER": mode.value, "CTAS": cluster_size}
     launcher[grid](
         a_desc, b_desc, _desc(b_q, tail // parts, qdtype) if tail else b_desc, target, c_desc, a_sc_desc, b_sc_desc,
