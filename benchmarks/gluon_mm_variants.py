@@ -48,12 +48,12 @@ from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 # split in N runs (sa: in sms // tiles runs where the tiles fill under half the SMs, as tile_config
 # did for 128-wide tiles before session 22), gN: GROUP_M, cN: N consumers (64-row parts of a tile),
 # xC: C CTAs an SM, bB: B blocks of C a consumer, kG: K steps in groups of G, CA / CB (last; CA4 /
-# CB4: of four): in clusters of two CTAs, one an SM, whose tiles share A's (the activations') or
-# B's (the weights') tiles by multicast copies (``launch(cluster="A" / "B", cluster_size=4)``);
-# auto[G][T][CA|CB]: tile_config's (T: A's block scales column-major); w[N][sM][cP][xC][kG][e][CA]:
-# the transposed product (swap_ab)
-# with swap_config's tile, N ring slots, K in M runs, P consumers (64-row parts of B a tile; by
-# default one), C CTAs an SM (by default swap_ctas_per_sm's), K steps in groups of G, e as above;
+# CB4: of four): in clusters of two CTAs (one an SM, or as xC says) whose tiles share A's (the
+# activations') or B's (the weights') tiles by multicast copies (``launch(cluster="A" / "B",
+# cluster_size=4)``); auto[G][T][CA|CB]: tile_config's (T: A's block scales column-major);
+# w[N][sM][cP][xC][kG][e][CA]: the transposed product (swap_ab) with swap_config's tile, N ring
+# slots, K in M runs, P consumers (64-row parts of B a tile; by default one), C CTAs an SM (by
+# default swap_ctas_per_sm's, in clusters one), K steps in groups of G, e as above;
 # public: ``fp8_matmul``'s dispatch (the tl kernel where ``matmul_gluon.preferred`` says no); publicP:
 # the same with the Gluon kernel's programmatic dependent launch on (``common.PDL``; session
 # 35's runs, before it became opt-in, named "public" the launch on and "publicN" off);

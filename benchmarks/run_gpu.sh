@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [unmarked] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
-#                                      [mlp] [quant] [qtiles] [host] [cluster]
+#                                      [mlp] [quant] [qtiles] [host] [cluster] [clustertime]
 #                                      [flex] [window] [demo] [check] [memory] [ncu]
 #   (default: tests bench demo check; unmarked: the tests without the gpu mark, on the GPU; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
@@ -60,15 +60,18 @@ for stage in "${stages[@]}"; do
               --providers "qflash int8 (row x col),qflash gluon int8 (row x col),torch._int_mm,qflash fp8 (tensor),qflash gluon fp8 (tensor),torch._scaled_mm (tensor),qflash fp8 (row x col),qflash gluon fp8 (row x col),torch._scaled_mm (row x col)" \
               2>&1 | tail -n 40 ;;
     cluster) # the matmul in clusters of two or four CTAs (an experiment): its steps alone first, each test
-            # file under a short limit (a hang in the clusters' protocol costs minutes), then M = 128 and 16 timed
+            # file under a short limit (a hang in the clusters' protocol costs minutes); then clustertime
             timeout 150 python3 -m pytest tests/test_gluon_common.py -m gpu -q -p no:cacheprovider -rf 2>&1 \
               | tee "$OUT/gpu_tests_cluster_steps.log" | tail -n 15
-            [ "${PIPESTATUS[0]}" -eq 0 ] && timeout 300 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q \
-              -p no:cacheprovider -rf -n 8 -k cluster 2>&1 | tee "$OUT/gpu_tests_cluster.log" | tail -n 15 \
-              && timeout 300 python3 benchmarks/gluon_mm_variants.py --m 128 --scales tensor,row --weights cold \
-              --rounds 3 --variants public,autoCA,autoCB --out "$OUT/matmul_fp8_cluster_m128.json" 2>&1 | tail -n 40 \
-              && timeout 240 python3 benchmarks/gluon_mm_variants.py --m 16 --scales tensor,row --weights cold \
-              --rounds 3 --variants public,wx1,wCA,wCA4 --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 40 ;;
+            [ "${PIPESTATUS[0]}" -eq 0 ] && timeout 330 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q \
+              -p no:cacheprovider -rf -n 8 -k cluster 2>&1 | tee "$OUT/gpu_tests_cluster.log" | tail -n 15 ;;
+    clustertime) # per tensor at M = 128 (pairs sharing A or B) and M = 16 (the transposed product's pairs and
+            # fours, one and two CTAs an SM), cold weights, three rounds
+            timeout 270 python3 benchmarks/gluon_mm_variants.py --m 128 --scales tensor --weights cold \
+              --rounds 3 --variants public,autoCA,autoCB --out "$OUT/matmul_fp8_cluster_m128.json" 2>&1 | tail -n 30
+            timeout 300 python3 benchmarks/gluon_mm_variants.py --m 16 --scales tensor --weights cold \
+              --rounds 3 --variants public,wx1,wCA,wCA4,wx2CA4 --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 \
+              | tail -n 45 ;;
     host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
             timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
@@ -88,6 +91,6 @@ for stage in "${stages[@]}"; do
               --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" python3 benchmarks/ncu_probe.py \
               2>&1 | tail -n 30
             ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
-    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, flex, window, demo, check, memory, ncu)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, flex, window, demo, check, memory, ncu)"; exit 2 ;;
   esac
 done

@@ -301,6 +301,25 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     assert "barrier.cluster" not in plain and "multicast" not in plain and "mapa" not in plain
 
 
+@pytest.mark.parametrize("int8,scales,block_n,swap_ab,ctas", [(False, "tensor", 16, True, 4), (True, "row", 32, True, 2),
+                                                             (False, "block", 16, True, 4), (False, "row", 64, False, 2)])
+def test_cluster_build_two_ctas_an_sm(int8, scales, block_n, swap_ab, ctas):
+    """Two one-consumer CTAs an SM in clusters that share B (the transposed product's activations,
+    or 64-wide tiles' weights): capped at 128 registers a thread (two CTAs of 256 threads fill the
+    SM's 64 K), no spills, each CTA in half the SM's shared memory, the empty barriers counting
+    every CTA of the cluster."""
+    stages = 6
+    kernel = sm90_build("qflash.kernels.matmul_gluon", int8, scales, block_n=block_n, consumers=1, stages=stages,
+                        swap_ab=swap_ab, ctas_per_sm=2, cluster=gluon.CLUSTER_SHARES_B.value, cluster_size=ctas,
+                        with_offsets=True)
+    ptx, at = kernel["ptx"], kernel["smem"]
+    report = ptxas_report(ptx)
+    assert ".maxnreg 128" in ptx and "0 bytes spill stores" in report and "serialized" not in report
+    assert kernel["shared"] + 1024 <= 114 * 1024
+    assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
+                                  ctas: [at["empty"] + 8 * s for s in range(stages)]}
+
+
 def test_tail_split():
     assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
         (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
@@ -640,7 +659,7 @@ def _check_clusters(qdtype, scales, shares, config, shapes, ctas=2):
             a_q, b_q, a_s, b_s = _quantized(m, n, k, qdtype, scales, "cuda")
             a_k, b_k = _kernel_scales(a_s, b_s, scales)
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, ctas_per_sm=1, **config)
+        want = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, **{"ctas_per_sm": 1, **config})
         with poisoned():
             got = gluon.launch(a_q, b_q, a_k, b_k, bias, torch.bfloat16, scales, cluster=shares, cluster_size=ctas,
                                **config)
@@ -674,37 +693,39 @@ def test_gpu_cluster_transposed_pairs_match(qdtype, scales, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shares,config", [("A", dict(swap_ab=True)), ("A", dict(swap_ab=True, split_k=3)),
+                                           ("A", dict(swap_ab=True, ctas_per_sm=2)),
                                            ("A", {}), ("B", dict(block_n=64, consumers=1)),
+                                           ("B", dict(block_n=64, consumers=1, ctas_per_sm=2)),
                                            ("B", dict(block_n=128, split_k=2))], ids=str)
 @pytest.mark.parametrize("qdtype,scales", CLUSTER_KINDS, ids=str)
 def test_gpu_clusters_of_four_match(qdtype, scales, shares, config):
     """Clusters of four CTAs (cuBLAS's at M = 16: four tiles of B's rows share the activations'
     tile in the transposed product), and four column or row blocks of 128- and 64-row tiles: the
     bits of the same launch without clusters; counts of tiles that leave a cluster one to three
-    tiles past M or N."""
+    tiles past M or N; two CTAs an SM too."""
     shapes = [(16, 1000, 4096), (5, 300, 320)] if config.get("swap_ab") else [(70, 90, 320), (257, 1000, 4096)]
     _check_clusters(qdtype, scales, shares, config, shapes, ctas=4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ctas", [2, 4])
-def test_gpu_cluster_grid_is_resident_at_once(ctas):
+@pytest.mark.parametrize("ctas,per_sm", [(2, 1), (4, 1), (4, 2)])
+def test_gpu_cluster_grid_is_resident_at_once(ctas, per_sm):
     """Where the work would fill more, ``launch``'s grid in clusters is as many clusters as the GPU
     holds at once (``resident_clusters``, asked at the first call; a cluster's CTAs share a GPC,
     so the GPCs' sizes may leave SMs over), so that none waits for another to finish: at most
-    SMs / cluster_size, and the same bits as without clusters."""
+    SMs x CTAs an SM / cluster_size, and the same bits as without clusters."""
     a_q, b_q, a_s, b_s = _quantized(16, 28672, 4096, torch.float8_e4m3fn, "tensor", "cuda")
-    want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, ctas_per_sm=1)
+    want = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, ctas_per_sm=per_sm)
     for _ in range(2):  # the first call asks how many fit; the second launches that many
         common.LAUNCH_LOG.launches = launches = []
         try:
             got = gluon.launch(a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", swap_ab=True, cluster="A",
-                               cluster_size=ctas)
+                               cluster_size=ctas, ctas_per_sm=per_sm)
         finally:
             common.LAUNCH_LOG.launches = None
         assert torch.equal(got, want)
-    resident = gluon._cluster_launcher.resident[a_q.device.index, ctas]
-    assert 1 <= resident <= common.sm_count(a_q.device) // ctas
+    resident = gluon._cluster_launcher.resident[a_q.device.index, ctas, per_sm]
+    assert 1 <= resident <= per_sm * common.sm_count(a_q.device) // ctas
     assert [grid for _, grid, _ in launches] == [(resident,)]
 
 
@@ -733,9 +754,6 @@ def test_launch_refuses_what_clusters_do_not_take():
         gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster=True)
     with pytest.raises(ValueError, match="cluster_size must be 2 or 4, got 3"):
         gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster="A", cluster_size=3)
-    with pytest.raises(ValueError, match="cluster='A' takes one CTA an SM"):
-        gluon.launch(a_q, b_q, a_k, b_k, None, torch.bfloat16, "row", cluster="A", ctas_per_sm=2, consumers=1,
-                     block_n=64)
 
 
 def test_tile_config_follows_the_measurements():

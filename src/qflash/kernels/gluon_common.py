@@ -179,17 +179,27 @@ def build_in_clusters(build, buffers: tuple):
     return compiled
 
 
+SM_REGISTERS = 64 * 1024  # a Hopper SM's registers
+
+
+def ctas_per_sm(compiled) -> int:
+    """How many CTAs of a built kernel an SM holds at once, by their registers and shared memory."""
+    compiled._init_handles()
+    by_registers = SM_REGISTERS // max(1, compiled.n_regs * 32 * compiled.metadata.num_warps)
+    by_shared = SM_SHARED_BYTES // (compiled.metadata.shared + CTA_RESERVED_BYTES)
+    return max(1, min(by_registers, by_shared))
+
+
 def resident_clusters(compiled, ctas: int) -> int:
-    """How many clusters of ``ctas`` CTAs, one CTA an SM, the GPU holds at once, asked of the built
-    kernel ``compiled`` (``cuOccupancyMaxActiveClusters``). A cluster's CTAs run in one GPC, so
-    the GPCs' sizes can leave SMs over: the answer may be under SMs / ctas. (Triton's helper asks
-    for CTAs of 128 threads; with a CTA's whole shared memory each, one fits an SM whatever its
-    threads and registers, as the clustered kernels' CTAs do.)"""
+    """How many clusters of ``ctas`` CTAs the GPU holds at once, ``ctas_per_sm(compiled)`` an SM,
+    asked of the built kernel (``cuOccupancyMaxActiveClusters``). A cluster's CTAs run in one GPC,
+    so the GPCs' sizes can leave SMs over: the answer may be under SMs x CTAs an SM / ctas.
+    (Triton's helper asks for CTAs of 128 threads, whatever the kernel's; each is given its share
+    of the SM's shared memory, so that as many fit an SM as the kernel's own.)"""
     from triton.runtime import driver
 
-    compiled._init_handles()
-    return driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, SM_SHARED_BYTES - CTA_RESERVED_BYTES,
-                                                            ctas)
+    share = SM_SHARED_BYTES // ctas_per_sm(compiled) - CTA_RESERVED_BYTES
+    return driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, share, ctas)
 
 
 class ClusterLauncher(CachedLauncher):
@@ -201,7 +211,7 @@ class ClusterLauncher(CachedLauncher):
     clusters through this launcher or any other, a replay's included: Triton's launcher clusters
     ``num_ctas`` CTAs, read from the metadata it is passed.
 
-    ``resident``: {(device, CTAS): clusters the GPU holds at once} (``resident_clusters``), asked
+    ``resident``: {(device, CTAS, CTAs an SM): clusters the GPU holds at once} (``resident_clusters``), asked
     at a key's first call. A persistent kernel's caller sizes its grid by it (``persistent``: the
     first call's own grid is cut to it too), so that no cluster waits for another to finish."""
 
@@ -223,9 +233,10 @@ class ClusterLauncher(CachedLauncher):
             raise RuntimeError(f"{self.kernel.__name__}: Triton sizes global scratch memory a CTA, not a cluster")
         ctas = values[self.names.index("CTAS")]
         compiled.packed_metadata = (meta.num_warps, ctas, meta.shared)
-        if (device, ctas) not in self.resident:
-            self.resident[device, ctas] = resident_clusters(compiled, ctas)
+        key = (device, ctas, ctas_per_sm(compiled))
+        if key not in self.resident:
+            self.resident[key] = resident_clusters(compiled, ctas)
         if self.persistent:
-            grid = (min(grid[0], self.resident[device, ctas]), *grid[1:])
+            grid = (min(grid[0], self.resident[key]), *grid[1:])
         self._run(compiled, (*grid, 1, 1), device, values)
         return compiled

@@ -1210,6 +1210,7 @@ class _Plan(NamedTuple):
     partial_dtype: Optional[torch.dtype]  # the split-K partial sums' dtype (None: no split)
     constexprs: dict
     options: dict  # launch options: a register cap where two CTAs share an SM, programmatic dependent launch
+    ctas_per_sm: int
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1304,7 +1305,7 @@ def _plan(m: int, n: int, k: int, int8: bool, out_dtype: torch.dtype, scales: st
     options = dict(_launch_options(ctas_per_sm),
                    launch_pdl=launches_early(n if swap_ab else m, grid, sms, reduce_kernel, ctas_per_sm))
     return _Plan(block_n, split_k, consumers, cdiv(m, tile_rows) * tile_rows, (grid,), partial_dtype, constexprs,
-                 options)
+                 options, ctas_per_sm)
 
 
 def launches_early(m: int, grid: int, sms: int, reduce_kernel: bool, ctas_per_sm: int = 1) -> bool:
@@ -1394,7 +1395,7 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
     ``cluster_size`` (2 or 4) whose tiles share the user's A (the activations: the same rows of C,
     neighbouring column blocks) or B (the weights: the same columns, neighbouring row blocks),
     brought to every CTA of the cluster by multicast copies, each CTA copying its share; one CTA
-    an SM (not ``ctas_per_sm=2``). C (or
+    an SM unless ``ctas_per_sm=2``. C (or
     with split K, the partial sums) goes out through shared memory and bulk copies where its rows are
     16-byte aligned, the ring leaves room and the tile has no tail. Eager calls of short kernels are
     bound by the host: what follows from the shapes is made once (``_plan``), and the kernel launches
@@ -1420,8 +1421,6 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         raise ValueError(f"cluster must be None, 'A' or 'B' (the operand a cluster's CTAs share), got {cluster!r}")
     if cluster and cluster_size not in (2, 4):
         raise ValueError(f"cluster_size must be 2 or 4, got {cluster_size}")
-    if cluster and (ctas_per_sm or 1) != 1:
-        raise ValueError(f"cluster={cluster!r} takes one CTA an SM, got ctas_per_sm={ctas_per_sm}")
     if swap_ab and m > SUB_M:
         raise ValueError(f"the transposed product (swap_ab) takes decode-sized products, A of up to {SUB_M} rows "
                          f"(its tile's width), got {m}")
@@ -1431,7 +1430,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         if scales != "block":  # block scales keep the user's roles (``_scale_origins``)
             a_scale, b_scale = b_scale, a_scale
     plan = _plan(m, n, k, a_q.dtype == torch.int8, out_dtype, scales, bias is not None, block_n, stages, tma_store,
-                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab, 1 if cluster else ctas_per_sm, split_n,
+                 split_k, group_m, sm_count(a_q.device), consumers, swap_ab,
+                 1 if cluster and ctas_per_sm is None else ctas_per_sm, split_n,
                  c_bufs, k_group, early_scales)
     partial = None if plan.partial_dtype is None else torch.empty((plan.split_k * plan.m_pad, n), device=a_q.device,
                                                                   dtype=plan.partial_dtype)
@@ -1483,7 +1483,8 @@ def launch(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_scale:
         else:
             groups = cdiv(row_blocks, cluster_size) * col_blocks * plan.split_k
         # as many clusters as the GPU holds at once (known after the first call: until then SMs / size)
-        fits = _cluster_launcher.resident.get((a_q.device.index, cluster_size), sm_count(a_q.device) // cluster_size)
+        fits = _cluster_launcher.resident.get((a_q.device.index, cluster_size, plan.ctas_per_sm),
+                                              plan.ctas_per_sm * sm_count(a_q.device) // cluster_size)
         grid, launcher = (min(groups, fits),), _cluster_launcher
         constexprs = {**constexprs, "CLUSTER": mode.value, "CTAS": cluster_size}
     launcher[grid](
