@@ -66,12 +66,13 @@ for stage in "${stages[@]}"; do
             [ "${PIPESTATUS[0]}" -eq 0 ] && timeout 330 python3 -m pytest tests/test_matmul_gluon.py -m gpu -q \
               -p no:cacheprovider -rf -n 8 -k cluster 2>&1 | tee "$OUT/gpu_tests_cluster.log" | tail -n 15 ;;
     clustertime) # per tensor at M = 128 (pairs sharing A or B) and M = 16 (the transposed product's pairs and
-            # fours, one and two CTAs an SM), cold weights, three rounds
+            # fours, one and two CTAs an SM), cold weights, three rounds; CLUSTER_M128 / _M16 name other variants
             timeout 270 python3 benchmarks/gluon_mm_variants.py --m 128 --scales tensor --weights cold \
-              --rounds 3 --variants public,autoCA,autoCB --out "$OUT/matmul_fp8_cluster_m128.json" 2>&1 | tail -n 30
+              --rounds 3 --variants "${CLUSTER_M128:-public,autoCA,autoCB}" --out "$OUT/matmul_fp8_cluster_m128.json" \
+              2>&1 | tail -n 30
             timeout 300 python3 benchmarks/gluon_mm_variants.py --m 16 --scales tensor --weights cold \
-              --rounds 3 --variants public,wx1,wCA,wCA4,wx2CA4 --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 \
-              | tail -n 45 ;;
+              --rounds 3 --variants "${CLUSTER_M16:-public,wx1,wCA,wCA4,wx2CA4}" \
+              --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 45 ;;
     host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
             timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
