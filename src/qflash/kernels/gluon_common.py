@@ -67,8 +67,8 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
     return desc
 
 
-# Clusters of CTAs (two or four) that share tiles by TMA multicast. A kernel built for one CTA runs in
-# clusters when its launch asks for them (``ClusterLauncher``), but Triton 3.6's Gluon has no
+# Clusters of CTAs (two or four) that share tiles by TMA multicast. A kernel built for one CTA runs
+# in clusters when its launch asks for them (``ClusterLauncher``), but Triton 3.6's Gluon has no
 # multicast copy, no arrival on another CTA's barrier and no way to name a buffer's address in
 # shared memory; so these steps are inline PTX, given the buffers' byte offsets (``smem_offsets``,
 # read off the built kernel) as constexprs. A copy or an arrival is made by the first thread of
@@ -211,9 +211,10 @@ class ClusterLauncher(CachedLauncher):
     clusters through this launcher or any other, a replay's included: Triton's launcher clusters
     ``num_ctas`` CTAs, read from the metadata it is passed.
 
-    ``resident``: {(device, CTAS, CTAs an SM): clusters the GPU holds at once} (``resident_clusters``), asked
-    at a key's first call. A persistent kernel's caller sizes its grid by it (``persistent``: the
-    first call's own grid is cut to it too), so that no cluster waits for another to finish."""
+    ``resident``: {(device, CTAS, CTAs an SM): clusters the GPU holds at once}
+    (``resident_clusters``), asked at a key's first call. A persistent kernel's caller sizes its
+    grid by it (``persistent``: the first call's own grid is cut to it too), so that no cluster
+    waits for another to finish."""
 
     def __init__(self, kernel, buffers: tuple, maxsize: int = 512, persistent: bool = False):
         super().__init__(kernel, maxsize)

@@ -64,10 +64,11 @@ row blocks of the same columns (CLUSTER_SHARES_B), and each loader brings its sh
 shared operand's parts of a K step to all of them by multicast copies, so that it is read from
 L2 once a cluster, as cuBLAS's clusters do at M = 16 (four CTAs) and 128 (two). A slot is then
 free only when every CTA's consumers let it go: each consumer arrives on its own CTA's empty
-barrier and on the others'. Triton 3.6's
-Gluon has neither the multicast copy nor the arrival on another CTA's barrier, and names no
-buffer's address, so those are inline PTX (``gluon_common``) with the buffers' offsets in shared
-memory found by building the kernel once before (``build_in_clusters``).
+barrier and on the others'. Triton 3.6's Gluon has neither the multicast copy nor the arrival on
+another CTA's barrier, and names no buffer's address, so those are inline PTX (``gluon_common``)
+with the buffers' offsets in shared memory found by building the kernel once before
+(``build_in_clusters``). The grid is as many clusters as the GPU holds at once
+(``gluon_common.resident_clusters``).
 """
 
 from __future__ import annotations
