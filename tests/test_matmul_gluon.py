@@ -320,6 +320,24 @@ def test_cluster_build_two_ctas_an_sm(int8, scales, block_n, swap_ab, ctas):
                                   ctas: [at["empty"] + 8 * s for s in range(stages)]}
 
 
+@pytest.mark.parametrize("block_n,ctas", [(96, 2), (160, 2), (160, 4)])
+def test_cluster_build_split_columns(block_n, ctas):
+    """cuBLAS's M = 128 tiling in clusters: 64-row tiles 96 or 160 wide (a block and a tail whose
+    columns two consumers split), the cluster sharing the tile's 64 rows of A (one part, copied by
+    rank 0 for all): no spills, the ring and the consumers' blocks within shared memory, each
+    empty barrier counting both consumers of every CTA."""
+    stages = gluon._split_n_stages(block_n)
+    kernel = sm90_build("qflash.kernels.matmul_gluon", False, "tensor", block_n=block_n, consumers=2, split_n=True,
+                        stages=stages, cluster=gluon.CLUSTER_SHARES_A.value, cluster_size=ctas, with_offsets=True)
+    ptx, at = kernel["ptx"], kernel["smem"]
+    report = ptxas_report(ptx)
+    assert "0 bytes spill stores" in report and "serialized" not in report and kernel["shared"] <= 227 * 1024
+    copies = re.findall(rf"mov\.b64 map, (\w+); cvta\.param\.u64 map, map; mov\.u16 mask, {2 ** ctas - 1};", ptx)
+    assert copies == ["_scaled_mm_ws_kernel_param_0"]
+    assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
+                                  2 * ctas: [at["empty"] + 8 * s for s in range(stages)]}
+
+
 def test_tail_split():
     assert [gluon.tail_split(n) for n in (16, 64, 256, 48, 80, 96, 160, 192)] == [
         (16, 0), (64, 0), (256, 0), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64)]
@@ -627,7 +645,8 @@ def test_gpu_fp8_block_scales_any_strides(block_n):
 CLUSTER_CONFIGS = {  # the operand pairs share: the tiles they run with it
     "A": [dict(block_n=128, stages=5, tma_store=True), dict(block_n=128, stages=6), dict(block_n=64, stages=8),
           dict(block_n=64, stages=8, consumers=1), dict(block_n=160), dict(block_n=128, consumers=3, tma_store=True),
-          dict(block_n=256, split_n=True), dict(block_n=128, stages=5, split_k=2), {}],
+          dict(block_n=256, split_n=True), dict(block_n=160, split_n=True), dict(block_n=96, split_n=True),
+          dict(block_n=128, stages=5, split_k=2), {}],
     "B": [dict(block_n=64, stages=8, consumers=1, tma_store=True), dict(block_n=128, stages=5, tma_store=True),
           dict(block_n=256, split_n=True), dict(block_n=128, stages=5, split_k=2)],
 }
