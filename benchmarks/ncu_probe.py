@@ -9,12 +9,14 @@ cudaProfilerStop, inside an NVTX range that names it, so that ncu profiles just 
         -o probe python3 benchmarks/ncu_probe.py
     ncu --import probe.ncu-rep --page details --print-nvtx-rename kernel > details.txt
 
-(``bash benchmarks/run_gpu.sh ncu`` does both; ``--block``: only the block-scaled kernel at
-``BLOCK_CASES``, for warp-stall samples by instruction.) ncu replays each kernel many times and flushes
-the caches before each replay, so a kernel's L2 hits from the one before it do not show; time
-with CUDA graphs (gluon_mm_variants.py), not here. cuBLAS's kernel names carry its tile and
-cluster shape (nvjet_sm90_qqtst_160x64_128x7_1x2_...: 64 rows x 160 columns, 128-deep K steps,
-7 slots, two CTAs a cluster)."""
+(``bash benchmarks/run_gpu.sh ncu`` does both, with ``NCU_ARGS`` passed on; ``--block``: only the
+block-scaled kernel at ``BLOCK_CASES``, for warp-stall samples by instruction; ``--cluster``: per
+tensor at ``CLUSTER_CASES``, ours without clusters, ours in clusters that share the activations'
+tile (pairs at M = 128, fours at M = 16) and cuBLAS, for the L2 bytes each moves.) ncu replays
+each kernel many times and flushes the caches before each replay, so a kernel's L2 hits from the
+one before it do not show; time with CUDA graphs (gluon_mm_variants.py), not here. cuBLAS's
+kernel names carry its tile and cluster shape (nvjet_sm90_qqtst_160x64_128x7_1x2_...: 64 rows x
+160 columns, 128-deep K steps, 7 slots, two CTAs a cluster)."""
 
 import sys
 
@@ -25,6 +27,28 @@ from qflash.bench.matmul import LLAMA
 CASES = [(128, "8B qkv"), (128, "70B qkv"), (128, "8B o"), (8192, "70B qkv"), (16, "8B o")]
 # --block: block scales at M = 8192 where K is long (70B down) and where it is not (70B o), nothing else
 BLOCK_CASES = [(8192, "70B down"), (8192, "70B o")]
+# --cluster: (M, shape, CTAs a cluster)
+CLUSTER_CASES = [(128, "8B qkv", 2), (128, "70B qkv", 2), (16, "8B o", 4), (16, "70B o", 4)]
+
+
+def cluster_jobs():
+    """(label, call) for the Gluon kernel without and with clusters, and cuBLAS, at CLUSTER_CASES."""
+    from qflash.kernels import matmul_gluon
+
+    out = []
+    for m, name, ctas in CLUSTER_CASES:
+        n, k = LLAMA[name]
+        a_q, a_s = quantize(torch.randn(m, k, device="cuda"), torch.float8_e4m3fn, "tensor")
+        b_q, b_s = quantize(torch.randn(n, k, device="cuda"), torch.float8_e4m3fn, "tensor")
+        swap = dict(swap_ab=True, ctas_per_sm=1) if m <= matmul_gluon.SUB_M else {}
+        for label, extra in (("plain", {}), (f"clusters of {ctas} sharing A", dict(cluster="A", cluster_size=ctas))):
+            out.append((f"ours M={m} {name} tensor {label}",
+                        lambda a_q=a_q, b_q=b_q, a_s=a_s, b_s=b_s, opts={**swap, **extra}: matmul_gluon.launch(
+                            a_q, b_q, a_s, b_s, None, torch.bfloat16, "tensor", **opts)))
+        out.append((f"cublas M={m} {name} tensor",
+                    lambda a_q=a_q, b_q=b_q, a_s=a_s, b_s=b_s: torch._scaled_mm(a_q, b_q.T, scale_a=a_s, scale_b=b_s,
+                                                                                out_dtype=torch.bfloat16)))
+    return out
 
 
 def block_jobs():
@@ -67,7 +91,8 @@ def jobs():
 
 
 def main():
-    calls = block_jobs() if "--block" in sys.argv[1:] else jobs()
+    args = sys.argv[1:]
+    calls = block_jobs() if "--block" in args else cluster_jobs() if "--cluster" in args else jobs()
     for _, fn in calls:  # compile and warm up
         fn(), fn()
     torch.cuda.synchronize()

@@ -89,8 +89,8 @@ for stage in "${stages[@]}"; do
               --causal false --memory --out "$OUT/attention_memory.json" 2>&1 | tail -n 20 ;;
     ncu)    timeout 420 ncu --profile-from-start off --clock-control none --nvtx --section SpeedOfLight \
               --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
-              --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" python3 benchmarks/ncu_probe.py \
-              2>&1 | tail -n 30
+              --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" \
+              python3 benchmarks/ncu_probe.py ${NCU_ARGS:-} 2>&1 | tail -n 30
             ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
     *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, flex, window, demo, check, memory, ncu)"; exit 2 ;;
   esac
