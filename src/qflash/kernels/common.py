@@ -99,6 +99,7 @@ def early_launch(on: bool = True):
 
 SM_SHARED_BYTES = 228 * 1024  # an H100 / H200 SM's shared memory, of which each resident CTA ...
 CTA_RESERVED_BYTES = 1024  # ... takes this much beside its own (so one CTA has 227 KB at most)
+SM_REGISTERS = 64 * 1024  # an H100 / H200 SM's 32-bit registers
 
 
 def sm_count(device: torch.device) -> int:

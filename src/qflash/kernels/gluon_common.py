@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qflash.kernels.common import CTA_RESERVED_BYTES, SM_SHARED_BYTES, CachedLauncher
+from qflash.kernels.common import CTA_RESERVED_BYTES, SM_REGISTERS, SM_SHARED_BYTES, CachedLauncher
 
 
 @gluon.jit
@@ -177,9 +177,6 @@ def build_in_clusters(build, buffers: tuple):
         raise RuntimeError(f"shared-memory buffers {buffers} moved between two builds ({at} -> {moved}): the "
                            f"cluster's copies would miss them")
     return compiled
-
-
-SM_REGISTERS = 64 * 1024  # a Hopper SM's registers
 
 
 def ctas_per_sm(compiled) -> int:

@@ -74,14 +74,20 @@ def _check_operands(a_q, b_q, dtypes, bias, out_dtype) -> Optional[torch.Tensor]
     return None if bias is None else bias.contiguous()
 
 
+def _check_float_on(name: str, scale, device) -> None:
+    """A scale of any kind: a floating-point tensor on the operands' device."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+    if scale.device != device:
+        raise ValueError(f"{name} is on {scale.device}, expected {device}")
+
+
 def _scale(name: str, scale, rows: int, device) -> torch.Tensor:
     """A per-tensor (one element) or per-row ((rows,) or (rows, 1)) scale as float32. The kernels
     read any of these layouts through its strides (``matmul_epilogue.scale_strides``), so a float32
     scale goes on as it is: no copy, no reshape on every call."""
-    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor")
-    if scale.device != device:
-        raise ValueError(f"{name} is on {scale.device}, expected {device}")
+    _check_float_on(name, scale, device)
     if scale.numel() != 1 and tuple(scale.shape) not in ((rows,), (rows, 1)):
         raise ValueError(f"{name} must have one element (per tensor) or shape ({rows},) / ({rows}, 1) "
                          f"(per row), got {tuple(scale.shape)}")
@@ -162,10 +168,7 @@ def fp8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_sc
         if _shape(a_scale) != block_a:
             raise ValueError(f"with block-scaled b_scale {block_b}, a_scale must be (M, ceil(K/128)) = {block_a}, "
                              f"got {_shape(a_scale)}")
-        for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
-            if not scale.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor, got {scale.dtype}")
-            if scale.device != a_q.device:
-                raise ValueError(f"{name} is on {scale.device}, expected {a_q.device}")
+        _check_float_on("a_scale", a_scale, a_q.device)
+        _check_float_on("b_scale", b_scale, a_q.device)
         return launch_scaled_matmul(a_q, b_q, a_scale.float(), b_scale.float(), bias, out_dtype, "block")
     return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)
