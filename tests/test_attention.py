@@ -947,6 +947,15 @@ def test_varlen_paged_bad_counts_and_refusals():
     assert out[2:].isnan().all() and not out[:2].isnan().any()
     with pytest.raises(ValueError, match="dropout_p must be 0 with block_table"):
         qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 20, dropout_p=0.1, block_table=table)
+    strided = torch.randn(*k_pages.shape[:-1], 2 * k_pages.shape[-1], device=DEVICE).to(k_pages.dtype)[..., ::2]
+    with pytest.raises(ValueError, match="k must have a unit last stride with block_table"):
+        qflash.flash_attn_varlen_func(q, strided, v_pages, cu_q, cu_k, 3, 20, block_table=table)
+    # On meta tensors, shapes only: those of the real call's outputs
+    out, lse, _ = qflash.flash_attn_varlen_func(*(t.to("meta") for t in (q, k_pages, v_pages, cu_q, cu_k)), 3, 20,
+                                                block_table=table.to("meta"), return_attn_probs=True)
+    real, real_lse, _ = qflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 20, block_table=table,
+                                                      return_attn_probs=True)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (real.shape, real.dtype, real_lse.shape, real_lse.dtype)
     with pytest.raises(ValueError, match="forward-only"):
         qflash.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, 3, 20, block_table=table)
 
@@ -1035,6 +1044,17 @@ def test_kvcache_bad_inputs():
         (lambda: f(q, k_cache, v_cache.float()), TypeError, "v_cache has dtype"),
         (lambda: f(q, k_cache, v_cache, num_splits=-1), ValueError, "num_splits"),
         (lambda: f(q, k_cache[:, :1].contiguous(), v_cache[:, :1].contiguous(), k, v), ValueError, "cache holds 1"),
+        (lambda: f(q, k_cache, v_cache, cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta")), ValueError,
+         "cache_seqlens is on meta but q is on"),
+        (lambda: f(q, k_cache, v_cache, block_table=torch.zeros(2, 1, dtype=torch.int32, device="meta")), ValueError,
+         "block_table is on meta but q is on"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=[1.0], rotary_sin=sin), ValueError,
+         r"rotary_cos must be a floating tensor \(seqlen_ro, rotary_dim / 2\), got list"),
+        (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin.to("meta")), ValueError,
+         "rotary_sin is on meta but q is on"),
+        # (meta tensors: a cache of 2^31 slots takes no memory)
+        (lambda: f(q.to("meta"), *(torch.empty(2, 2**31, *k_cache.shape[2:], dtype=k_cache.dtype, device="meta"),) * 2),
+         ValueError, "seqlen_cache and seqlen_q must be under 2\\^31, got 2147483648 and 1"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
@@ -1314,6 +1334,28 @@ def _bad_cases():
         (lambda: qflash.sdpa(q, q, q, sinks=torch.zeros(4, device=DEVICE)), ValueError, "shape \\(8,\\)"),
         (lambda: qflash.flash_attn_with_kvcache(q, k, v, sinks=torch.zeros(3, device=DEVICE)), ValueError,
          "sinks must"),
+        (lambda: f(q, k, v, alibi_slopes=[1.0] * 4), TypeError, "alibi_slopes must be a tensor .* got list"),
+        (lambda: f(q, k, v, alibi_slopes=torch.ones(4, device="meta")), ValueError, "alibi_slopes is on meta"),
+        (lambda: f(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.int32, device=DEVICE)), TypeError,
+         "alibi_slopes must be floating point, got torch.int32"),
+        (lambda: qflash.flash_attn_kvpacked_func(q, k), ValueError,
+         r"kv must have shape \(batch, seqlen_k, 2, heads_kv, headdim\), got \(1, 8, 2, 32\)"),
+        (lambda: qflash.flash_attn_varlen_kvpacked_func(q[0], k[0], cu, cu, 8, 8), ValueError,
+         r"kv must have shape \(total_k, 2, heads_kv, headdim\)"),
+        (lambda: qflash.flash_attn_varlen_qkvpacked_func(q[0], cu, 8), ValueError,
+         r"qkv must have shape \(total, 3, heads, headdim\), got \(8, 4, 32\)"),
+        (lambda: vf(q[0], k[0], v[0], [0, 8], cu, 8, 8), TypeError, "cu_seqlens_q must be a torch.Tensor .* got list"),
+        (lambda: vf(q[0], k[0], v[0], cu, cu.to("meta"), 8, 8), ValueError, "cu_seqlens_k is on meta"),
+        (lambda: qflash.sdpa(q.transpose(1, 2), k.repeat(2, 1, 1, 1).transpose(1, 2),
+                             v.repeat(2, 1, 1, 1).transpose(1, 2), enable_gqa=True),
+         ValueError, "key has batch 2 but query has batch 1"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=[[True]]), TypeError, "attn_mask must be a tensor, got list"),
+        (lambda: qflash.sdpa(q, q, q, attn_mask=torch.ones(8, 4, dtype=torch.bool, device="meta")), ValueError,
+         "attn_mask is on meta"),
+        # A mask of 5 dimensions reaches into query's leading dims (2,), which it does not fit
+        (lambda: qflash.sdpa(*(q[None].expand(2, -1, -1, -1, -1),) * 3,
+                             attn_mask=torch.ones(3, 1, 1, 4, 4, dtype=torch.bool, device=DEVICE)),
+         ValueError, r"attn_mask of shape \(3, 1, 1, 4, 4\) does not broadcast to \(2, 1, 8, 4, 4\)"),
     ]
 
 

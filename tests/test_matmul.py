@@ -183,6 +183,10 @@ def test_bad_inputs():
         (lambda: qflash.fp8_matmul(f8.repeat(1, 5), torch.ones(256, 160, device=DEVICE).to(torch.float8_e4m3fn),
                                    torch.ones(8, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE, dtype=torch.int32)),
          TypeError, "b_scale must be a floating-point tensor, got torch.int32"),
+        (lambda: qflash.int8_matmul(a_q, b_q.to("meta"), one, one), ValueError, "b_q is on meta but a_q is on"),
+        (lambda: qflash.int8_matmul(a_q, b_q, one, one, bias=torch.ones(4, device="meta")), ValueError,
+         "bias is on meta, expected"),
+        (lambda: qflash.int8_matmul(a_q, b_q, one, one.to("meta")), ValueError, "b_scale is on meta, expected"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

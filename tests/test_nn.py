@@ -247,6 +247,15 @@ def test_clear_errors():
             q(torch.randn(4, 16, device=DEVICE, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="inference"):
         q(torch.randn(4, 16, device=DEVICE, requires_grad=True))
+    with pytest.raises(ValueError, match="input is on meta but the layer is on"):
+        with torch.no_grad():
+            q(torch.randn(4, 16, device="meta"))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        QuantizedLinear(16, 8, mode="int4")
+    model = nn.Sequential(nn.Linear(4, 4))
+    model[0].weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int32), requires_grad=False)
+    with pytest.raises(TypeError, match="layer '0' has a torch.int32 weight; expected floats"):
+        quantize_model(model, "int8")
     assert qflash.quantize_model is quantize_model and qflash.nn.QuantizedLinear is QuantizedLinear
 
 

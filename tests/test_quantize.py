@@ -334,6 +334,12 @@ def test_bad_inputs():
         (lambda: qflash.dequantize(*qflash.quantize(x), dtype=torch.int8), TypeError, "dtype must be a floating-point"),
         (lambda: qflash.dequantize(qflash.quantize(x)[0], torch.ones((), device="meta"), "tensor"), ValueError,
          "scale is on meta"),
+        (lambda: qflash.quantize(x, granularity="block", block_size="ab"), ValueError,
+         "block_size must be a pair of ints \\(rows, cols\\), got 'ab'"),
+        (lambda: qflash.quantize(x, granularity="block", block_size=(1, 2, 4)), ValueError, "got \\(1, 2, 4\\)"),
+        (lambda: qflash.quantize(x, granularity="tensor", scale=torch.ones((), device="meta")), ValueError,
+         "scale is on meta, expected x's device"),
+        (lambda: qflash.dequantize(*qflash.quantize(x), granularity="rows"), ValueError, "granularity must be one of"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -322,6 +322,29 @@ def test_t5_position_bias_training_matches_sdpa():
         assert rel_l2_err(got_grads[name], g) < 1e-10, name
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "bool"])
+def test_position_bias_with_each_kind_of_mask(mask):
+    """A position bias (T5's) beside no mask (every key seen, or the top-left causal order) or a
+    boolean one (hidden keys): the float mask SDPA would get, bias plus -inf where hidden."""
+    from qflash.reference.attention import sdpa_ref, visible_mask
+
+    q = torch.randn(2, 3, 5, 16, device=DEVICE, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 7, 16, device=DEVICE, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(1, 3, 5, 7, device=DEVICE, dtype=torch.float64)
+    seen = torch.ones(5, 7, dtype=torch.bool, device=DEVICE)
+    attention_mask = None
+    if mask == "causal":
+        seen = visible_mask(5, 7, causal=True, bottom_right=False, device=DEVICE)
+    elif mask == "bool":
+        seen = torch.rand(2, 1, 5, 7, device=DEVICE) < 0.7
+        seen[..., 0] = True  # a key for every query
+        attention_mask = seen
+    out, _ = qhf.attention_forward(torch.nn.Module(), q, k, v, attention_mask, is_causal=mask == "causal",
+                                   position_bias=bias)
+    ref = sdpa_ref(q, k, v, attn_mask=bias.masked_fill(~seen, float("-inf")))
+    assert rel_l2_err(out, ref.transpose(1, 2)) < 1e-12
+
+
 def _gpt_oss(dtype=torch.float64, **overrides):
     """Two layers, a sliding window of 4 on the first and full attention on the second, grouped-query
     heads (4 on 2, head dim 16), four experts (transformers' plain loop over them: its grouped

@@ -357,7 +357,8 @@ def _check_alibi(alibi_slopes, batch: int, heads: int, device) -> Optional[torch
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError("alibi_slopes must be a tensor of shape (heads,) or (batch, heads)")
+        raise TypeError(f"alibi_slopes must be a tensor of shape (heads,) or (batch, heads), got "
+                        f"{type(alibi_slopes).__name__}")
     if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(
             f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {tuple(alibi_slopes.shape)}"
