@@ -3,16 +3,17 @@ reference pipeline, state_dict round trips and clear errors."""
 
 import contextlib
 import io
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 
 import qflash
-from qflash.nn import QuantizedLinear, quantize_model
-from qflash.reference.matmul import int8_matmul_ref
+from qflash.nn import MODES, QuantizedLinear, quantize_model
+from qflash.reference.matmul import fp8_matmul_ref, int8_matmul_ref
 from qflash.reference.quantize import quantize_ref
-from qflash.testing import sqnr_db
+from qflash.testing import rel_l2_err, sqnr_db
 
 from conftest import DEVICE, one_graph
 
@@ -22,7 +23,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 256)).to(DEVICE)
 
 
-@pytest.mark.parametrize("mode,floor_db", [("int8", 30.0), ("fp8", 25.0)])
+@pytest.mark.parametrize("mode,floor_db", [("int8", 30.0), ("fp8", 25.0), ("fp8_row", 25.0)])
 def test_quantized_linear_tracks_the_float_layer(mode, floor_db):
     lin = nn.Linear(256, 200).to(DEVICE)
     x = torch.randn(3, 17, 256, device=DEVICE)
@@ -44,7 +45,21 @@ def test_int8_layer_equals_the_reference_pipeline():
         assert torch.equal(q(x), expected)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_fp8_row_layer_equals_the_reference_pipeline():
+    """Weight per output channel, activations per token, both e4m3: the product of the dequantized
+    operands, to float32 rounding (the quantized operands are the reference's bit for bit)."""
+    lin = nn.Linear(200, 40).to(DEVICE)
+    x = torch.randn(10, 200, device=DEVICE)
+    q = QuantizedLinear.from_linear(lin, "fp8_row")
+    w_q, w_s = quantize_ref(lin.weight, torch.float8_e4m3fn, "row")
+    assert q.weight_scale.shape == (40, 1) and torch.equal(q.weight_q.view(torch.int8), w_q.view(torch.int8))
+    x_q, x_s = quantize_ref(x, torch.float8_e4m3fn, "row")
+    with torch.no_grad():
+        expected = fp8_matmul_ref(x_q, w_q, x_s, w_s, lin.bias.detach(), torch.float64)
+        assert rel_l2_err(q(x), expected) < 1e-5 * 200 ** 0.5
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_quantize_model_and_state_dict_round_trip(mode):
     model = _mlp()
     x = torch.randn(8, 256, device=DEVICE)
@@ -64,7 +79,7 @@ def test_quantize_model_and_state_dict_round_trip(mode):
     assert "mode=" + mode in repr(model)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_quantize_model_of_a_model_built_on_meta(mode):
     """A model built on the meta device (no float weights ever made) is quantized to layers of the
     quantized buffers' shapes and dtypes on meta, which a saved quantized state_dict then fills
@@ -83,7 +98,7 @@ def test_quantize_model_of_a_model_built_on_meta(mode):
 
 
 @pytest.mark.parametrize("assign", [False, True])
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_load_state_dict_keeps_the_buffers_dtypes(mode, assign):
     """A checkpoint whose scales and bias are not float32 (float64 scales, a strided float16 bias)
     loads as float32, contiguous, with ``assign=True`` too (the kernels read them so); the layer
@@ -110,11 +125,17 @@ def test_load_state_dict_keeps_the_buffers_dtypes(mode, assign):
     with pytest.raises(RuntimeError, match=f"weight_q is {saved['weight_q'].dtype} in the checkpoint, but this "
                                            f"layer \\(mode '{other}'\\)"):
         QuantizedLinear(256, 64, mode=other, device=DEVICE).load_state_dict(saved, assign=assign)
+    if mode != "int8":  # FP8 block and row scales: one weight dtype, scales of other shapes
+        other, shape = ("fp8_row", (64, 1)) if mode == "fp8" else ("fp8", (1, 2))
+        with pytest.raises(RuntimeError, match=re.escape(f"weight_scale is {tuple(saved['weight_scale'].shape)} in "
+                                                         f"the checkpoint, but this layer (mode '{other}') holds "
+                                                         f"{shape}")):
+            QuantizedLinear(256, 64, mode=other, device=DEVICE).load_state_dict(saved, assign=assign)
     with pytest.raises(RuntimeError, match="weight_scale is torch.int32 in the checkpoint; expected floating"):
         fresh.load_state_dict({**saved, "weight_scale": saved["weight_scale"].int()}, assign=assign)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_quantize_model_replaces_a_shared_layer_everywhere(mode):
     """One nn.Linear registered under two names (a shared layer): every place gets the same
     quantized layer (the second place used to keep the float layer), and a skipped place keeps it."""
@@ -146,7 +167,7 @@ class _AttentionBlock(nn.Module):
         return x + self.ff(x)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_quantize_model_leaves_multihead_attention_working(mode):
     """nn.MultiheadAttention reads out_proj's weight itself and never calls the layer: its out_proj
     stays float (replaced, MHA failed on out_proj.weight) and the layers around it are quantized;
@@ -167,7 +188,7 @@ def test_quantize_model_leaves_multihead_attention_working(mode):
         quantize_model(layer, mode)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_quantize_model_of_one_linear_returns_the_layer(mode):
     """A model that is itself an nn.Linear cannot be changed in place: the quantized layer comes
     back (it used to fail on setattr(model, "", ...))."""
@@ -181,7 +202,7 @@ def test_quantize_model_of_one_linear_returns_the_layer(mode):
     assert quantize_model(lin, mode, skip=[""]) is lin
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_out_dtype(mode):
     """The output in out_dtype where given (it was accepted and ignored), else the input's dtype."""
     lin = nn.Linear(256, 64).to(DEVICE)
@@ -196,7 +217,7 @@ def test_out_dtype(mode):
         QuantizedLinear(256, 64, mode=mode, out_dtype=torch.int8)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "to"])
 def test_model_casts_keep_the_quantized_buffers(mode, cast):
     """model.half() / .bfloat16() / .to(dtype) after quantize_model, as users do with float models:
@@ -217,7 +238,7 @@ def test_model_casts_keep_the_quantized_buffers(mode, cast):
     assert got.dtype == dtype and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_quantized_model_under_torch_compile(mode):
     """A quantized model compiled into one graph (the layers' quantize and product are custom ops
     there) gives the eager model's output bit for bit; it used to fail inside dynamo."""
@@ -275,7 +296,7 @@ def _layer(mode, n, k, bias=True, out_dtype=None, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 4096, 4096), (16, 14336, 4096), (16, 4096, 14336),
                                    (63, 1000, 1000), (113, 6144, 4096), (128, 4096, 4096), (239, 384, 256),
                                    (1024, 4096, 4096), (1023, 1024, 4096)])
@@ -292,7 +313,7 @@ def test_gpu_replayed_layer_equals_its_normal_path(mode, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode, monkeypatch):
     """Strided and 3-D inputs, other dtypes, no bias, out_dtype, early launch and Gluon off each
     take a replay of their own, and every replay equals the normal path."""
@@ -322,7 +343,7 @@ def test_gpu_replay_keys_follow_layouts_dtypes_and_switches(mode, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_gpu_replays_follow_the_weights(mode):
     """New weights loaded in place are read by the replay; buffers moved or replaced (``.to``,
     ``load_state_dict(assign=True)``) and a changed ``out_dtype`` drop the replays; copies record
@@ -351,7 +372,7 @@ def test_gpu_replays_follow_the_weights(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_gpu_replays_on_other_streams_in_graphs_and_under_hooks(mode):
     """Each stream keys replays of its own (split-K counts are a stream's); a CUDA graph captured
     from replayed calls gives what they give; with a launch hook added (a profiler's) the layer

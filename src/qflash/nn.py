@@ -3,10 +3,13 @@
 Weights are quantized once, offline; activations are quantized on the fly by the
 fused quantize kernel right before the scaled matmul:
 
-    "int8"  weight per output channel (row of W), activations per token (row of x),
-            int8 x int8 -> exact int32 -> scales in the epilogue
-    "fp8"   e4m3 with block scales: weight 128 x 128, activations 1 x 128 (DeepSeek-V3),
-            float32 promotion every 128-wide K block
+    "int8"     weight per output channel (row of W), activations per token (row of x),
+               int8 x int8 -> exact int32 -> scales in the epilogue
+    "fp8"      e4m3 with block scales: weight 128 x 128, activations 1 x 128 (DeepSeek-V3),
+               float32 promotion every 128-wide K block
+    "fp8_row"  e4m3, weight per output channel, activations per token ("FP8 dynamic" in
+               vLLM and llm-compressor, torchao's rowwise float8): one scale a row of each
+               operand, applied in the epilogue
 """
 
 from __future__ import annotations
@@ -24,24 +27,28 @@ from qflash.reference.quantize import scale_shape
 
 __all__ = ["QuantizedLinear", "quantize_model"]
 
-MODES = ("int8", "fp8")
+# mode -> (the quantized dtype, the weight's (granularity, block_size), the activations' (quantized on
+# the fly), the product's scales)
+_RECIPES = {
+    "int8": (torch.int8, ("row", None), ("row", None), "row"),
+    "fp8": (torch.float8_e4m3fn, ("block", (128, 128)), ("block", (1, 128)), "block"),
+    "fp8_row": (torch.float8_e4m3fn, ("row", None), ("row", None), "row"),
+}
+MODES = tuple(_RECIPES)
 
 
 def _weight_recipe(mode: str):
-    if mode == "int8":
-        return torch.int8, "row", None
-    return torch.float8_e4m3fn, "block", (128, 128)
-
-
-# How each mode quantizes activations on the fly: (dtype, granularity, block_size)
-_ACTIVATION_RECIPES = {"int8": (torch.int8, "row", None), "fp8": (torch.float8_e4m3fn, "block", (1, 128))}
+    """(dtype, granularity, block_size) of a mode's quantized weight."""
+    dtype, (granularity, block), _, _ = _RECIPES[mode]
+    return dtype, granularity, block
 
 
 class QuantizedLinear(nn.Module):
-    """``y = x @ W.T + b`` with W stored quantized (``mode`` "int8" or "fp8"). Inference only.
+    """``y = x @ W.T + b`` with W stored quantized (``mode`` "int8", "fp8" or "fp8_row": the module's
+    docstring). Inference only.
 
     Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
-    ((out, 1) for int8, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
+    ((out, 1) for int8 and fp8_row, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
     keep these dtypes under ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (only move devices)
     and ``load_state_dict`` (``assign=True`` too; a checkpoint's weight in the other mode's dtype
     is an error).
@@ -117,10 +124,10 @@ class QuantizedLinear(nn.Module):
         """Quantize x2 (M, in) and multiply: straight to the launch paths, since the public ops
         would re-validate the layer's own buffers (checked when made or loaded) on every call,
         which costs as much as a short kernel."""
-        qdtype, granularity, block = _ACTIVATION_RECIPES[self.mode]
+        qdtype, _, (granularity, block), scales = _RECIPES[self.mode]
         x_q, x_scale = launch_quantize(x2, qdtype, granularity, block, None)
         return launch_scaled_matmul(x_q, buffers["weight_q"], x_scale, buffers["weight_scale"], buffers["bias"],
-                                    self.out_dtype or x2.dtype, "row" if self.mode == "int8" else "block")
+                                    self.out_dtype or x2.dtype, scales)
 
     def __getstate__(self):
         """Pickles and deep copies leave the replays behind: they hold compiled kernels and the
@@ -143,6 +150,13 @@ class QuantizedLinear(nn.Module):
         if isinstance(weight_q, torch.Tensor) and weight_q.dtype != qdtype:
             error_msgs.append(f"{prefix}weight_q is {weight_q.dtype} in the checkpoint, but this layer (mode "
                               f"{self.mode!r}) holds {qdtype}: make the layer in the checkpoint's mode")
+            return
+        weight_scale = state_dict.get(prefix + "weight_scale")
+        if isinstance(weight_scale, torch.Tensor) and weight_scale.shape != self.weight_scale.shape:
+            # (FP8 block scales, or FP8 row scales: the weight's dtype alone does not tell the modes apart)
+            error_msgs.append(f"{prefix}weight_scale is {tuple(weight_scale.shape)} in the checkpoint, but this "
+                              f"layer (mode {self.mode!r}) holds {tuple(self.weight_scale.shape)}: make the layer in "
+                              f"the checkpoint's mode")
             return
         fixed = {}
         for name in ("weight_scale", "bias"):
@@ -181,9 +195,9 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] = ()) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``QuantizedLinear``; returns ``model``,
-    or a new ``QuantizedLinear`` where ``model`` is itself an ``nn.Linear`` (it cannot be replaced
-    in place: use what is returned).
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``QuantizedLinear`` of ``mode`` ("int8",
+    "fp8" or "fp8_row": the module's docstring); returns ``model``, or a new ``QuantizedLinear``
+    where ``model`` is itself an ``nn.Linear`` (it cannot be replaced in place: use what is returned).
 
     ``skip`` lists module names (as in ``named_modules``) to leave alone, e.g. ``["lm_head"]``.
     One layer registered under several names (a shared layer) becomes one quantized layer in every

@@ -69,11 +69,12 @@ def test_ratios_are_the_median_of_each_rounds_own():
 
 
 def test_mlp_blocks_are_timed_in_turn_and_speedups_are_the_rounds_median(monkeypatch):
-    """``mlp_rows(rounds=3)``: the three blocks of an M are timed in turn, each round starting one
+    """``mlp_rows(rounds=3)``: the four blocks of an M are timed in turn, each round starting one
     further along; a row keeps its rounds' times and their medians, a speedup is the median of the
     rounds' own (int8's 2, where the medians' ratio is 4 / 3), and every block computes the
     product. Cold, each block rotates through copies of itself, as many as its bytes ask for."""
-    order, times = [], {"bf16": [3.0, 1.0, 2.0], "int8": [1.5, 2.0, 0.5], "fp8": [2.0, 2.0, 2.0]}
+    order, times = [], {"bf16": [3.0, 1.0, 2.0], "int8": [1.5, 2.0, 0.5], "fp8": [2.0, 2.0, 2.0],
+                    "fp8_row": [1.0, 1.0, 1.0]}
 
     def fake_model_time(name, fn, device):
         order.append(name)
@@ -88,6 +89,7 @@ def test_mlp_blocks_are_timed_in_turn_and_speedups_are_the_rounds_median(monkeyp
     by_model = {row["model"]: row for row in rows}
     assert by_model["int8"]["rounds_ms"] == [1.5, 2.0, 0.5] and by_model["int8"]["ms"] == 1.5
     assert by_model["int8"]["speedup_vs_bf16"] == 2.0 and by_model["fp8"]["speedup_vs_bf16"] == 1.0
+    assert by_model["fp8_row"]["speedup_vs_bf16"] == 2.0
     assert by_model["bf16"]["speedup_vs_bf16"] == 1.0 and "speedup_graph" not in by_model["bf16"]
     assert all(row["copies"] == 1 and row["weights"] == "warm" for row in rows)
     assert by_model["int8"]["sqnr_db"] > 25 and by_model["bf16"]["sqnr_db"] > 100

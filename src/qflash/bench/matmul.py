@@ -358,8 +358,7 @@ def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336, weights: str =
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     base = _MLP(d, hidden).to(device=device, dtype=dtype)
-    models = {"bf16": base, "int8": quantize_model(copy.deepcopy(base), "int8"),
-              "fp8": quantize_model(copy.deepcopy(base), "fp8")}
+    models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode) for mode in ("int8", "fp8", "fp8_row")}}
     copies = {name: [model] + [copy.deepcopy(model) for _ in range(cold_copies(_model_bytes(model)) - 1)]
               if weights == "cold" else [model] for name, model in models.items()}
     names = list(models)
