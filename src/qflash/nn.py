@@ -47,11 +47,11 @@ class QuantizedLinear(nn.Module):
     """``y = x @ W.T + b`` with W stored quantized (``mode`` "int8", "fp8" or "fp8_row": the module's
     docstring). Inference only.
 
-    Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32
-    ((out, 1) for int8 and fp8_row, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
+    Buffers: ``weight_q`` (out, in) int8 / float8_e4m3fn, ``weight_scale`` float32 ((out, 1) for
+    int8 and fp8_row, (ceil(out/128), ceil(in/128)) for fp8) and ``bias`` float32 (or None); they
     keep these dtypes under ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (only move devices)
-    and ``load_state_dict`` (``assign=True`` too; a checkpoint's weight in the other mode's dtype
-    is an error).
+    and ``load_state_dict`` (``assign=True`` too; a checkpoint of another mode, whose weight's
+    dtype or scales' shape differ, is an error).
     Input (..., in_features) in float16 / bfloat16 / float32; output in ``out_dtype`` (float16,
     bfloat16 or float32), by default the input's dtype.
 
