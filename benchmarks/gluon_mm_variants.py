@@ -292,7 +292,8 @@ def main():
 
 def _clusters_held() -> dict:
     """How many clusters of each size the GPU held at once, where variants ran in clusters."""
-    held = {f"{ctas} CTAs": n for (_, ctas), n in sorted(g._cluster_launcher.resident.items())}
+    held = {f"{ctas} CTAs, {per_sm} an SM": n
+            for (_, ctas, per_sm), n in sorted(g._cluster_launcher.resident.items())}
     return {"clusters_held_at_once": held} if held else {}
 
 

@@ -706,8 +706,10 @@ def test_gpu_cluster_pairs_match(qdtype, scales, shares, config):
 def test_gpu_cluster_transposed_pairs_match(qdtype, scales, config):
     """The transposed product (decode-sized M) in clusters whose two tiles of B's rows share the
     activations' tile, as cuBLAS's clusters do at M = 16: the bits of the same launch without
-    clusters, K whole or in runs that the tile's last run adds up; an odd count of 64-row tiles."""
-    _check_clusters(qdtype, scales, "A", dict(swap_ab=True, **config), [(16, 1000, 4096), (5, 300, 320)])
+    clusters, K whole or in runs that the tile's last run adds up; odd counts of 64- and 128-row
+    tiles (a pair's second tile past B's rows stores nothing and counts no run)."""
+    _check_clusters(qdtype, scales, "A", dict(swap_ab=True, **config),
+                    [(16, 1000, 4096), (5, 300, 320), (9, 900, 2048), (9, 1100, 2048)])
 
 
 @pytest.mark.gpu

@@ -629,27 +629,35 @@ def _mm_consumer(args, which, SCALES: gl.constexpr, HAS_BIAS: gl.constexpr, GROU
                 c += 1
         row0 = (pid_m * A_PARTS + a_part) * SUB
         col0 = pid_n * BN + b_part * HALF  # this consumer's first column (SPLIT_N: of its part)
-        c_buf = c_smem.index(which * C_BUFS)
-        c_buf_hi = c_smem.index(which * C_BUFS + C_BUFS - 1)  # a 256-wide tile's second half
-        if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a part's runs writes C
-            # (one count for each consumer's 64-row part of the tile: each consumer's runs count apart)
-            last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split,
-                                       (pid_m * A_PARTS + a_part) * num_n + pid_n, split_rows, M, N, SPLIT_K)
-            if last:
-                _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
-                             stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
-        else:
-            RAW: gl.constexpr = SPLIT_K > 1
-            _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, split * split_rows, M, N,
-                         stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1,
-                         EARLY, a_early, b_early)
-        if WIDE:
-            _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF, split * split_rows,
-                         M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1)
-        if TAIL_N > 0:
-            _mm_epilogue(acc_t, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN + LEAD + b_part * TAIL,
-                         split * split_rows, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW,
-                         SWAP_AB)
+        # In a cluster, a group's tiles past M or N (``_schedule``) read zeros and store nothing: with
+        # split K a bulk store into the runs' buffer is not clipped at M, and their run counters
+        # (the transposed product's) would be another tile's.
+        stores = True
+        if CLUSTER:
+            stores = (pid_m < num_m) & (pid_n < num_n)
+        if stores:
+            c_buf = c_smem.index(which * C_BUFS)
+            c_buf_hi = c_smem.index(which * C_BUFS + C_BUFS - 1)  # a 256-wide tile's second half
+            if SWAP_AB and SPLIT_K > 1:  # the runs meet in this kernel: the last of a part's runs writes C
+                # (one count for each consumer's 64-row part of the tile: each consumer's runs count apart)
+                last, total = _gather_runs(acc, Sums, Counters, row0, pid_n * BN, split,
+                                           (pid_m * A_PARTS + a_part) * num_n + pid_n, split_rows, M, N, SPLIT_K)
+                if last:
+                    _mm_epilogue(total, C, c_desc, c_buf, AScale, BScale, Bias, row0, pid_n * BN, 0, M, N, stride_cm,
+                                 stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, False, SWAP_AB)
+            else:
+                RAW: gl.constexpr = SPLIT_K > 1
+                _mm_epilogue(acc, C, c_desc, c_buf, AScale, BScale, Bias, row0, col0, split * split_rows, M, N,
+                             stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB, C_BUFS - 1,
+                             EARLY, a_early, b_early)
+            if WIDE:
+                _mm_epilogue(acc_hi, C, c_desc, c_buf_hi, AScale, BScale, Bias, row0, col0 + HALF,
+                             split * split_rows, M, N, stride_cm, stride_asm, stride_bsn, SCALES, HAS_BIAS, TMA_STORE,
+                             RAW, SWAP_AB, C_BUFS - 1)
+            if TAIL_N > 0:
+                _mm_epilogue(acc_t, C, c_desc, c_buf, AScale, BScale, Bias, row0,
+                             pid_n * BN + LEAD + b_part * TAIL, split * split_rows, M, N, stride_cm, stride_asm,
+                             stride_bsn, SCALES, HAS_BIAS, TMA_STORE, RAW, SWAP_AB)
     if TMA_STORE:
         tma.store_wait(0)  # the last copies read c_smem before the CTA's shared memory goes away
 
