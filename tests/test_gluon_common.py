@@ -64,14 +64,17 @@ def compile_for_sm90(ctas: int = 2):
 @pytest.mark.parametrize("ctas", [2, 4])
 def test_cluster_kernel_builds(ctas):
     """Built offline: one multicast copy to every CTA of the cluster naming x's descriptor
-    parameter, an arrival on each other CTA's barrier (its address by ``mapa``), the barriers'
+    parameter, an arrival on each other CTA's barrier (its address by ``mapa``; release at the
+    CTA's scope), the barriers'
     initialization fenced for the cluster before one cluster barrier; and the offsets it names are
     where it initializes its barriers."""
     kernel = sm90_build("test_gluon_common", ctas, with_offsets=True)
     ptx, at = kernel["ptx"], kernel["smem"]
     assert ptx.count(".multicast::cluster [dst], [map,") == 1 and "mov.b64 map, _cluster_kernel_param_0;" in ptx
     assert f"mov.u16 mask, {2 ** ctas - 1};" in ptx
-    assert ptx.count("mapa.shared::cluster.u32") == ctas - 1 and ptx.count("barrier.cluster.arrive.release;") == 1
+    assert ptx.count("mapa.shared::cluster.u32") == ctas - 1 and ".release.cluster.shared" not in ptx
+    assert ptx.count("@p mbarrier.arrive.shared::cluster.b64 _, [remote];") == ctas - 1
+    assert ptx.count("barrier.cluster.arrive.release;") == 1
     assert ptx.index("fence.mbarrier_init.release.cluster;") < ptx.index("barrier.cluster.arrive.release;")
     assert set(at) == set(BUFFERS) and at["tile"] % 1024 == 0
     if ctas == 2:

@@ -266,7 +266,8 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     with swap_ab the kernel's B is the user's A: the activations at M = 16), built offline: each
     CTA's loader copies its share of the shared operand's parts to every CTA of the cluster by
     multicast (mask 3 or 15), naming that operand's descriptor parameter (one copy a part); a
-    consumer releases a slot on its own empty barrier and on each other CTA's (``mapa``), so each
+    consumer releases a slot on its own empty barrier and on each other CTA's (``mapa``; release at
+    the CTA's scope), so each
     empty barrier counts all the cluster's consumers;
     every partition waits once at the cluster barrier, after the barriers' initialization is
     fenced, and the loader takes a warpgroup so that no warp idles outside the partitions
@@ -289,7 +290,7 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     assert copies == [param] * (consumers if shares == "A" else 1)
     assert ptx.count("global.mbarrier::complete_tx::bytes.multicast::cluster") == len(copies)
     arrivals = re.findall(r"mov\.u32 rank, %cluster_ctarank;.*?mov\.u32 %r\d+, 0; }", ptx, re.S)
-    remote = ("mapa.shared::cluster.u32", "mbarrier.arrive.release.cluster.shared::cluster.b64")
+    remote = ("mapa.shared::cluster.u32", "@p mbarrier.arrive.shared::cluster.b64 _, [remote];")  # (CTA scope)
     assert arrivals and all(a.count(step) == ctas - 1 for a in arrivals for step in remote)
     assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
