@@ -345,20 +345,21 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 def mlp_rows(ms, device: str, d: int = 4096, hidden: int = 14336, weights: str = "warm",
              rounds: int = 1) -> List[dict]:
-    """A transformer MLP block (up, GELU, down) in bf16 vs quantized with qflash.nn, end to end.
+    """A transformer MLP block (up, GELU, down) in bf16 vs quantized by qflash.nn in each of its
+    modes, end to end.
     ``weights`` and ``rounds`` as in ``run``: "cold" rotates each model through copies of itself,
     its weights' bytes ``cold_copies`` times the L2 together; the models of an M are timed in
     turn ``rounds`` times, a row keeps its rounds' times and their medians, and a speedup is the
     median of the rounds' own."""
     import copy
 
-    from qflash.nn import quantize_model
+    from qflash.nn import MODES, quantize_model
     from qflash.testing import sqnr_db
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     base = _MLP(d, hidden).to(device=device, dtype=dtype)
-    models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode) for mode in ("int8", "fp8", "fp8_row")}}
+    models = {"bf16": base, **{mode: quantize_model(copy.deepcopy(base), mode) for mode in MODES}}
     copies = {name: [model] + [copy.deepcopy(model) for _ in range(cold_copies(_model_bytes(model)) - 1)]
               if weights == "cold" else [model] for name, model in models.items()}
     names = list(models)
