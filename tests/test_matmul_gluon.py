@@ -270,8 +270,10 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     the CTA's scope), so each
     empty barrier counts all the cluster's consumers;
     every partition waits once at the cluster barrier, after the barriers' initialization is
-    fenced, and the loader takes a warpgroup so that no warp idles outside the partitions
-    (``.reqntid``: consumers and loader, 128 threads each). No spills, no serialized wgmma. The
+    fenced, the loader's one warp and the two partitions of idle warps beside it (2 + 1) too, so
+    that no warp waits outside the partitions (``.reqntid``: consumers, and loader with idle
+    warps, 128 threads each); the copies are made by a lane the loader's warp elects. No spills, no
+    serialized wgmma. The
     offsets the kernel names (``smem_offsets``, the same in its two builds: ``build_in_clusters``)
     are where its PTX initializes ready[s] and empty[s]."""
     # (three consumers' tiles take bulk stores, as tile_config gives them: plain ones spill there)
@@ -292,7 +294,8 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     arrivals = re.findall(r"mov\.u32 rank, %cluster_ctarank;.*?mov\.u32 %r\d+, 0; }", ptx, re.S)
     remote = ("mapa.shared::cluster.u32", "@p mbarrier.arrive.shared::cluster.b64 _, [remote];")  # (CTA scope)
     assert arrivals and all(a.count(step) == ctas - 1 for a in arrivals for step in remote)
-    assert ptx.count("barrier.cluster.arrive.release;") == consumers + 1
+    assert ptx.count("barrier.cluster.arrive.release;") == consumers + 3
+    assert ptx.count("elect.sync _|p, 0xffffffff;") == len(copies)  # (the loader's warp elects a lane)
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
     assert "0 bytes spill stores" in report and "serialized" not in report
     assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],

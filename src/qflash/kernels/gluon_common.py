@@ -71,14 +71,19 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
 # in clusters when its launch asks for them (``ClusterLauncher``), but Triton 3.6's Gluon has no
 # multicast copy, no arrival on another CTA's barrier and no way to name a buffer's address in
 # shared memory; so these steps are inline PTX, given the buffers' byte offsets (``smem_offsets``,
-# read off the built kernel) as constexprs. A copy or an arrival is made by the first thread of
-# each warpgroup that runs it (thread 0 of its 128).
+# read off the built kernel) as constexprs. An arrival is made by the first thread of each
+# warpgroup that runs it (thread 0 of its 128), a copy by the first thread of each group of
+# ``WARPS`` warps (a partition's warps: Triton places a one-warp partition anywhere in its
+# warpgroup).
 @gluon.constexpr_function
-def _multicast_asm(desc_param: str, cta_mask: int) -> str:
+def _multicast_asm(desc_param: str, cta_mask: int, warps: int) -> str:
     """The PTX of ``multicast_copy`` for the tensor descriptor that is the kernel parameter named
     ``desc_param`` (the descriptor's 128 bytes as Triton passes them: ``<kernel>_param_<i>``)."""
+    # the copying thread: a lane the warp elects (one warp), or thread 0 of each ``warps`` warps
+    leader = ("elect.sync _|p, 0xffffffff;" if warps == 1 else
+              f"mov.u32 t, %tid.x; and.b32 t, t, {32 * warps - 1}; setp.eq.u32 p, t, 0;")
     return ("{ .reg .pred p; .reg .b32 t, dst, bar; .reg .b64 map; .reg .b16 mask;\n"
-            "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0;\n"
+            f"{leader}\n"
             "mov.u32 dst, global_smem; add.u32 bar, dst, $2; add.u32 dst, dst, $1;\n"
             f"mov.b64 map, {desc_param}; cvta.param.u64 map, map; mov.u16 mask, {cta_mask};\n"
             "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
@@ -87,13 +92,15 @@ def _multicast_asm(desc_param: str, cta_mask: int) -> str:
 
 
 @gluon.jit
-def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.constexpr = 3):
+def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.constexpr = 3,
+                   WARPS: gl.constexpr = 4):
     """One box of the 2-D tensor descriptor ``DESC_PARAM`` (the kernel parameter's PTX name), at
     column ``x`` and row ``y``, copied into shared memory at byte ``dst_at`` of every CTA of the
     cluster in ``CTA_MASK`` (bit i: rank i), each CTA's mbarrier at byte ``bar_at`` counting the
-    bytes that reach it, as a plain copy's does. The offsets are the same in every CTA: all run
+    bytes that reach it, as a plain copy's does; by the first thread of each WARPS warps that run
+    it (the calling partition's warps, 1 or 4). The offsets are the same in every CTA: all run
     one kernel."""
-    gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK), "=r,r,r,r,r", [dst_at, bar_at, x, y],
+    gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK, WARPS), "=r,r,r,r,r", [dst_at, bar_at, x, y],
                               dtype=gl.int32, is_pure=False, pack=1)
 
 

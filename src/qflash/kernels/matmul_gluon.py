@@ -177,7 +177,7 @@ def _release(empty, s, CLUSTER: gl.constexpr, CTAS: gl.constexpr, EMPTY_AT: gl.c
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
                CTAS: gl.constexpr, SMEM_AT: gl.constexpr):
-    """One warp (in a cluster a warpgroup, one thread of which copies): the A parts (64 rows a
+    """One warp: the A parts (64 rows a
     consumer) and the B tile of every K step of every work item of this CTA (a tile TAIL_N wider
     than B's block: its last TAIL_N rows from ``b_tail_desc`` into ``b_tail``). A slot holds A and
     B in the parts the rings are made of: a 64-row part of A a consumer and B whole, or (SPLIT_N)
@@ -241,7 +241,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     if part % CTAS == rank:
                         multicast_copy(A_DESC_PARAM, kk * BK, (pid_m * A_PARTS + part) * SUB,
                                        SMEM_AT[0] + (A_PARTS * s + part) * a_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA, 1)
                 else:
                     tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK],
                                                     ready.index(s), a_ring.index(A_PARTS * s + part))
@@ -250,7 +250,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     if part % CTAS == rank:
                         multicast_copy(B_DESC_PARAM, kk * BK, pid_n * BN + part * LEAD_PART,
                                        SMEM_AT[1] + (B_PARTS * s + part) * b_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA, 1)
                 else:
                     tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK],
                                                     ready.index(s), b_ring.index(B_PARTS * s + part))
@@ -268,6 +268,19 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
     # kernel's CTAs that launched early onto the free SMs of a part-empty grid ran 0.79 x at M = 16
     # 70B qkv, two CTAs an SM; s35b.)
     let_next_grid_launch()
+
+
+@gluon.jit
+def _idle(CLUSTER: gl.constexpr):
+    """Warps beside the loader's one in the last warpgroup (two partitions, of two and one: a
+    partition's warps are a power of two), which do no work. Triton
+    would pad the warps to whole warpgroups with warps that wait outside every partition; in a
+    cluster these come to the cluster barrier (``cluster_sync``), which waits for every thread
+    of the cluster that has not exited. (A loader of four warps instead, each running the loop,
+    took issue slots from the consumers: pairs 1.46 x the time without clusters at 128 x 6144 x
+    4096, 1.07 x at 8192^3, s68a; ncu's samples in s68b.)"""
+    if CLUSTER:
+        cluster_sync()
 
 
 @gluon.jit
@@ -710,12 +723,12 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
     ready, empty = ring_barriers(STAGES, 1, CONSUMERS * CTAS)
     if CLUSTER:
         fence_barrier_init()
-    # The loader's warps: one, or in a cluster a warpgroup, so that no warp idles outside the
-    # partitions (each partition's ``cluster_sync`` needs every thread of the cluster) ...
-    LOADER_WARPS: gl.constexpr = 4 if CLUSTER else 1
-    # ... and its registers a thread: 32 in a cluster, where its copies' offsets spill from 24 (a
-    # warpgroup of 32 and the consumers' of 240, or three of 160, fill the SM's 64 K)
-    LOADER_REGS: gl.constexpr = 32 if CLUSTER else 24
+    # The loader's one warp and three idle ones (``_idle``: 2 + 1) make the last warpgroup. Their
+    # registers a thread: 24; in a cluster, where the loader's copies' offsets spill from 24, 32
+    # beside three consumers of 160 (12 x 160 + 4 x 32 warps' worth fill the SM's 64 K) and 40
+    # beside one or two (the 160-wide tiles spill from 32), two of which give up 8 of their 240.
+    LOADER_REGS: gl.constexpr = (32 if CONSUMERS == 3 else 40) if CLUSTER else 24
+    PAIR_REGS: gl.constexpr = 232 if CLUSTER else 240
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
     # tensor beside it) and one for the loader. Constexprs go beside the tuples, not in them: Triton
     # 3.6's Gluon frontend passes a partition's tuple on as runtime values.
@@ -735,8 +748,10 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
                                    CTAS, SMEM_AT)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
-                          SMEM_AT))],
-            [4, 4, LOADER_WARPS], [160, 160, LOADER_REGS])
+                          SMEM_AT)),
+            (_idle, (CLUSTER, )),
+            (_idle, (CLUSTER, ))],
+            [4, 4, 1, 2, 1], [160, 160, LOADER_REGS, LOADER_REGS, LOADER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
@@ -746,16 +761,20 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
                                    CTAS, SMEM_AT)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
-                          SMEM_AT))],
-            [4, LOADER_WARPS], [240, LOADER_REGS])
+                          SMEM_AT)),
+            (_idle, (CLUSTER, )),
+            (_idle, (CLUSTER, ))],
+            [4, 1, 2, 1], [PAIR_REGS, LOADER_REGS, LOADER_REGS, LOADER_REGS])
     else:  # 64-row tiles: one consumer
         gl.warp_specialize([
             (_mm_consumer, (consumer, gl.to_tensor(0), SCALES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE, SPLIT_K,
                                    CONSUMERS, SWAP_AB, TAIL_N, K_GROUP, B_SC_ALIGNED, EARLY_SCALES, CLUSTER,
                                    CTAS, SMEM_AT)),
             (_mm_loader, (loader, GROUP_M, STAGES, SPLIT_K, CONSUMERS, TAIL_N, SCALES, SWAP_AB, CLUSTER, CTAS,
-                          SMEM_AT))],
-            [LOADER_WARPS], [LOADER_REGS])
+                          SMEM_AT)),
+            (_idle, (CLUSTER, )),
+            (_idle, (CLUSTER, ))],
+            [1, 2, 1], [LOADER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 BLOCK_N = 128  # output columns a tile: 128 x 128 tiles (wgmma's 8-bit integer products stop short of N = 256)
