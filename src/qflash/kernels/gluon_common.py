@@ -72,9 +72,9 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
 # multicast copy, no arrival on another CTA's barrier and no way to name a buffer's address in
 # shared memory; so these steps are inline PTX, given the buffers' byte offsets (``smem_offsets``,
 # read off the built kernel) as constexprs. An arrival is made by the first thread of each
-# warpgroup that runs it (thread 0 of its 128), a copy by the first thread of each group of
-# ``WARPS`` warps (a partition's warps: Triton places a one-warp partition anywhere in its
-# warpgroup).
+# warpgroup that runs it (thread 0 of its 128); a copy by a lane the warp elects where one warp
+# runs it (Triton may place a one-warp partition anywhere in its warpgroup), else by thread 0 of
+# each ``WARPS`` warps.
 @gluon.constexpr_function
 def _multicast_asm(desc_param: str, cta_mask: int, warps: int) -> str:
     """The PTX of ``multicast_copy`` for the tensor descriptor that is the kernel parameter named
@@ -97,9 +97,9 @@ def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.
     """One box of the 2-D tensor descriptor ``DESC_PARAM`` (the kernel parameter's PTX name), at
     column ``x`` and row ``y``, copied into shared memory at byte ``dst_at`` of every CTA of the
     cluster in ``CTA_MASK`` (bit i: rank i), each CTA's mbarrier at byte ``bar_at`` counting the
-    bytes that reach it, as a plain copy's does; by the first thread of each WARPS warps that run
-    it (the calling partition's warps, 1 or 4). The offsets are the same in every CTA: all run
-    one kernel."""
+    bytes that reach it, as a plain copy's does; made once by each WARPS warps that run it (the
+    calling partition's warps, 1 or 4). The offsets are the same in every CTA: all run one
+    kernel."""
     gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK, WARPS), "=r,r,r,r,r", [dst_at, bar_at, x, y],
                               dtype=gl.int32, is_pure=False, pack=1)
 

@@ -725,8 +725,8 @@ def _scaled_mm_ws_kernel(a_desc, b_desc, b_tail_desc, C, c_desc, a_sc_desc, b_sc
         fence_barrier_init()
     # The loader's one warp and three idle ones (``_idle``: 2 + 1) make the last warpgroup. Their
     # registers a thread: 24; in a cluster, where the loader's copies' offsets spill from 24, 32
-    # beside three consumers of 160 (12 x 160 + 4 x 32 fill the SM's 64 K a thread's worth) and
-    # 40 beside one or two (the 160-wide tiles' spill from 32), two of which give up 8 of 240.
+    # beside three consumers of 160 (128 threads x (3 x 160 + 32) fill the SM's 64 K) and 40
+    # beside one or two (160-wide tiles spill from 32), two of which give up 8 of their 240.
     LOADER_REGS: gl.constexpr = (32 if CONSUMERS == 3 else 40) if CLUSTER else 24
     PAIR_REGS: gl.constexpr = 232 if CLUSTER else 240
     # The partitions' runtime arguments, one tuple for every consumer (each learns its index from a
