@@ -74,7 +74,7 @@ def unchecked_descriptor(base, shape, strides, block_shape, layout) -> TensorDes
 # read off the built kernel) as constexprs. An arrival is made by the first thread of each
 # warpgroup that runs it (thread 0 of its 128); a copy by a lane the warp elects where one warp
 # runs it (Triton may place a one-warp partition anywhere in its warpgroup), else by thread 0 of
-# each ``WARPS`` warps.
+# the warps that run it.
 @gluon.constexpr_function
 def _multicast_asm(desc_param: str, cta_mask: int, warps: int) -> str:
     """The PTX of ``multicast_copy`` for the tensor descriptor that is the kernel parameter named
@@ -92,16 +92,15 @@ def _multicast_asm(desc_param: str, cta_mask: int, warps: int) -> str:
 
 
 @gluon.jit
-def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.constexpr = 3,
-                   WARPS: gl.constexpr = 4):
+def multicast_copy(DESC_PARAM: gl.constexpr, x, y, dst_at, bar_at, CTA_MASK: gl.constexpr = 3):
     """One box of the 2-D tensor descriptor ``DESC_PARAM`` (the kernel parameter's PTX name), at
     column ``x`` and row ``y``, copied into shared memory at byte ``dst_at`` of every CTA of the
     cluster in ``CTA_MASK`` (bit i: rank i), each CTA's mbarrier at byte ``bar_at`` counting the
-    bytes that reach it, as a plain copy's does; made once by each WARPS warps that run it (the
-    calling partition's warps, 1 or 4). The offsets are the same in every CTA: all run one
+    bytes that reach it, as a plain copy's does; made once by the warps that run it (the calling
+    partition's: one, or a warpgroup). The offsets are the same in every CTA: all run one
     kernel."""
-    gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK, WARPS), "=r,r,r,r,r", [dst_at, bar_at, x, y],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_multicast_asm(DESC_PARAM, CTA_MASK, gl.num_warps()), "=r,r,r,r,r",
+                              [dst_at, bar_at, x, y], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.constexpr_function

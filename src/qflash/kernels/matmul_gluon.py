@@ -241,7 +241,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     if part % CTAS == rank:
                         multicast_copy(A_DESC_PARAM, kk * BK, (pid_m * A_PARTS + part) * SUB,
                                        SMEM_AT[0] + (A_PARTS * s + part) * a_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s, EVERY_CTA, 1)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
                 else:
                     tma.async_copy_global_to_shared(a_desc, [(pid_m * A_PARTS + part) * SUB, kk * BK],
                                                     ready.index(s), a_ring.index(A_PARTS * s + part))
@@ -250,7 +250,7 @@ def _mm_loader(args, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.co
                     if part % CTAS == rank:
                         multicast_copy(B_DESC_PARAM, kk * BK, pid_n * BN + part * LEAD_PART,
                                        SMEM_AT[1] + (B_PARTS * s + part) * b_desc.block_type.nbytes,
-                                       SMEM_AT[2] + 8 * s, EVERY_CTA, 1)
+                                       SMEM_AT[2] + 8 * s, EVERY_CTA)
                 else:
                     tma.async_copy_global_to_shared(b_desc, [pid_n * BN + part * LEAD_PART, kk * BK],
                                                     ready.index(s), b_ring.index(B_PARTS * s + part))
