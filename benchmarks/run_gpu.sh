@@ -2,7 +2,7 @@
 # One call on the GPU machine: GPU tests and benchmarks, logs and JSON under $OUT.
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [unmarked] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
-#                                      [mlp] [quant] [qtiles] [host] [cluster] [clustertime]
+#                                      [mlp] [quant] [qtiles] [host] [cluster] [clustertime] [clusterlaunch]
 #                                      [flex] [window] [demo] [check] [memory] [ncu]
 #   (default: tests bench demo check; unmarked: the tests without the gpu mark, on the GPU; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
@@ -73,6 +73,9 @@ for stage in "${stages[@]}"; do
             timeout 300 python3 benchmarks/gluon_mm_variants.py --m 16 --scales tensor --weights cold \
               --rounds 3 --variants "${CLUSTER_M16:-public,wx1,wCA,wCA4,wx2CA4}" \
               --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 45 ;;
+    clusterlaunch) # what a launch in clusters costs: chains of a near-empty kernel in and out of clusters, with and
+            # without the cluster barrier and programmatic dependent launch
+            timeout 120 python3 benchmarks/cluster_launch_probe.py --out "$OUT/cluster_launch_probe.json" 2>&1 | tail -n 20 ;;
     host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
             timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
@@ -92,6 +95,6 @@ for stage in "${stages[@]}"; do
               --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" \
               python3 benchmarks/ncu_probe.py ${NCU_ARGS:-} 2>&1 | tail -n 30
             ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
-    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, flex, window, demo, check, memory, ncu)"; exit 2 ;;
+    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, clusterlaunch, flex, window, demo, check, memory, ncu)"; exit 2 ;;
   esac
 done
