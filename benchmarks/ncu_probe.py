@@ -9,7 +9,8 @@ cudaProfilerStop, inside an NVTX range that names it, so that ncu profiles just 
         -o probe python3 benchmarks/ncu_probe.py
     ncu --import probe.ncu-rep --page details --print-nvtx-rename kernel > details.txt
 
-(``bash benchmarks/run_gpu.sh ncu`` does both, with ``NCU_ARGS`` passed on; ``--block``: only the
+(``bash benchmarks/run_gpu.sh ncu`` does both, with ``NCU_ARGS`` passed on; ``--only LABEL``: only
+the job of that label, as ``run_gpu.sh ncustalls`` profiles one kernel an ncu process; ``--block``: only the
 block-scaled kernel at ``BLOCK_CASES``, for warp-stall samples by instruction; ``--cluster``: per
 tensor at ``CLUSTER_CASES``, ours without clusters, ours in clusters that share the activations'
 tile (pairs at M = 128, fours at M = 16) and cuBLAS, for the L2 bytes each moves.) ncu replays
@@ -28,7 +29,8 @@ CASES = [(128, "8B qkv"), (128, "70B qkv"), (128, "8B o"), (8192, "70B qkv"), (1
 # --block: block scales at M = 8192 where K is long (70B down) and where it is not (70B o), nothing else
 BLOCK_CASES = [(8192, "70B down"), (8192, "70B o")]
 # --cluster: (M, shape, CTAs a cluster)
-CLUSTER_CASES = [(128, "8B qkv", 2), (128, "70B qkv", 2), (16, "8B o", 4), (16, "70B o", 4)]
+CLUSTER_CASES = [(128, "8B qkv", 2), (128, "70B qkv", 2), (16, "8B o", 4), (16, "70B o", 4), (8192, "70B o", 2),
+                 (16, "70B down", 4)]
 
 
 def cluster_jobs():
@@ -93,6 +95,11 @@ def jobs():
 def main():
     args = sys.argv[1:]
     calls = block_jobs() if "--block" in args else cluster_jobs() if "--cluster" in args else jobs()
+    if "--only" in args:
+        label = args[args.index("--only") + 1]
+        calls = [(name, fn) for name, fn in calls if name == label]
+        if not calls:
+            sys.exit(f"ncu_probe.py: no job is labelled {label!r}")
     for _, fn in calls:  # compile and warm up
         fn(), fn()
     torch.cuda.synchronize()

@@ -3,7 +3,7 @@
 #
 #   OUT=out bash benchmarks/run_gpu.sh [smoke] [tests] [unmarked] [tiles] [bwdtiles] [mmtiles] [bench] [short] [gluon] [gluonbwd] [gluonmm] [bwd] [train] [matmul]
 #                                      [mlp] [quant] [qtiles] [host] [cluster] [clustertime] [clusterlaunch]
-#                                      [flex] [window] [demo] [check] [memory] [ncu]
+#                                      [flex] [window] [demo] [check] [memory] [ncu] [ncustalls]
 #   (default: tests bench demo check; unmarked: the tests without the gpu mark, on the GPU; TESTS_K selects tests, TESTS_TIMEOUT limits them, TESTS_N workers,
 #   MM_KINDS narrows mmtiles to some kinds of scaling,
 #   MM_SHAPES="M,N,K;..." narrows the matmul stages; HEAD_DIMS narrows gluon and bwdtiles; GLUON_PROVIDERS
@@ -95,6 +95,18 @@ for stage in "${stages[@]}"; do
               --section ComputeWorkloadAnalysis --section SchedulerStats -o "$OUT/probe" \
               python3 benchmarks/ncu_probe.py ${NCU_ARGS:-} 2>&1 | tail -n 30
             ncu --import "$OUT/probe.ncu-rep" --page details --print-nvtx-rename kernel > "$OUT/ncu_details.txt" ;;
-    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, clusterlaunch, flex, window, demo, check, memory, ncu)"; exit 2 ;;
+    ncustalls) # warp-stall samples by SASS instruction, one ncu process a kernel: NCU_JOBS, ';'-separated labels of
+            # ncu_probe.py --cluster's jobs (the default: pairs at 8192^3 and fours at M = 16 70B down, each beside
+            # the kernel without clusters); the CSVs summed by benchmarks/ncu_stalls.py
+            IFS=';' read -ra ncu_jobs <<< "${NCU_JOBS:-ours M=8192 70B o tensor plain;ours M=8192 70B o tensor clusters of 2 sharing A;ours M=16 70B down tensor plain;ours M=16 70B down tensor clusters of 4 sharing A}"
+            for job in "${ncu_jobs[@]}"; do
+              tag=$(printf %s "$job" | tr -c 'A-Za-z0-9=' _)
+              timeout 150 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
+                --section SourceCounters -o "$OUT/stalls_$tag" python3 benchmarks/ncu_probe.py --cluster --only "$job" 2>&1 | tail -n 3
+              ncu --import "$OUT/stalls_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/stalls_$tag.csv"
+              ncu --import "$OUT/stalls_$tag.ncu-rep" --page details > "$OUT/stalls_$tag.txt"
+            done
+            python3 benchmarks/ncu_stalls.py "$OUT"/stalls_*.csv > "$OUT/ncu_stalls.txt"; tail -n 45 "$OUT/ncu_stalls.txt" ;;
+    *) echo "unknown stage $stage (smoke, tests, unmarked, tiles, bwdtiles, mmtiles, bench, short, gluon, gluonbwd, gluonmm, bwd, train, matmul, mlp, quant, qtiles, host, cluster, clustertime, clusterlaunch, flex, window, demo, check, memory, ncu, ncustalls)"; exit 2 ;;
   esac
 done
