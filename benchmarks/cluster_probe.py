@@ -21,7 +21,9 @@ VARIANTS = [("plain", {}), ("pairs A", dict(cluster="A")), ("pairs A nopdl", dic
             ("pairs A st4", dict(cluster="A", stages=4)), ("pairs B", dict(cluster="B")),
             ("fours A", dict(cluster="A", cluster_size=4)), ("fours B", dict(cluster="B", cluster_size=4)),
             ("plain bn128 st5", dict(block_n=128, stages=5)),
-            ("pairs A bn128 st5", dict(cluster="A", block_n=128, stages=5))]
+            ("pairs A bn128 st5", dict(cluster="A", block_n=128, stages=5)),
+            # a ninth slot, where the C blocks of bulk stores leave room for none (128 x 64 tiles)
+            ("plain st9", dict(stages=9)), ("pairs A st9", dict(cluster="A", stages=9))]
 
 
 def operands(m: int, n: int, k: int):
