@@ -75,7 +75,7 @@ for stage in "${stages[@]}"; do
               --out "$OUT/matmul_fp8_cluster_m16.json" 2>&1 | tail -n 45 ;;
     clusterlaunch) # what a launch in clusters costs: chains of a near-empty kernel in and out of clusters, with and
             # without the cluster barrier and programmatic dependent launch
-            timeout 120 python3 benchmarks/cluster_launch_probe.py --out "$OUT/cluster_launch_probe.json" 2>&1 | tail -n 20 ;;
+            timeout 120 python3 benchmarks/cluster_launch_probe.py --out "$OUT/cluster_launch_probe.json" 2>&1 | tail -n 60 ;;
     host)   timeout 120 python3 benchmarks/host_overhead.py --op matmul --out "$OUT/host_matmul.json" 2>&1 | head -n 45
             timeout 120 python3 benchmarks/host_overhead.py --op attention --out "$OUT/host_attention.json" 2>&1 | head -n 45 ;;
     train)  timeout 80 python3 benchmarks/train_gpt.py --steps 300 --out "$OUT/train_gpt.json" 2>&1 | tail -n 20 ;;
