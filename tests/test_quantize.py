@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qflash
-from qflash.reference.quantize import QMAX, dequantize_ref, quantize_ref
+from qflash.reference.quantize import QMAX, SCALE_MIN, dequantize_ref, quantize_ref
 from qflash.testing import assert_written, poisoned, same_bits, sqnr_db, with_outlier_channels
 
 from conftest import DEVICE, FAKE_CHECKS, one_graph, ptxas_report, sm90_build
@@ -218,6 +218,47 @@ def test_saturation_zero_groups_and_nonfinite(qdtype):
     assert torch.isfinite(y_q.float()).all() and float(y_q.float().max()) == qmax
 
 
+def _tiny_case(qdtype, device):
+    """Rows of random values scaled so that each row's absmax is ``absmax`` (the first value of
+    the row, the rest smaller, some exact zeros): from float32 subnormals to just above the least
+    normal scale's reach (QMAX * 2^-126), and one ordinary row."""
+    qmax = QMAX[qdtype]
+    absmax = [1e-42, 1e-40, qmax * 2.0**-130, qmax * 2.0**-128, 1e-38, qmax * 2.0**-126 * 0.99,
+              qmax * 2.0**-126, qmax * 2.0**-126 * 1.5, 1.0]
+    x = torch.rand(len(absmax), 130, dtype=torch.float64) * 2 - 1
+    x[:, 0] = 1.0
+    x[:, 5::7] = 0.0
+    return (x * torch.tensor(absmax, dtype=torch.float64)[:, None]).float().to(device), absmax
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the interpreter's 1 / amax, not taken)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_tiny_groups_keep_a_normal_scale(qdtype):
+    """A group of values so small that absmax / QMAX is a float32 subnormal gets the least normal
+    scale, 2^-126, whose inverse is finite. (QMAX / absmax used to overflow to inf from about
+    QMAX * 2^-128 down: every value became +-QMAX and zeros NaN in float8.)"""
+    x, absmax = _tiny_case(qdtype, DEVICE)
+    qmax = QMAX[qdtype]
+    # (float16 holds nothing this small; bfloat16 on the GPU only: Triton 3.6's interpreter converts
+    # bfloat16 subnormals to float32 wrongly, 2.85e-39 to 1.10e-38, where the GPU's cvt is exact)
+    for inp in (x, x.bfloat16()) if DEVICE == "cuda" else (x,):
+        amax = inp.float().abs().amax(dim=1)
+        for granularity, block in (("row", None), ("column", None), ("block", (1, 64)), ("tensor", None)):
+            with poisoned():
+                x_q, scale = qflash.quantize(inp if granularity != "column" else inp.T, qdtype, granularity, block)
+            ref_q, ref_scale = quantize_ref(inp if granularity != "column" else inp.T, qdtype, granularity, block)
+            assert same_bits(x_q, ref_q) and torch.equal(scale, ref_scale), granularity
+            assert not x_q.float().isnan().any() and bool((scale >= SCALE_MIN).all()), granularity
+        x_q, scale = qflash.quantize(inp, qdtype, "row")
+        small = amax < qmax * SCALE_MIN
+        assert small.tolist() == [a < qmax * 2.0**-126 for a in absmax]
+        assert bool((scale[small] == SCALE_MIN).all())
+        assert torch.equal(scale[~small, 0], amax[~small] / qmax)  # the rule above it, unchanged
+        assert bool((x_q.float()[inp.float() == 0] == 0).all())  # zeros stay zeros, never NaN
+        error = (dequantize_ref(x_q, scale) - inp.float()).abs()  # (under 2^-126 in the tiny rows)
+        assert bool((error <= 2.0**-3 * inp.float().abs() + scale / 2).all())
+
+
 def _static_case(device):
     """Values that a static scale leaves in range, saturates on both sides (int8 must give -127,
     never -128), exact ties of the rounding, and non-finite ones."""
@@ -244,10 +285,12 @@ def test_static_scale_matches_reference_bitwise(qdtype, static):
     assert torch.equal(s, before)  # the caller's scale is not touched
 
 
-BAD_STATIC_SCALES = [0.0, -0.0, -0.01, math.inf, -math.inf, math.nan]
+# (1e-40: a float32 subnormal, whose inverse overflows)
+BAD_STATIC_SCALES = [0.0, -0.0, -0.01, math.inf, -math.inf, math.nan, 1e-40, 2.0**-127]
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's 1 / 0, not taken
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # and its 1 / 1e-40
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_static_scale_not_positive_and_finite_shows(qdtype):
     """Without debug checks (a host sync), a scale that is not positive and finite must not give
@@ -280,7 +323,7 @@ def test_static_scale_bad_inputs():
             fn()
     qflash.set_debug(True)
     try:
-        for bad in (0.0, -1.0, math.inf, math.nan):
+        for bad in (0.0, -1.0, math.inf, math.nan, 1e-40):
             with pytest.raises(ValueError, match="positive and finite"):
                 qflash.quantize(x, torch.int8, "tensor", scale=torch.tensor(bad, device=DEVICE))
     finally:
@@ -391,6 +434,7 @@ def test_gpu_ties_saturation_and_special_values(qdtype):
     if qdtype == torch.int8:
         test_int8_rounds_half_to_even()
     test_saturation_zero_groups_and_nonfinite(qdtype)
+    test_tiny_groups_keep_a_normal_scale(qdtype)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,9 @@ the caller, needs neither: one read.
 
 Rounding and special values follow ``qflash.reference.quantize``, bit for bit: each
 group gets scale = absmax / QMAX and inv = QMAX / absmax (IEEE divisions, one of each
-per group), each element x_q = saturate(round(x * inv)): a multiply, not a division,
-per element. On the GPU the casts are the hardware's round-to-nearest-even conversions
+per group; 2^-126 and 2^126 where absmax / QMAX would be a subnormal), each element
+x_q = saturate(round(x * inv)): a multiply, not a division, per element. On the GPU the
+casts are the hardware's round-to-nearest-even conversions
 (int8 through one saturating ``cvt`` per value, in inline PTX); Triton's interpreter
 converts differently and runs no PTX, so there (EMULATE_CASTS) the values are first
 rounded in float32: int8 by adding and subtracting 1.5 * 2^23, float8 to the format's
@@ -39,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qflash.kernels import common
 from qflash.kernels.common import CachedLauncher, aligned_columns, cdiv, next_power_of_2, sm_count
-from qflash.reference.quantize import QMAX, scale_shape
+from qflash.reference.quantize import QMAX, SCALE_MIN, scale_shape
 from qflash.testing import new_output
 
 MAX_TILE_N = 8192  # rows up to this wide are quantized from one load
@@ -67,6 +68,8 @@ GROUP_COLUMN_SWEEP = tl.constexpr(3)  # columns (strided: always swept)
 SIGN_BIT = tl.constexpr(-(2**31))  # float32's sign bit, as an int32
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: float32's spacing is 1 from 2^23 to 2^24
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite float32
+MIN_SCALE = tl.constexpr(SCALE_MIN)  # 2^-126, float32's smallest normal: the least scale ...
+MAX_INV = tl.constexpr(1 / SCALE_MIN)  # ... and its inverse 2^126, the largest
 _TL_DTYPES = {torch.int8: tl.int8, torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
@@ -88,14 +91,18 @@ def _abs_or_inf(x):
 def _scale_of(amax, QMAX: tl.constexpr):
     """(scale, 1 / scale) of groups with this absmax: amax / QMAX and QMAX / amax.
 
-    Zero group -> 1 and 1 (values quantize to exactly 0); non-finite group -> NaN. Both
-    divisions are IEEE-rounded (div_rn; the plain "/" is approximate on the GPU), and
-    there is one of each per group: the elements are multiplied by the inverse.
+    Zero group -> 1 and 1 (values quantize to exactly 0); a group of values so small that
+    amax / QMAX is a subnormal -> MIN_SCALE and MAX_INV (QMAX / amax would overflow to inf,
+    making every value +-QMAX and zeros NaN); non-finite group -> NaN. Both divisions are
+    IEEE-rounded (div_rn; the plain "/" is approximate on the GPU), and there is one of each
+    per group: the elements are multiplied by the inverse.
     """
     qmax = tl.full(amax.shape, QMAX, tl.float32)
     finite = amax < float("inf")
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
-    inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 1.0)
+    scale = tl.math.div_rn(amax, qmax)
+    normal = scale >= MIN_SCALE  # (not for an all-zero group: scale 1)
+    inv = tl.where(normal, tl.math.div_rn(qmax, tl.where(normal, amax, 1.0)), tl.where(amax > 0, MAX_INV, 1.0))
+    scale = tl.where(normal, scale, tl.where(amax > 0, MIN_SCALE, 1.0))
     return tl.where(finite, scale, float("nan")), tl.where(finite, inv, float("nan"))
 
 
@@ -251,9 +258,10 @@ def _quantize_kernel(
     else:  # one scale for the tensor
         if STATIC_SCALE:  # the caller's (Amax points at it): one pass, no absmax
             scale = tl.load(Amax)
-            # A scale that is not positive and finite (checked here: checking it on the host
-            # would sync) gives NaN values, as a non-finite group does: 0 (int8) or NaN (float8).
-            valid = (scale > 0.0) & (scale <= FLOAT32_MAX)  # False for NaN too
+            # A scale that is not positive, finite and normal (its inverse could overflow; checked
+            # here: checking it on the host would sync) gives NaN values, as a non-finite group
+            # does: 0 (int8) or NaN (float8).
+            valid = (scale >= MIN_SCALE) & (scale <= FLOAT32_MAX)  # False for NaN too
             inv = tl.where(valid, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale), float("nan"))
         else:  # from the absmax of the whole tensor (found beforehand)
             scale, inv = _scale_of(tl.load(Amax), QMAX)

@@ -13,6 +13,9 @@ Symmetric, with one float32 scale per group; the groups:
 Rounding: int8 rounds to nearest, ties to even (as torch.round), and saturates at +-127;
 float8 rounds to nearest even and saturates at +-448 (e4m3fn) / +-57344 (e5m2) instead of overflowing.
 An all-zero group gets scale 1, and so does a group of no values (x with no rows or no columns).
+No scale is below 2^-126 (float32's smallest normal): a group of values under QMAX * 2^-126
+(about 1.5e-36 for int8) gets that scale, so that its inverse stays finite, and quantizes with
+fewer significant bits, as subnormals do.
 A group holding NaN or inf gets scale NaN (its int8 values are 0, its float8 values NaN), so the
 problem survives dequantization.
 
@@ -34,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from qflash.ops.common import debug_enabled, on_device_of, require_runnable, require_tensor, through_custom_op
-from qflash.reference.quantize import GRANULARITIES, QMAX, expand_scale, scale_shape
+from qflash.reference.quantize import GRANULARITIES, QMAX, SCALE_MIN, expand_scale, scale_shape
 
 __all__ = ["quantize", "dequantize"]
 
@@ -64,9 +67,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8, granularity: str 
         block_size: (bm, bn) powers of two, only with granularity "block".
         scale: a static per-tensor scale (one-element float tensor on x's device), only with
             granularity "tensor": no absmax is taken, ``x_q = saturate(round(x / scale))``.
-            It must be positive and finite; ``qflash.set_debug(True)`` checks the value (a
-            host sync), otherwise a bad one (0, negative, inf, NaN) makes every value NaN
-            (float8) or 0 (int8).
+            It must be positive, finite and at least 2^-126 (a normal float32, whose inverse
+            is finite); ``qflash.set_debug(True)`` checks the value (a host sync), otherwise a
+            bad one (0, negative, inf, NaN, under 2^-126) makes every value NaN (float8) or 0
+            (int8).
 
     Returns:
         (x_q, scale): x_q (M, N) in ``dtype``; scale float32 shaped as listed above,
@@ -132,9 +136,10 @@ def _check_static_scale(scale, granularity: str, device) -> torch.Tensor:
     if scale.device != device:
         raise ValueError(f"scale is on {scale.device}, expected x's device {device}")
     if debug_enabled() and not torch.compiler.is_compiling() and not scale.is_meta:  # a host sync: on request
-        value = float(scale)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"scale must be positive and finite, got {value}")
+        value = float(scale.to(torch.float32))  # (as the kernel reads it)
+        if not (math.isfinite(value) and value >= SCALE_MIN):
+            raise ValueError(f"scale must be positive and finite, and a normal float32 (at least 2**-126), got "
+                             f"{float(scale)}")
     return scale.reshape(1).to(torch.float32)
 
 

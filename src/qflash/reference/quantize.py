@@ -10,6 +10,11 @@ element by the group's inverse scale, as fast kernels do) and ``x ~ x_q * scale`
 - float8 rounds to nearest even (the hardware conversion) after saturating to +-QMAX,
   so values past the format's range never become inf or NaN.
 - An all-zero group gets scale 1 (its values quantize to 0, exactly).
+- Scales are never below SCALE_MIN = 2^-126, float32's smallest normal: a group of values so
+  small (0 < absmax < QMAX * 2^-126, about 1.5e-36 for int8) that absmax / QMAX would be a
+  subnormal gets SCALE_MIN and the inverse 2^126 (QMAX / absmax would overflow to inf from
+  about QMAX * 2^-128 down, making every value +-QMAX and zeros NaN). Its values quantize to
+  x * 2^126, under QMAX: fewer significant bits, as subnormals have, an error under 2^-126.
 - A group holding NaN or +-inf gets scale NaN, so dequantizing it gives NaN: a
   non-finite input stays visible instead of being silently clipped.
 
@@ -19,8 +24,8 @@ tensor () ; row (M, 1) ; column (1, N) ; block (ceil(M/bm), ceil(N/bn)).
 Static per-tensor scale (``scale`` given, e.g. from calibration): no absmax is taken;
 ``x_q = saturate(round(x * (1 / scale)))`` with the same rounding and saturation, and the
 given scale is returned. NaN inputs give 0 (int8) or NaN (float8), +-inf saturates. A scale
-that is not positive and finite (0, negative, inf, NaN) makes every value 0 (int8) or NaN
-(float8), as a non-finite group does.
+that is not positive, finite and normal (0, negative, inf, NaN, under SCALE_MIN: its inverse
+could overflow) makes every value 0 (int8) or NaN (float8), as a non-finite group does.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SCALE_MIN = 2.0**-126  # float32's smallest normal: the least scale, whose inverse 2^126 is finite
 GRANULARITIES = ("tensor", "row", "column", "block")
 
-__all__ = ["QMAX", "GRANULARITIES", "quantize_ref", "dequantize_ref", "expand_scale", "scale_shape"]
+__all__ = ["QMAX", "SCALE_MIN", "GRANULARITIES", "quantize_ref", "dequantize_ref", "expand_scale", "scale_shape"]
 
 
 def scale_shape(m: int, n: int, granularity: str, block_size: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
@@ -78,15 +84,19 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, granularity: str = "row",
     qmax = QMAX[dtype]
     if scale is not None:  # static, per tensor: one IEEE reciprocal, then the same rounding
         scale = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
-        valid = (scale > 0) & torch.isfinite(scale)
+        valid = (scale >= SCALE_MIN) & torch.isfinite(scale)
         inv = torch.where(valid, torch.ones_like(scale) / scale, torch.full_like(scale, math.nan))
         return _round_saturate(x * inv, dtype, qmax), scale.clone()
     amax = _group_absmax(x, granularity, block_size)
     # Tensor / tensor divisions: IEEE on every device (PyTorch's CUDA division by a Python
     # number multiplies by its reciprocal instead, which can differ in the last bit).
     qmax_t = torch.full_like(amax, qmax)
-    scale = torch.where(amax > 0, amax / qmax_t, torch.ones_like(amax))
-    inv = torch.where(amax > 0, qmax_t / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    scale = amax / qmax_t
+    normal = scale >= SCALE_MIN  # (not for an all-zero group: scale 1)
+    ones = torch.ones_like(amax)
+    inv = torch.where(normal, qmax_t / torch.where(normal, amax, ones),
+                      torch.where(amax > 0, torch.full_like(amax, 1 / SCALE_MIN), ones))
+    scale = torch.where(normal, scale, torch.where(amax > 0, torch.full_like(amax, SCALE_MIN), ones))
     bad = _group_absmax(torch.where(torch.isfinite(x), torch.zeros_like(x), torch.ones_like(x)), granularity,
                         block_size) > 0
     scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
