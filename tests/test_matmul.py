@@ -187,6 +187,9 @@ def test_bad_inputs():
         (lambda: qflash.int8_matmul(a_q, b_q, one, one, bias=torch.ones(4, device="meta")), ValueError,
          "bias is on meta, expected"),
         (lambda: qflash.int8_matmul(a_q, b_q, one, one.to("meta")), ValueError, "b_scale is on meta, expected"),
+        # K past what int32 sums hold whatever the values (131071 * 128^2 < 2^31 <= 131072 * 128^2)
+        (lambda: qflash.int8_matmul(*(torch.ones(2, 131072, dtype=torch.int8, device=DEVICE),) * 2, one, one),
+         ValueError, "K = 131072 is over 131071"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

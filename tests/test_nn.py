@@ -273,6 +273,14 @@ def test_clear_errors():
             q(torch.randn(4, 16, device="meta"))
     with pytest.raises(ValueError, match="mode must be one of"):
         QuantizedLinear(16, 8, mode="int4")
+    # int8's exact int32 sums: K up to 131071 (fp8 modes sum in float32)
+    wide = nn.Sequential(nn.Linear(131072, 1, device="meta"), nn.Linear(1, 131071, device="meta"))
+    with pytest.raises(ValueError, match="layer '0' has in_features = 131072, over the 131071"):
+        quantize_model(wide, "int8")
+    assert isinstance(quantize_model(wide, "int8", skip=["0"])[1], QuantizedLinear)
+    with pytest.raises(ValueError, match="in_features up to 131071"):
+        QuantizedLinear(131072, 1, mode="int8", device="meta")
+    assert QuantizedLinear(131072, 1, mode="fp8_row", device="meta").in_features == 131072
     model = nn.Sequential(nn.Linear(4, 4))
     model[0].weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int32), requires_grad=False)
     with pytest.raises(TypeError, match="layer '0' has a torch.int32 weight; expected floats"):

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from qflash.kernels.replay import Replays
 from qflash.ops.common import require_runnable
-from qflash.ops.matmul import launch_scaled_matmul
+from qflash.ops.matmul import INT8_MAX_K, launch_scaled_matmul
 from qflash.ops.quantize import INPUT_DTYPES, launch_quantize
 from qflash.reference.quantize import scale_shape
 
@@ -68,6 +68,9 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if out_dtype is not None and out_dtype not in INPUT_DTYPES:
             raise TypeError(f"out_dtype must be None (the input's), float16, bfloat16 or float32, got {out_dtype}")
+        if mode == "int8" and in_features > INT8_MAX_K:
+            raise ValueError(f"mode 'int8' takes in_features up to {INT8_MAX_K} (beyond, the int32 sums could "
+                             f"overflow), got {in_features}: take an fp8 mode")
         self.in_features, self.out_features, self.mode, self.out_dtype = in_features, out_features, mode, out_dtype
         qdtype, granularity, block = _weight_recipe(mode)
         self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=qdtype, device=device))
@@ -227,6 +230,9 @@ def quantize_model(model: nn.Module, mode: str = "int8", *, skip: Iterable[str] 
                             f"with its own behaviour; qflash replaces plain nn.Linear only (pass skip=[{name!r}])")
         if not module.weight.is_floating_point():
             raise TypeError(f"quantize_model: layer {name!r} has a {module.weight.dtype} weight; expected floats")
+        if mode == "int8" and module.in_features > INT8_MAX_K:
+            raise ValueError(f"quantize_model: layer {name!r} has in_features = {module.in_features}, over the "
+                             f"{INT8_MAX_K} that int8's int32 sums can take (pass skip=[{name!r}] or an fp8 mode)")
         targets.append((parent, child, module))
     if [parent for parent, _, _ in targets] == [None]:  # the model is one nn.Linear
         return QuantizedLinear.from_linear(model, mode)

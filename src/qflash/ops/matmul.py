@@ -33,8 +33,10 @@ import torch
 
 from qflash.ops.common import on_device_of, require_runnable, require_tensor, through_custom_op
 
-__all__ = ["int8_matmul", "fp8_matmul"]
+__all__ = ["int8_matmul", "fp8_matmul", "INT8_MAX_K"]
 
+# The longest K whose int32 sums cannot overflow: |a b| <= 128 * 128 a product, (2^31 - 1) // 2^14.
+INT8_MAX_K = (2**31 - 1) // (128 * 128)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -139,8 +141,12 @@ def int8_matmul(a_q: torch.Tensor, b_q: torch.Tensor, a_scale: torch.Tensor, b_s
     """s8 x s8 with exact int32 accumulation; scales and bias applied once, in the epilogue.
 
     Per-tensor or per-row scales (see the module docstring). Returns (M, N) ``out_dtype``.
+    K is at most ``INT8_MAX_K`` = 131071, where the int32 sums cannot overflow whatever the values.
     """
     bias = _check_operands(a_q, b_q, (torch.int8,), bias, out_dtype)
+    if a_q.shape[1] > INT8_MAX_K:
+        raise ValueError(f"int8_matmul: K = {a_q.shape[1]} is over {INT8_MAX_K}, beyond which the exact int32 sums "
+                         f"could overflow; take fp8_matmul (float32 sums) for such K")
     return _tensor_or_row(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
