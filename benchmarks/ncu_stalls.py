@@ -28,13 +28,14 @@ def read(path: str) -> tuple:
     ``reasons`` {reason: samples} of all samples (not only those that did not issue)."""
     with open(path, newline="") as f:
         lines = list(csv.reader(f))
-    kernel = lines[0][1] if lines and lines[0][:1] == ["Kernel Name"] else "?"
-    header = lines[1] if kernel != "?" else lines[0]
+    named = bool(lines) and lines[0][:1] == ["Kernel Name"]  # (ncu's source page starts with it)
+    kernel = lines[0][1] if named else "?"
+    header, body = lines[named], lines[named + 1:]
     reasons = [(i, name[len(REASON_PREFIX):]) for i, name in enumerate(header)
                if name.startswith(REASON_PREFIX) and "(Not Issued)" not in name]
     at = {name: i for i, name in enumerate(header)}
     rows = []
-    for line in lines[2 if kernel != "?" else 1:]:
+    for line in body:
         if len(line) < len(header):
             continue
         sass = line[at["Source"]].strip()
@@ -43,7 +44,8 @@ def read(path: str) -> tuple:
         opcode = next((w for w in words if not w.startswith("@")), "").split(".")[0]
         rows.append(dict(address=line[at["Address"]], sass=sass, opcode=opcode, samples=_int(line[at[SAMPLES]]),
                          executed=_int(line[at[EXECUTED]]),
-                         reasons={name: _int(line[i]) for i, name in reasons if _int(line[i])}))
+                         reasons={name: count for name, count in ((name, _int(line[i])) for i, name in reasons)
+                                  if count}))
     return kernel, rows
 
 
