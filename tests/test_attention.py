@@ -744,6 +744,15 @@ def test_kvcache_rotary(interleaved, rotary_dim, kw):
                    **kw)
 
 
+def test_kvcache_rotary_more_query_rows_than_new_keys():
+    """Five query rows after two new keys, causal: q's rows rotated at cache_seqlens[b] + i, up to
+    three positions past the cache's last slot (the table holds them)."""
+    q, k_cache, v_cache, k, v = _kvcache(new=2, sq=5)
+    cos, sin = _rotary_tables(128, 16)  # 133 rows: positions up to 126 + 4
+    lens = torch.tensor([0, 1, 63, 126], dtype=torch.int32, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, lens, rotary_cos=cos, rotary_sin=sin, causal=True)
+
+
 def test_kvcache_chunked_prefill():
     """A chunk of 70 new rows a sequence (more than one row block, heads not packed) into caches
     holding 0-113 keys, causal: each row sees the cache and the chunk up to itself."""
@@ -752,16 +761,15 @@ def test_kvcache_chunked_prefill():
     _check_kvcache(q, k_cache, v_cache, k, v, lens, causal=True)
 
 
+@pytest.mark.parametrize("new", [0, 2])
 @pytest.mark.parametrize("cache_seqlens", [None, 70, "int64"])
-def test_kvcache_seqlens_forms(cache_seqlens):
-    """cache_seqlens as None (every slot a key), an int for every sequence, an int64 tensor."""
-    q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=96, new=2, sq=2)
+def test_kvcache_seqlens_forms(cache_seqlens, new):
+    """cache_seqlens as None (every slot a key: new keys go in the last slots), an int for every
+    sequence, an int64 tensor; with new keys and without."""
+    q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=96, new=new, sq=2)
     if cache_seqlens == "int64":
-        cache_seqlens = torch.tensor([5, 94], dtype=torch.int64, device=DEVICE)
-    if cache_seqlens is None:
-        _check_kvcache(q, k_cache, v_cache, causal=True)  # no new keys: the whole cache
-    else:
-        _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, causal=True)
+        cache_seqlens = torch.tensor([5, 94 - new], dtype=torch.int64, device=DEVICE)
+    _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, causal=True)
 
 
 def test_kvcache_matches_flash_attn_func_on_a_full_cache():
@@ -1014,12 +1022,16 @@ def test_kvcache_bad_rows_stay_apart(monkeypatch):
 
 def test_kvcache_bad_inputs():
     q, k_cache, v_cache, k, v = _kvcache(batch=2, slots=32, new=2)
+    q4 = torch.randn(2, 4, *q.shape[2:], device=DEVICE).to(q.dtype)
     cos, sin = _rotary_tables(32, 8)
     f = qflash.flash_attn_with_kvcache
     cases = [
         (lambda: f(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin), ValueError, "need k and v"),
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos), ValueError, "given together"),
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos[:20], rotary_sin=sin[:20]), ValueError, "seqlen_ro"),
+        # four query rows after two new keys at slot 30 sit at positions 30 to 33: past a table of 32 rows
+        (lambda: f(q4, k_cache, v_cache, k, v, rotary_cos=cos[:32], rotary_sin=sin[:32], causal=True), ValueError,
+         r"seqlen_ro >= 34 rows"),
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=torch.ones(40, 21, device=DEVICE),
                    rotary_sin=torch.ones(40, 21, device=DEVICE)), ValueError, "rotary_dim"),
         (lambda: f(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin[:, :3]), ValueError, "same shape"),

@@ -710,7 +710,7 @@ def _check_cache_positions(start, batch_idx, leftpad, cache_rows: int, last_star
                                  f"its keys, from {int(used.min())} to {int(used.max())}")
 
 
-def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> None:
+def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int, q_moves: bool) -> None:
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is None:
@@ -728,6 +728,13 @@ def _check_rotary(rotary_cos, rotary_sin, k, q: torch.Tensor, slots: int) -> Non
     if not 1 <= 2 * rotary_cos.shape[1] <= q.shape[-1] or rotary_cos.shape[0] < slots:
         raise ValueError(f"rotary_cos must be (seqlen_ro >= seqlen_cache = {slots}, rotary_dim / 2 with rotary_dim "
                          f"<= headdim = {q.shape[-1]}), got {tuple(rotary_cos.shape)}")
+    # q's rows at cache_seqlens[b] + i (causal, a window) reach past the cache's slots where q has
+    # more rows than new keys: the table must hold the furthest one
+    last = slots - k.shape[1] + q.shape[1]
+    if q_moves and rotary_cos.shape[0] < last:
+        raise ValueError(f"rotary_cos must have seqlen_ro >= {last} rows (seqlen_cache - seqlen_new + seqlen_q: q's "
+                         f"rows sit at positions cache_seqlens[b] + i with causal or a window), got "
+                         f"{tuple(rotary_cos.shape)}")
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (a graph break), caches written in place
@@ -804,7 +811,8 @@ def flash_attn_with_kvcache(
             **in place** into k_cache / v_cache at slots cache_seqlens[b] ... + seqlen_new - 1.
         cache_seqlens: the end of each sequence's keys in its cache row before the new ones: an
             int (one outside [0, seqlen_cache - seqlen_new] raises), or an int32 / int64 tensor
-            (batch,) on q's device; None: every slot.
+            (batch,) on q's device; None: seqlen_cache - seqlen_new (every slot a key, the new
+            ones in the last slots; flash-attn asks for cache_seqlens with new keys).
         cache_batch_idx: None, or an int32 / int64 tensor (batch,): the cache row of each
             sequence. Where two sequences name one row, that row takes the new keys of the later.
         cache_leftpad: None, or an int32 / int64 tensor (batch,): the first slot of each
@@ -816,8 +824,9 @@ def flash_attn_with_kvcache(
             raises instead (a sync).
         softmax_scale, causal, window_size, softcap, alibi_slopes, sinks: as in ``flash_attn_func``,
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
-        rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache,
-            rotary_dim / 2), floating, on q's device (needs k and v): the new keys are rotated at
+        rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache, and >=
+            seqlen_cache - seqlen_new + seqlen_q where q's rows move; rotary_dim / 2), floating,
+            on q's device (needs k and v): the new keys are rotated at
             positions cache_seqlens[b] + j before they go in, and q at cache_seqlens[b] + i where
             causal or a window is set, else every row at cache_seqlens[b] (flash-attn's rule);
             the first rotary_dim dims of each head, computed in float32, q left as it was.
@@ -865,7 +874,8 @@ def flash_attn_with_kvcache(
         new = k.shape[1]
         if new > slots:
             raise ValueError(f"k has {new} new keys a sequence but the cache holds {slots}")
-    _check_rotary(rotary_cos, rotary_sin, k, q, slots)
+    left, right = _window(window_size, causal)
+    _check_rotary(rotary_cos, rotary_sin, k, q, slots, q_moves=left >= 0 or right >= 0)
     if max(slots, seqlen_q) >= 2**31:
         raise ValueError(f"seqlen_cache and seqlen_q must be under 2^31, got {slots} and {seqlen_q}")
     start = (torch.full((batch,), slots - new, dtype=torch.int32, device=q.device) if cache_seqlens is None
@@ -881,7 +891,6 @@ def flash_attn_with_kvcache(
                              f"got {cache_seqlens}")
     if debug_enabled() and batch and not q.is_meta:
         _check_cache_positions(start, batch_idx, leftpad, cache_rows, slots - new, block_table, new, k_cache.shape[1])
-    left, right = _window(window_size, causal)
     scale, softcap = _scale(softmax_scale, headdim), _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, batch, heads, q.device)
     rotary = None if rotary_cos is None else (_unit_last_stride(rotary_cos), _unit_last_stride(rotary_sin),

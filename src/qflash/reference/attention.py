@@ -271,10 +271,11 @@ def attention_kvcache_ref(
 
     q: (batch, seqlen_q, heads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
     headdim); k, v: None or (batch, seqlen_new, heads_kv, headdim), the new keys that go in at slot
-    ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: the whole cache) of sequence b's
-    cache row (``cache_batch_idx[b]``, or b; distinct rows). Sequence b's queries then see slots
-    ``cache_leftpad[b]`` (or 0) to ``cache_seqlens[b] + seqlen_new - 1`` of its row, with
-    ``attention_ref``'s keyword arguments (``alibi_slopes`` (batch, heads): per sequence).
+    ``cache_seqlens[b]`` (an int, a (batch,) tensor, or None: seqlen_cache - seqlen_new, so that
+    every slot is a key) of sequence b's cache row (``cache_batch_idx[b]``, or b; distinct rows).
+    Sequence b's queries then see slots ``cache_leftpad[b]`` (or 0) to ``cache_seqlens[b] +
+    seqlen_new - 1`` of its row, with ``attention_ref``'s keyword arguments (``alibi_slopes``
+    (batch, heads): per sequence).
     ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2): the new keys rotated at their
     positions, q at cache_seqlens[b] + i (causal or a window) or cache_seqlens[b] (neither),
     ``rotary_interleaved`` as in flash-attn's ``apply_rotary_emb``. ``block_table`` (batch, pages
@@ -296,14 +297,14 @@ def attention_kvcache_ref(
     batch, slots = q.shape[0], k_cache.shape[1]
     rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
     pads = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
-    if cache_seqlens is None:
-        lens = [slots] * batch
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:  # every slot a key, the new ones in the last
+        lens = [slots - new] * batch
     elif isinstance(cache_seqlens, int):
         lens = [cache_seqlens] * batch
     else:
         lens = [int(x) for x in cache_seqlens.tolist()]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    new = 0 if k is None else k.shape[1]
     if rotary_cos is not None:
         window = kwargs.get("window_size", (-1, -1))
         moving = kwargs.get("causal", False) or tuple(window) != (-1, -1)
