@@ -63,6 +63,17 @@ def test_rows_without_keys_are_zero_and_lse_inf():
     assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 7:]).all()
 
 
+def test_no_keys_at_all_gives_zero_and_lse_inf_or_the_sink():
+    """seqlen_k = 0 (an empty sequence of a varlen batch): as a row whose keys are all masked."""
+    q, k, v = _qkv(1, 4, 0, 2, 2, 8)
+    out, lse = attention_ref(q, k, v)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+    assert torch.isposinf(lse).all()
+    sinks = torch.randn(2, dtype=F64)
+    out, lse = attention_ref(q, k, v, sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sinks.view(1, 2, 1).expand(1, 2, 4))
+
+
 def test_gqa_equals_repeated_heads():
     q, k, v = _qkv(2, 17, 23, 6, 2, 16)
     out, lse = attention_ref(q, k, v, causal=True)

@@ -115,7 +115,9 @@ def _softmax_with_lse(scores: torch.Tensor, v: torch.Tensor, dropout_p: float = 
         v = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.shape[-1])], dim=-2)
         if dropout_mask is not None:  # (the sink's value is zero: dropping it changes nothing)
             dropout_mask = torch.cat([dropout_mask, dropout_mask.new_ones(*dropout_mask.shape[:-1], 1)], dim=-1)
-    row_max = scores.amax(dim=-1, keepdim=True)
+    # amax refuses an empty axis: no keys at all is a row with every key masked
+    row_max = (scores.amax(dim=-1, keepdim=True) if scores.shape[-1]
+               else scores.new_full((*scores.shape[:-1], 1), -math.inf))
     empty = torch.isneginf(row_max)
     row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
     p = torch.exp(scores - row_max)
