@@ -282,12 +282,13 @@ def test_inputs_not_modified():
 # ----------------------------------------------------------------------------------------------
 # Variable-length sequences.
 # ----------------------------------------------------------------------------------------------
-def _varlen(lens_q, lens_k, h=4, hkv=2, d=32, dtype=torch.float16):
+def _varlen(lens_q, lens_k, h=4, hkv=2, d=32, dtype=torch.float16, padding=(0, 0)):
+    """Packed sequences, and ``padding`` (query rows, key rows) after the last one."""
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(lens_q), h, d, device=DEVICE).to(dtype)
-    k = torch.randn(sum(lens_k), hkv, d, device=DEVICE).to(dtype)
-    v = torch.randn(sum(lens_k), hkv, d, device=DEVICE).to(dtype)
+    q = torch.randn(sum(lens_q) + padding[0], h, d, device=DEVICE).to(dtype)
+    k = torch.randn(sum(lens_k) + padding[1], hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn(sum(lens_k) + padding[1], hkv, d, device=DEVICE).to(dtype)
     return q, k, v, cu_q, cu_k
 
 
@@ -315,6 +316,28 @@ def test_varlen(kw):
     q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k)
     _, lse = _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
     assert lse.shape == (4, sum(lens_q))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_padding_after_the_last_sequence(monkeypatch, num_splits, paged):
+    """Packed rows after the last sequence (cu_seqlens[-1] < total: padding, as fixed-size
+    buffers leave) come out as rows that see no key: out 0 and lse +inf, never what the buffer
+    held; split and not, packed keys and paged; a sequence of five rows and no key beside them."""
+    _split_keys(monkeypatch, num_splits)
+    lens_q, lens_k = [3, 5, 70], [9, 0, 65]
+    q, k, v, cu_q, cu_k = _varlen(lens_q, lens_k, padding=(75, 6))
+    if not paged:
+        out, lse = _check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sinks=_sinks(4))
+    else:
+        rows = [torch.randn(3, 70, *t.shape[1:], device=DEVICE).to(t.dtype) for t in (k, v)]
+        for b, n in enumerate(lens_k):
+            for r, t in zip(rows, (k, v)):
+                r[b, :n] = t[int(cu_k[b]): int(cu_k[b]) + n]
+        k_pages, v_pages, table = paged_cache(*rows, 16, spare_pages=1)
+        out, lse = _check_varlen(q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), block_table=table,
+                                 packed_kv=(k, v), causal=True)
+    assert torch.equal(out[78:], torch.zeros_like(out[78:])) and torch.isposinf(lse[:, 78:]).all()
 
 
 def test_varlen_alibi_per_sequence_and_packed():

@@ -110,6 +110,40 @@ def test_varlen():
     )
 
 
+def test_varlen_padding_rows_get_zero_gradients():
+    """Query rows after the last sequence (9) and key rows after the last one (4), the padding of
+    fixed-size buffers: no part in any output, so gradients 0 there, never what the (poisoned)
+    buffers held."""
+    cu_q = torch.tensor([0, 1, 64, 104], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 5, 68, 79], dtype=torch.int32, device=DEVICE)
+    inputs = _leaves((113, 4, 32), (83, 2, 32), (83, 2, 32), dtype=torch.float16)
+    check_grads(
+        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True),
+        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
+                                                     reorder_ops=not upcast)[0],
+        inputs,
+    )
+
+
+@gpu
+def test_gpu_varlen_padding_bf16():
+    """The padding fill compiled on the H200: 5000 query rows and 3000 key rows after the last
+    sequences (each fill program takes several steps), bf16, D = 128, grouped heads."""
+    cu_q = torch.tensor([0, 1, 700, 3700], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 2000, 2700, 5700], dtype=torch.int32, device="cuda")
+    inputs = _leaves((8700, 8, 128), (8700, 2, 128), (8700, 2, 128), dtype=torch.bfloat16, device="cuda")
+    check_grads(
+        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3000, 3000, causal=True),
+        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
+                                                     reorder_ops=not upcast)[0],
+        inputs,
+    )
+    with poisoned():
+        out, lse, _ = qflash.flash_attn_varlen_func(*inputs, cu_q, cu_k, 3000, 3000, causal=True,
+                                                    return_attn_probs=True)
+    assert torch.equal(out[3700:], torch.zeros_like(out[3700:])) and torch.isposinf(lse[:, 3700:]).all()
+
+
 def _varlen_grads(cu_q, cu_k, max_q, max_k, inputs, dout):
     with poisoned(FINITE_POISON):
         out = qflash.flash_attn_varlen_func(*inputs, cu_q, cu_k, max_q, max_k, causal=True)

@@ -153,6 +153,38 @@ def _nan_rows(base, stride_row, first, end, WIDTH: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _fill_region(base, stride_r, stride_c, first, end, width, value, BLOCK: tl.constexpr):
+    """``value`` into rows first : end (``width`` entries each, ``stride_c`` apart) of an output,
+    this program's BLOCK-value steps of them (every num_programs-th step)."""
+    count = (end - first).to(tl.int64) * width  # <= 0: no step
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, count, step):
+        i = i0 + tl.arange(0, BLOCK)  # [BLOCK] flat index into the region
+        row = first + i // width
+        tl.store(base + row * stride_r + (i % width) * stride_c, tl.full([BLOCK], value, base.dtype.element_ty),
+                 mask=i < count)
+
+
+@triton.jit
+def _fill_padding_kernel(
+    X, Y, cu_seqlens, batch, total,
+    stride_xr, stride_xc, width_x, stride_yr, stride_yc, width_y,
+    X_VALUE: tl.constexpr, Y_VALUE: tl.constexpr, HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The packed rows that no sequence holds, cu_seqlens[batch] : total (padding after the last
+    sequence, which flash-attn's API allows): X's rows (dimension 0, say out or dK) set to
+    X_VALUE, and Y's (where HAS_Y: the log-sum-exp, rows along its dimension 1) to Y_VALUE.
+    Only where the last sequence ends in order (cu_seqlens[batch - 1] <= end <= total): other
+    contents are bad input, whose sequences the kernels make NaN."""
+    end = tl.load(cu_seqlens + batch).to(tl.int64)
+    ordered = (tl.load(cu_seqlens + batch - 1) <= end) & (end <= total)
+    first = tl.where(ordered, end, total)  # no rows where not
+    _fill_region(X, stride_xr, stride_xc, first, total, width_x, X_VALUE, BLOCK)
+    if HAS_Y:
+        _fill_region(Y, stride_yr, stride_yc, first, total, width_y, Y_VALUE, BLOCK)
+
+
+@triton.jit
 def _rng_row0(b, h, num_heads, q_start, rng_rows, IS_VARLEN: tl.constexpr):
     """Row of the dropout counter space where this (batch, head)'s query rows begin.
 
@@ -1003,6 +1035,34 @@ def _fast_backward_fits(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 _fwd_launcher = CachedLauncher(_attn_fwd_kernel)
 _combine_launcher = CachedLauncher(_attn_fwd_combine_kernel)
+_fill_padding_launcher = CachedLauncher(_fill_padding_kernel)
+FILL_BLOCK = 1024  # values a step of a padding fill
+FILL_PROGRAMS = 64  # at most: padding is rare and short, and a grid of idle programs costs
+
+
+def _region(t: torch.Tensor, row_dim: int):
+    """(stride between rows, stride between a row's entries, entries a row) of a contiguous packed
+    output whose rows run along ``row_dim`` (0: out / dQ / dK / dV (total, heads, D); 1: the
+    log-sum-exp (heads, total))."""
+    return (t.stride(row_dim), 1 if row_dim == 0 else t.stride(0), t.numel() // max(t.shape[row_dim], 1))
+
+
+def fill_padding(cu_seqlens: torch.Tensor, x: torch.Tensor, x_value: float, lse: Optional[torch.Tensor] = None,
+                 lse_value: float = 0.0, y: Optional[torch.Tensor] = None) -> None:
+    """One launch that writes the packed rows past the last sequence (``_fill_padding_kernel``):
+    x's (total, ...) with ``x_value``, and those of ``lse`` (heads, total) with ``lse_value`` or of
+    ``y`` (x's shape) with ``x_value``. Contiguous outputs, as the launchers allocate them."""
+    total = x.shape[0]
+    second = lse if lse is not None else y
+    if total == 0 or x.numel() == 0:
+        return
+    programs = min(FILL_PROGRAMS, cdiv(x.numel(), FILL_BLOCK))
+    _fill_padding_launcher[(programs,)](
+        x, x if second is None else second, cu_seqlens, cu_seqlens.numel() - 1, total,
+        *_region(x, 0), *(_region(second, 1 if lse is not None else 0) if second is not None else (0, 0, 0)),
+        X_VALUE=float(x_value), Y_VALUE=float(lse_value if lse is not None else x_value), HAS_Y=second is not None,
+        BLOCK=FILL_BLOCK,
+    )
 
 
 @dataclass(frozen=True)
@@ -1158,6 +1218,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
             BLOCK_S=next_power_of_2(num_splits),
             num_warps=4,
         )
+    if varlen:  # rows after the last sequence: as rows that see no key
+        fill_padding(opts.cu_seqlens_q, out, 0.0, lse=lse, lse_value=float("inf"))
     return out, lse
 
 
@@ -1787,6 +1849,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         EDGES_LAST=dkdv_cfg.edges_last and opts.window_right >= 0,
         **_maxnreg(dkdv_cfg), **shared,
     )
+    if varlen:  # query and key rows after the last sequence: no part in any output
+        fill_padding(opts.cu_seqlens_q, dq, 0.0)
+        fill_padding(opts.cu_seqlens_k, dk, 0.0, y=dv)
     return dq, dk, dv, dbias, dsinks
 
 

@@ -210,8 +210,10 @@ def attention_varlen_ref(
     q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim); cu_seqlens_*:
     (batch + 1,) cumulative offsets starting at 0. Sequence b is rows
     ``cu_seqlens[b]:cu_seqlens[b+1]``. ``alibi_slopes`` of shape (batch, heads) gives
-    each sequence its own slopes. Returns out (total_q, heads, headdim) and lse
-    (heads, total_q). The max_seqlen arguments are accepted for signature parity.
+    each sequence its own slopes. Rows after the last sequence (``cu_seqlens_q[-1] <
+    total_q``: padding) are as rows that see no key, out 0 and lse +inf (so their gradients, and
+    those of keys after ``cu_seqlens_k[-1]``, are 0). Returns out (total_q, heads, headdim) and
+    lse (heads, total_q). The max_seqlen arguments are accepted for signature parity.
     """
     slopes = kwargs.pop("alibi_slopes", None)
     cq = [int(x) for x in cu_seqlens_q.tolist()]
@@ -230,7 +232,12 @@ def attention_varlen_ref(
         )
         outs.append(o[0])
         lses.append(lse[0])
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    padding = q.shape[0] - out.shape[0]
+    if padding > 0:
+        out = torch.cat([out, out.new_zeros(padding, *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((lse.shape[0], padding), math.inf)], dim=1)
+    return out, lse
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
