@@ -1047,21 +1047,17 @@ def _region(t: torch.Tensor, row_dim: int):
     return (t.stride(row_dim), 1 if row_dim == 0 else t.stride(0), t.numel() // max(t.shape[row_dim], 1))
 
 
-def fill_padding(cu_seqlens: torch.Tensor, x: torch.Tensor, x_value: float, lse: Optional[torch.Tensor] = None,
-                 lse_value: float = 0.0, y: Optional[torch.Tensor] = None) -> None:
+def fill_padding(cu_seqlens: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor] = None, *,
+                 y_is_lse: bool = False) -> None:
     """One launch that writes the packed rows past the last sequence (``_fill_padding_kernel``):
-    x's (total, ...) with ``x_value``, and those of ``lse`` (heads, total) with ``lse_value`` or of
-    ``y`` (x's shape) with ``x_value``. Contiguous outputs, as the launchers allocate them."""
-    total = x.shape[0]
-    second = lse if lse is not None else y
-    if total == 0 or x.numel() == 0:
+    zeros into x's (total, ...) and y's, where y is x's shape, or +inf into the log-sum-exp's
+    (heads, total) where ``y_is_lse``. Contiguous outputs, as the launchers allocate them."""
+    if x.numel() == 0:
         return
-    programs = min(FILL_PROGRAMS, cdiv(x.numel(), FILL_BLOCK))
-    _fill_padding_launcher[(programs,)](
-        x, x if second is None else second, cu_seqlens, cu_seqlens.numel() - 1, total,
-        *_region(x, 0), *(_region(second, 1 if lse is not None else 0) if second is not None else (0, 0, 0)),
-        X_VALUE=float(x_value), Y_VALUE=float(lse_value if lse is not None else x_value), HAS_Y=second is not None,
-        BLOCK=FILL_BLOCK,
+    y_region = (0, 0, 0) if y is None else _region(y, 1 if y_is_lse else 0)
+    _fill_padding_launcher[(min(FILL_PROGRAMS, cdiv(x.numel(), FILL_BLOCK)),)](
+        x, x if y is None else y, cu_seqlens, cu_seqlens.numel() - 1, x.shape[0], *_region(x, 0), *y_region,
+        X_VALUE=0.0, Y_VALUE=float("inf") if y_is_lse else 0.0, HAS_Y=y is not None, BLOCK=FILL_BLOCK,
     )
 
 
@@ -1219,7 +1215,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
             num_warps=4,
         )
     if varlen:  # rows after the last sequence: as rows that see no key
-        fill_padding(opts.cu_seqlens_q, out, 0.0, lse=lse, lse_value=float("inf"))
+        fill_padding(opts.cu_seqlens_q, out, lse, y_is_lse=True)
     return out, lse
 
 
@@ -1850,8 +1846,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         **_maxnreg(dkdv_cfg), **shared,
     )
     if varlen:  # query and key rows after the last sequence: no part in any output
-        fill_padding(opts.cu_seqlens_q, dq, 0.0)
-        fill_padding(opts.cu_seqlens_k, dk, 0.0, y=dv)
+        fill_padding(opts.cu_seqlens_q, dq)
+        fill_padding(opts.cu_seqlens_k, dk, dv)
     return dq, dk, dv, dbias, dsinks
 
 

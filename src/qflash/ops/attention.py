@@ -830,8 +830,8 @@ def flash_attn_with_kvcache(
             per sequence of n_b keys (alibi_slopes may be (batch, heads)).
         rotary_cos, rotary_sin: None, or the rotary tables (seqlen_ro >= seqlen_cache, and >=
             seqlen_cache - seqlen_new + seqlen_q where q's rows move; rotary_dim / 2), floating,
-            on q's device (needs k and v): the new keys are rotated at
-            positions cache_seqlens[b] + j before they go in, and q at cache_seqlens[b] + i where
+            on q's device (needs k and v): the new keys are rotated at positions
+            cache_seqlens[b] + j before they go in, and q at cache_seqlens[b] + i where
             causal or a window is set, else every row at cache_seqlens[b] (flash-attn's rule);
             the first rotary_dim dims of each head, computed in float32, q left as it was.
         rotary_interleaved: rotate dim pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
