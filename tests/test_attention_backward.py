@@ -97,17 +97,22 @@ def test_large_logits_and_empty_rows_stay_finite():
     check_flash_grads(1, 60, 20, 2, 2, 32, causal=True, scale=7.0)
 
 
+def check_varlen_grads(cu_q, cu_k, max_q, max_k, inputs):
+    """check_grads of causal flash_attn_varlen_func against attention_varlen_ref."""
+    check_grads(
+        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True),
+        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
+                                                     reorder_ops=not upcast)[0],
+        inputs,
+    )
+
+
 def test_varlen():
     lens_q, lens_k = [1, 63, 0, 40, 17], [5, 63, 9, 11, 30]
     cu_q = torch.tensor([0, 1, 64, 64, 104, 121], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 5, 68, 77, 88, 118], dtype=torch.int32, device=DEVICE)
     inputs = _leaves((sum(lens_q), 4, 32), (sum(lens_k), 2, 32), (sum(lens_k), 2, 32), dtype=torch.float16)
-    check_grads(
-        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True),
-        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
-                                                     reorder_ops=not upcast)[0],
-        inputs,
-    )
+    check_varlen_grads(cu_q, cu_k, 63, 63, inputs)
 
 
 def test_varlen_padding_rows_get_zero_gradients():
@@ -117,12 +122,7 @@ def test_varlen_padding_rows_get_zero_gradients():
     cu_q = torch.tensor([0, 1, 64, 104], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 5, 68, 79], dtype=torch.int32, device=DEVICE)
     inputs = _leaves((113, 4, 32), (83, 2, 32), (83, 2, 32), dtype=torch.float16)
-    check_grads(
-        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 63, 63, causal=True),
-        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
-                                                     reorder_ops=not upcast)[0],
-        inputs,
-    )
+    check_varlen_grads(cu_q, cu_k, 63, 63, inputs)
 
 
 @gpu
@@ -132,12 +132,7 @@ def test_gpu_varlen_padding_bf16():
     cu_q = torch.tensor([0, 1, 700, 3700], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 2000, 2700, 5700], dtype=torch.int32, device="cuda")
     inputs = _leaves((8700, 8, 128), (8700, 2, 128), (8700, 2, 128), dtype=torch.bfloat16, device="cuda")
-    check_grads(
-        lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3000, 3000, causal=True),
-        lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
-                                                     reorder_ops=not upcast)[0],
-        inputs,
-    )
+    check_varlen_grads(cu_q, cu_k, 3000, 3000, inputs)
     with poisoned():
         out, lse, _ = qflash.flash_attn_varlen_func(*inputs, cu_q, cu_k, 3000, 3000, causal=True,
                                                     return_attn_probs=True)
@@ -306,9 +301,7 @@ def test_descriptor_loads(which, monkeypatch):
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
                   for n in (lens_q, lens_k))
     inputs = _leaves((sum(lens_q), 2, 32), (sum(lens_k), 1, 32), (sum(lens_k), 1, 32), dtype=torch.float16)
-    check_grads(lambda q, k, v: qflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 37, 29, causal=True),
-                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast,
-                                                             reorder_ops=not upcast)[0], inputs)
+    check_varlen_grads(cu_q, cu_k, 37, 29, inputs)
 
 
 @pytest.mark.parametrize("d,causal", [(64, True), (128, True), (64, False)])
