@@ -340,6 +340,20 @@ def test_varlen_padding_after_the_last_sequence(monkeypatch, num_splits, paged):
     assert torch.equal(out[78:], torch.zeros_like(out[78:])) and torch.isposinf(lse[:, 78:]).all()
 
 
+def test_varlen_padding_starts_after_every_sequence():
+    """Bad contents whose last entry is not the furthest ([0, 50, 30]: the second sequence ends
+    before it starts): padding starts after the furthest entry, so the first sequence's rows keep
+    its output and rows 50-59 are padding."""
+    q, k, v, _, _ = _varlen([50, 10], [50, 10])
+    cu = torch.tensor([0, 50, 30], dtype=torch.int32, device=DEVICE)
+    with poisoned(FINITE_POISON):
+        out, lse, _ = qflash.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, causal=True, return_attn_probs=True)
+    ref, _ = attention_ref(*_f64(q[None, :50], k[None, :50], v[None, :50]), causal=True)
+    pt, _ = attention_ref(q[None, :50], k[None, :50], v[None, :50], causal=True, upcast=False, reorder_ops=True)
+    assert_flash_rule(out[None, :50], ref, pt)
+    assert torch.equal(out[50:], torch.zeros_like(out[50:])) and torch.isposinf(lse[:, 50:]).all()
+
+
 def test_varlen_alibi_per_sequence_and_packed():
     lens = [12, 31, 7]
     q, k, v, cu, _ = _varlen(lens, lens, h=2, hkv=2)

@@ -170,15 +170,18 @@ def _fill_padding_kernel(
     X, Y, cu_seqlens, batch, total,
     stride_xr, stride_xc, width_x, stride_yr, stride_yc, width_y,
     X_VALUE: tl.constexpr, Y_VALUE: tl.constexpr, HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr = 128,
 ):
-    """The packed rows that no sequence holds, cu_seqlens[batch] : total (padding after the last
-    sequence, which flash-attn's API allows): X's rows (dimension 0, say out or dK) set to
-    X_VALUE, and Y's (where HAS_Y: the log-sum-exp, rows along its dimension 1) to Y_VALUE.
-    Only where the last sequence ends in order (cu_seqlens[batch - 1] <= end <= total): other
-    contents are bad input, whose sequences the kernels make NaN."""
-    end = tl.load(cu_seqlens + batch).to(tl.int64)
-    ordered = (tl.load(cu_seqlens + batch - 1) <= end) & (end <= total)
-    first = tl.where(ordered, end, total)  # no rows where not
+    """The packed rows that no sequence holds, from the furthest entry of cu_seqlens (the last
+    one, unless the contents are bad) to ``total``: padding after the last sequence, which
+    flash-attn's API allows. X's rows (dimension 0, say out or dK) set to X_VALUE, and Y's
+    (where HAS_Y: the log-sum-exp, rows along its dimension 1) to Y_VALUE. No kernel writes
+    these rows, bad contents' NaN included (``_rows_to_spoil`` keeps to a sequence's own rows)."""
+    first = tl.load(cu_seqlens + batch)
+    for b0 in range(0, batch, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        first = tl.maximum(first, tl.max(tl.load(cu_seqlens + offs, mask=offs < batch, other=0)))
+    first = tl.minimum(tl.maximum(first, 0).to(tl.int64), total)
     _fill_region(X, stride_xr, stride_xc, first, total, width_x, X_VALUE, BLOCK)
     if HAS_Y:
         _fill_region(Y, stride_yr, stride_yc, first, total, width_y, Y_VALUE, BLOCK)
