@@ -166,22 +166,28 @@ def _fill_region(base, stride_r, stride_c, first, end, width, value, BLOCK: tl.c
 
 
 @triton.jit
-def _fill_padding_kernel(
-    X, Y, cu_seqlens, batch, total,
-    stride_xr, stride_xc, width_x, stride_yr, stride_yc, width_y,
-    X_VALUE: tl.constexpr, Y_VALUE: tl.constexpr, HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_B: tl.constexpr = 128,
-):
-    """The packed rows that no sequence holds, from the furthest entry of cu_seqlens (the last
-    one, unless the contents are bad) to ``total``: padding after the last sequence, which
-    flash-attn's API allows. X's rows (dimension 0, say out or dK) set to X_VALUE, and Y's
-    (where HAS_Y: the log-sum-exp, rows along its dimension 1) to Y_VALUE. No kernel writes
-    these rows, bad contents' NaN included (``_rows_to_spoil`` keeps to a sequence's own rows)."""
+def _padding_start(cu_seqlens, batch, total, BLOCK_B: tl.constexpr = 128):
+    """Where the packed rows that no sequence holds begin (padding, which flash-attn's API allows
+    after the last sequence): after the furthest entry of cu_seqlens, the last one unless the
+    contents are bad, and at most ``total``. No kernel writes past it, bad contents' NaN
+    included (``_rows_to_spoil`` keeps to a sequence's own rows)."""
     first = tl.load(cu_seqlens + batch)
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
         first = tl.maximum(first, tl.max(tl.load(cu_seqlens + offs, mask=offs < batch, other=0)))
-    first = tl.minimum(tl.maximum(first, 0).to(tl.int64), total)
+    return tl.minimum(tl.maximum(first, 0).to(tl.int64), total)
+
+
+@triton.jit
+def _fill_padding_kernel(
+    X, Y, cu_seqlens, batch, total,
+    stride_xr, stride_xc, width_x, stride_yr, stride_yc, width_y,
+    X_VALUE: tl.constexpr, Y_VALUE: tl.constexpr, HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The padding rows of packed outputs (``_padding_start`` on): X's rows (dimension 0, say out
+    or dK) set to X_VALUE, and Y's (where HAS_Y: the log-sum-exp, rows along its dimension 1) to
+    Y_VALUE."""
+    first = _padding_start(cu_seqlens, batch, total)
     _fill_region(X, stride_xr, stride_xc, first, total, width_x, X_VALUE, BLOCK)
     if HAS_Y:
         _fill_region(Y, stride_yr, stride_yc, first, total, width_y, Y_VALUE, BLOCK)
@@ -663,17 +669,19 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_fwd_combine_kernel(
-    OutPart, LsePart, Out, Lse,
+    OutPart, LsePart, Out, Lse, cu_seqlens,
     stride_o_split, stride_l_split,
-    num_rows, num_heads, rows_per_batch, num_splits,
+    num_rows, num_heads, rows_per_batch, num_splits, batch,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False,
 ):
     """out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s)): the key shares of
     a split forward weighed together, BLOCK_R (row, head) pairs a program, all BLOCK_S >=
     num_splits shares of them loaded at once (a loop over the shares waited for each share's
     loads in turn: 11-14 us for 16-17 shares at batch 1, more than the forward's shares took). Out
     (rows, heads, HEAD_DIM) and the partials are contiguous; Lse is (batch, heads, rows_per_batch),
-    or (heads, rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf."""
+    or (heads, rows) for varlen (rows_per_batch = rows). Rows no share sees: 0 and lse = +inf,
+    as are IS_VARLEN's padding rows, which no share wrote (``_padding_start``)."""
     pid = tl.program_id(0)
     pairs = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] (row, head) pairs
     ok = pairs < num_rows * num_heads
@@ -682,7 +690,10 @@ def _attn_fwd_combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] shares
     offs_d = tl.arange(0, BLOCK_D)
     l_offs = ((row // rows_per_batch) * num_heads + h).to(tl.int64) * rows_per_batch + row % rows_per_batch
-    ls_ok = ok[:, None] & (offs_s[None, :] < num_splits)  # [BLOCK_R, BLOCK_S]
+    seen = ok
+    if IS_VARLEN:
+        seen &= row < _padding_start(cu_seqlens, batch, num_rows)
+    ls_ok = seen[:, None] & (offs_s[None, :] < num_splits)  # [BLOCK_R, BLOCK_S]
     lse_s = tl.load(LsePart + offs_s[None, :] * stride_l_split + l_offs[:, None], mask=ls_ok,
                     other=float("-inf"))  # [BLOCK_R, BLOCK_S]
     o_offs = pairs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
@@ -1206,18 +1217,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: A
         block_r = _combine_rows(num_splits, _block_d(head_dim))
         pairs = q.numel() // head_dim  # (query row, head) pairs
         _combine_launcher[(cdiv(pairs, block_r),)](
-            out_part, lse_part, out, lse, *split_strides,
+            out_part, lse_part, out, lse, opts.cu_seqlens_q if varlen else lse, *split_strides,
             num_rows=pairs // num_heads,
             num_heads=num_heads,
             rows_per_batch=q.shape[0] if varlen else seqlen_q,
             num_splits=num_splits,
+            batch=opts.cu_seqlens_q.numel() - 1 if varlen else 0,
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             BLOCK_R=block_r,
             BLOCK_S=next_power_of_2(num_splits),
+            IS_VARLEN=varlen,
             num_warps=4,
         )
-    if varlen:  # rows after the last sequence: as rows that see no key
+    elif varlen:  # rows after the last sequence: as rows that see no key (the combine writes them where it runs)
         fill_padding(opts.cu_seqlens_q, out, lse, y_is_lse=True)
     return out, lse
 
