@@ -548,8 +548,8 @@ def flash_attn_varlen_func(
             its start, a start before the previous one) gives NaN outputs and gradients.
             The last sequence may end before the packed rows do (padding, as fixed-size
             buffers leave): query rows after it come out 0 with lse +inf, and they and the
-            key rows after cu_seqlens_k[-1] get zero gradients (one small launch a call
-            writes them).
+            key rows after cu_seqlens_k[-1] get zero gradients (written by a small launch of
+            their own, or by the split-key combine where that runs).
         max_seqlen_q: the longest query sequence (sizes the launch grid: a sequence longer
             than the value given comes out NaN; ``set_debug(True)`` checks).
         max_seqlen_k: the longest key sequence (sizes the backward pass's dK / dV grid: a
