@@ -1063,7 +1063,7 @@ def _region(t: torch.Tensor, row_dim: int):
 
 def fill_padding(cu_seqlens: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor] = None, *,
                  y_is_lse: bool = False) -> None:
-    """One launch that writes the packed rows past the last sequence (``_fill_padding_kernel``):
+    """One launch that writes the packed rows after every sequence (``_fill_padding_kernel``):
     zeros into x's (total, ...) and y's, where y is x's shape, or +inf into the log-sum-exp's
     (heads, total) where ``y_is_lse``. Contiguous outputs, as the launchers allocate them."""
     if x.numel() == 0:
