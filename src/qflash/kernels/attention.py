@@ -138,31 +138,26 @@ def _rows_to_spoil(start, seqlen, total, r0, last_block, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _nan_rows(base, stride_row, first, end, WIDTH: tl.constexpr, BLOCK: tl.constexpr = 256):
-    """NaN into rows first : end (``WIDTH`` columns) of an output, BLOCK values a step, the rows
-    flattened. The kernels call it on a branch of its own that ends the program: where the checks
-    came after the product (NaN by selects, the rows past the grid after the store), the D = 128
-    forward ran 2-3 % slower (attention_varlen_bounds_ab_h200_2026-12-02_s40a.json), and a branch
-    that went on to the product after the rows past the grid still cost ptxas spills there."""
-    count = (end - first) * WIDTH  # <= 0: no step
-    for i0 in range(0, count, BLOCK):
+def _fill_rows(base, stride_row, stride_col, first, end, width, value, step0, step, BLOCK: tl.constexpr):
+    """``value`` into rows first : end (``width`` entries each, ``stride_col`` apart) of an output,
+    the rows flattened, BLOCK values a step: the steps from flat index ``step0`` on, ``step``
+    apart (one program: 0 and BLOCK; a grid: its share)."""
+    count = (end - first) * width  # <= 0: no step
+    for i0 in range(step0, count, step):
         i = i0 + tl.arange(0, BLOCK)  # [BLOCK] flat index into the rows
-        row = (first + i // WIDTH).to(tl.int64)
-        tl.store(base + row * stride_row + i % WIDTH, tl.full([BLOCK], float("nan"), base.dtype.element_ty),
+        row = (first + i // width).to(tl.int64)
+        tl.store(base + row * stride_row + (i % width) * stride_col, tl.full([BLOCK], value, base.dtype.element_ty),
                  mask=i < count)
 
 
 @triton.jit
-def _fill_region(base, stride_r, stride_c, first, end, width, value, BLOCK: tl.constexpr):
-    """``value`` into rows first : end (``width`` entries each, ``stride_c`` apart) of an output,
-    this program's BLOCK-value steps of them (every num_programs-th step)."""
-    count = (end - first).to(tl.int64) * width  # <= 0: no step
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, count, step):
-        i = i0 + tl.arange(0, BLOCK)  # [BLOCK] flat index into the region
-        row = first + i // width
-        tl.store(base + row * stride_r + (i % width) * stride_c, tl.full([BLOCK], value, base.dtype.element_ty),
-                 mask=i < count)
+def _nan_rows(base, stride_row, first, end, WIDTH: tl.constexpr, BLOCK: tl.constexpr = 256):
+    """NaN into rows first : end (``WIDTH`` contiguous columns) of an output, all by this program.
+    The kernels call it on a branch of its own that ends the program: where the checks came after
+    the product (NaN by selects, the rows past the grid after the store), the D = 128 forward ran
+    2-3 % slower (attention_varlen_bounds_ab_h200_2026-12-02_s40a.json), and a branch that went on
+    to the product after the rows past the grid still cost ptxas spills there."""
+    _fill_rows(base, stride_row, 1, first, end, WIDTH, float("nan"), 0, BLOCK, BLOCK)
 
 
 @triton.jit
@@ -188,9 +183,10 @@ def _fill_padding_kernel(
     or dK) set to X_VALUE, and Y's (where HAS_Y: the log-sum-exp, rows along its dimension 1) to
     Y_VALUE."""
     first = _padding_start(cu_seqlens, batch, total)
-    _fill_region(X, stride_xr, stride_xc, first, total, width_x, X_VALUE, BLOCK)
+    step0, step = tl.program_id(0).to(tl.int64) * BLOCK, tl.num_programs(0).to(tl.int64) * BLOCK  # a grid's share
+    _fill_rows(X, stride_xr, stride_xc, first, total, width_x, X_VALUE, step0, step, BLOCK)
     if HAS_Y:
-        _fill_region(Y, stride_yr, stride_yc, first, total, width_y, Y_VALUE, BLOCK)
+        _fill_rows(Y, stride_yr, stride_yc, first, total, width_y, Y_VALUE, step0, step, BLOCK)
 
 
 @triton.jit
